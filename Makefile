@@ -1,0 +1,41 @@
+# Every target does its own set-up: a fresh clone needs only python3 (>= 3.10).
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed
+export PATH := $(abspath $(VENV))/bin:$(PATH)
+NP     ?= 4
+
+.PHONY: venv test test-unit test-mpi test-integration lint demo bench clean
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[mpi,test]'
+	touch $@
+
+venv: $(STAMP)
+
+lint: venv
+	$(PY) -m ruff check cachex_agent tests examples benchmarks
+
+test-unit: venv
+	$(PY) -m pytest -q tests/unit
+
+# One pytest per rank; pytest-timeout bounds each test, timeout(1) bounds the whole run.
+test-mpi: venv
+	timeout 600 mpiexec -n $(NP) $(PY) -m pytest -q -p no:cacheprovider --with-mpi tests/mpi
+	MPIR_CVAR_NOLOCAL=1 timeout 600 mpiexec -n $(NP) $(PY) -m pytest -q -p no:cacheprovider --with-mpi tests/mpi
+
+test-integration: venv
+	$(PY) -m pytest -q tests/integration
+
+test: lint test-unit test-mpi test-integration
+
+demo: venv
+	$(VENV)/bin/cachex demo --workdir demo-run
+
+bench: venv
+	$(PY) benchmarks/flush.py
+
+clean:
+	rm -rf $(VENV) demo-run
