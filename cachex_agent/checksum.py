@@ -1,0 +1,46 @@
+"""xxh3-128 checksums, computed in the same pass that moves the bytes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import xxhash
+
+ALGORITHM = "xxh3-128"
+CHUNK = 8 * 1024 * 1024
+
+
+def hasher() -> xxhash.xxh3_128:
+    return xxhash.xxh3_128()
+
+
+def file_checksum(path: str | os.PathLike[str], chunk: int = CHUNK) -> str:
+    digest = hasher()
+    buffer = bytearray(chunk)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as handle:
+        while n := handle.readinto(buffer):
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def copy_with_checksum(src: str | os.PathLike[str], dst: str | os.PathLike[str],
+                       chunk: int = CHUNK,
+                       on_bytes: Callable[[int], None] | None = None) -> tuple[int, str]:
+    """Copy `src` to `dst` (fsynced), return (bytes, checksum) of what was read."""
+    digest = hasher()
+    buffer = bytearray(chunk)
+    view = memoryview(buffer)
+    total = 0
+    with open(src, "rb", buffering=0) as fin, open(dst, "wb", buffering=0) as fout:
+        while n := fin.readinto(buffer):
+            digest.update(view[:n])
+            written = 0
+            while written < n:
+                written += fout.write(view[written:n])
+            total += n
+            if on_bytes:
+                on_bytes(n)
+        os.fsync(fout.fileno())
+    return total, digest.hexdigest()
