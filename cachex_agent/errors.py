@@ -17,3 +17,11 @@ class OperationError(CachexError):
     """An operation that could not be completed (verify mismatch, missing checkpoint)."""
 
     exit_code = 1
+
+
+def describe(exc: BaseException) -> str:
+    """One line for a log or `cachex status`: `path: reason` for OS errors."""
+    if isinstance(exc, OSError) and exc.strerror:
+        where = f"{exc.filename}: " if exc.filename else ""
+        return f"{where}{exc.strerror}"
+    return str(exc)

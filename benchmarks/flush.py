@@ -1,0 +1,150 @@
+"""Flush throughput: HDF5 bundle vs the physical limit (raw sequential write + fsync).
+
+Both sides read the same source files from /dev/shm (the stage) with the same chunk size
+and end with fsync, rename and a directory fsync into the same target directory; the
+bundle adds HDF5 metadata, xxh3-128 checksums of the bytes read and, with verify on (the
+agent's default), a re-read of the renamed bundle. Measurements alternate in one run
+(raw, verify on, verify off, rotated each repeat) so drift of the disk hits all three.
+
+File-size mix: doubling sizes from --min-file (4, 8, 16, ... MiB) while the running sum
+fits --total and the size stays <= --max-file, then the remainder in files of at most
+--max-file. At 1 GiB that is 4..512 MiB (8 files, 1020 MiB) plus one 4 MiB file; a total
+of 4 GiB or more also reaches 1 GiB files.
+
+    python benchmarks/flush.py [--dir DIR] [--total 1GiB] [--repeat 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cachex_agent.checksum import file_checksum  # noqa: E402
+from cachex_agent.config import parse_size  # noqa: E402
+from cachex_agent.flush.bundle import CHUNK, bundle_name, write_bundle  # noqa: E402
+from cachex_agent.fsutil import fsync_dir  # noqa: E402
+from cachex_agent.manifest import FileEntry, LocalManifest  # noqa: E402
+
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+
+
+def file_sizes(total: int, smallest: int, largest: int) -> list[int]:
+    """Doubling sizes from `smallest`, then the remainder in pieces of <= `largest`."""
+    sizes: list[int] = []
+    size = smallest
+    while size <= largest and sum(sizes) + size <= total:
+        sizes.append(size)
+        size *= 2
+    rest = total - sum(sizes)
+    while rest > 0:
+        piece = min(rest, largest)
+        sizes.append(piece)
+        rest -= piece
+    return sizes
+
+
+def make_sources(root: Path, sizes: list[int]) -> LocalManifest:
+    rng = np.random.default_rng(1)
+    entries = []
+    for i, size in enumerate(sizes):
+        name = f"rank{i % 8}/shard_{i:03d}.bin"
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as handle:
+            left = size
+            while left:
+                n = min(left, 64 * MiB)
+                handle.write(rng.bytes(n))       # incompressible, like trained weights
+                left -= n
+        entries.append(FileEntry(name, size, 0o644, file_checksum(path)))
+    return LocalManifest(run="bench", ckpt="step_00001", seq=1, node=0, host="bench",
+                         rank=0, files=entries)
+
+
+def raw_write(target: Path, manifest: LocalManifest, source: Path, chunk: int) -> None:
+    """What the bundle does minus HDF5 and checksums: one file, fsync, rename, fsync dir."""
+    temp = target.with_name(f".{target.name}.tmp")
+    buffer = np.empty(chunk, dtype=np.uint8)
+    view = memoryview(buffer)
+    fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for entry in manifest.files:
+            with open(source / entry.path, "rb", buffering=0) as handle:
+                while n := handle.readinto(view):
+                    written = 0
+                    while written < n:
+                        written += os.write(fd, view[written:n])
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    os.replace(temp, target)
+    fsync_dir(target.parent)
+
+
+def timed(kind: str, out: Path, manifest: LocalManifest, source: Path, chunk: int) -> float:
+    target = out / (bundle_name(0) if kind != "raw" else "raw.bin")
+    os.sync()                                   # start every run from a quiet disk
+    start = time.perf_counter()
+    if kind == "raw":
+        raw_write(target, manifest, source, chunk)
+    else:
+        write_bundle(target, manifest, source, chunk=chunk, verify=kind == "verify=on")
+    elapsed = time.perf_counter() - start
+    target.unlink()
+    fsync_dir(out)
+    return elapsed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dir", help="target directory (default: a new one under /tmp)")
+    parser.add_argument("--total", default="1GiB")
+    parser.add_argument("--min-file", default="4MiB")
+    parser.add_argument("--max-file", default="1GiB")
+    parser.add_argument("--chunk", default=str(CHUNK))
+    parser.add_argument("--repeat", type=int, default=3)
+    args = parser.parse_args(argv)
+    total, chunk = parse_size(args.total, "--total"), parse_size(args.chunk, "--chunk")
+    sizes = file_sizes(total, parse_size(args.min_file, "--min-file"),
+                       parse_size(args.max_file, "--max-file"))
+
+    source = Path(tempfile.mkdtemp(prefix="cachex-bench-src-", dir="/dev/shm"))
+    out = Path(tempfile.mkdtemp(prefix="cachex-bench-", dir=args.dir or "/tmp"))
+    try:
+        manifest = make_sources(source, sizes)
+        print(f"{len(sizes)} files, {total / GiB:.2f} GiB, sizes MiB:"
+              f" {[round(s / MiB, 1) for s in sizes]}; chunk {chunk // MiB} MiB;"
+              f" target {out}")
+        kinds = ["raw", "verify=on", "verify=off"]
+        times: dict[str, list[float]] = {kind: [] for kind in kinds}
+        for r in range(args.repeat):
+            order = kinds[r % 3:] + kinds[:r % 3]
+            for kind in order:
+                times[kind].append(timed(kind, out, manifest, source, chunk))
+            print(f"repeat {r + 1}: " + "  ".join(f"{k} {times[k][-1]:.3f}s" for k in kinds))
+        rate = {k: total / MiB / statistics.median(v) for k, v in times.items()}
+        for kind in kinds:
+            print(f"median {kind:10s} {rate[kind]:8.1f} MiB/s")
+        for kind in ("verify=on", "verify=off"):
+            print(f"flush ratio ({kind}): {rate[kind] / rate['raw']:.2f}  (bundle"
+                  f" {rate[kind]:.1f} MiB/s vs raw write+fsync {rate['raw']:.1f} MiB/s,"
+                  f" {total / GiB:.2f} GiB)")
+    finally:
+        shutil.rmtree(source, ignore_errors=True)
+        shutil.rmtree(out, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,378 @@
+"""The agent: one per node, beside the trainer, in its own MPI job.
+
+Threads and who does what:
+  main     every MPI call (messages to and from the coordinator), the coordinator's
+           decisions on rank 0, stop requests; ticks every `agent.poll` seconds
+  watch    the spool (inotify + rescans): commit markers -> inbox
+  capture  one checkpoint at a time: spool -> stage, checksums, local manifest
+  flush-*  stage -> PFS bundles (flush.flusher), low priority, throttled
+Worker threads never call MPI: they put messages into `inbox`, which the main thread
+forwards. That keeps MPI single-threaded in practice and every wait bounded.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import signal
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+from mpi4py import MPI
+
+from .collective import agree
+from .config import Config
+from .coordinator import Coordinator
+from .errors import CachexError, ConfigError, describe
+from .events import EventLog
+from .flush.flusher import Flusher
+from .fsutil import makedirs, remove_tree
+from .journal import Journal
+from .manifest import GlobalManifest, LocalManifest
+from .stage.capture import CaptureError, capture_copy, capture_reference, list_files
+from .stage.quiescence import wait_quiescent
+from .stage.rules import make_rule
+from .stage.watch import SpoolWatcher
+from .topology import Placement, place_in
+
+log = logging.getLogger(__name__)
+TAG = 7
+MEMORY_RESERVE = 1 << 30    # capture by reference when the copy would leave less than this
+
+
+def probe_writable(directory: Path, key: str) -> None:
+    """Root passes every permission check, so try a real write."""
+    probe = directory / f".cachex-probe-{threading.get_native_id()}"
+    try:
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as exc:
+        raise ConfigError(f"{key}: {directory}: not writable ({exc.strerror})") from None
+
+
+def prepare_dirs(config: Config, placement: Placement) -> Any:
+    """Check and create this node's directories; ConfigError names the key and path."""
+    paths = config.node_paths(placement.node, placement.rank, placement.host)
+    if not paths.spool.is_dir():
+        if not paths.spool.parent.is_dir():
+            raise ConfigError(f"paths.spool: {paths.spool}: no such directory")
+        paths.spool.mkdir(exist_ok=True)
+    pfs_root = paths.pfs.parent
+    if not pfs_root.is_dir():
+        raise ConfigError(f"paths.pfs: {pfs_root}: no such directory")
+    for key, directory in (("paths.stage", paths.stage), ("paths.cache", paths.cache),
+                           ("paths.pfs", paths.pfs)):
+        try:
+            makedirs(directory)
+        except OSError as exc:
+            raise ConfigError(f"{key}: {directory}: cannot create ({exc.strerror})") from None
+        probe_writable(directory, key)
+    return paths
+
+
+class Agent:
+    def __init__(self, config: Config, comm: Any) -> None:
+        self.config = config
+        self.comm = comm
+        self.placement = place_in(comm, config.topology.domain)
+        self.rank, self.node = self.placement.rank, self.placement.node
+        self.paths = agree(comm, "start-up", lambda: prepare_dirs(config, self.placement))
+        self.rule = make_rule(config.commit.rule, config.commit.settle)
+        self.journal = Journal(self.paths.journal)
+        self.events = EventLog(self.paths.journal / "events.jsonl", run=config.run,
+                               node=self.node, rank=self.rank, host=self.placement.host)
+        self.inbox: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.captures: queue.Queue[dict[str, Any] | None] = queue.Queue()
+        self.announced: dict[str, dict[str, Any]] = {}
+        self._queued: set[str] = set()        # announced, capture not finished
+        self.flusher = Flusher(self.paths.pfs, config.flush, self.events, self.inbox.put)
+        self.stop_event = threading.Event()
+        self.draining = False
+        self.exit_now = False
+        self._requests: list[Any] = []
+        self._signals = 0
+        ranks_by_node = self._ranks_by_node()
+        self.coordinator = (Coordinator(config, ranks_by_node, self.journal, self.paths.pfs,
+                                        self.events, self._send) if self.rank == 0 else None)
+        self.watcher = SpoolWatcher(self.paths.spool, self.rule, self._on_marker,
+                                    scan=config.commit.scan)
+        self._preexisting = set(self._committed_now())
+
+    def _ranks_by_node(self) -> list[int]:
+        pairs = self.comm.allgather((self.node, self.rank))
+        return [rank for _node, rank in sorted(pairs)]
+
+    def _committed_now(self) -> list[str]:
+        try:
+            return self.rule.committed(self.paths.spool)
+        except OSError:
+            return []
+
+    # --------------------------------------------------------------- lifecycle
+    def run(self) -> int:
+        self._install_signals()
+        self.events.emit("agent_start", spool=str(self.paths.spool), pfs=str(self.paths.pfs),
+                         nodes=self.placement.nodes)
+        log.info("agent node %d/%d: spool %s -> stage %s -> pfs %s", self.node,
+                 self.placement.nodes, self.paths.spool, self.paths.stage, self.paths.pfs)
+        capture_thread = threading.Thread(target=self._capture_loop, name="capture", daemon=True)
+        capture_thread.start()
+        self._resume()
+        self.watcher.start()
+        try:
+            while not self.exit_now:
+                self._step()
+                time.sleep(self.config.agent.poll)
+        finally:
+            self.watcher.stop()
+            self.stop_event.set()
+            self.captures.put(None)
+            left = self.flusher.close(timeout=0)
+            self.events.emit("agent_exit", unflushed=left)
+            self._wait_requests(self.config.agent.timeout)
+            self.events.close()
+        return 0
+
+    def _step(self) -> None:
+        self._drain_inbox()
+        self._receive()
+        if self.coordinator:
+            self.coordinator.tick()
+        self._check_stop_files()
+        if self.draining:
+            self._check_drained()
+        self._requests = [r for r in self._requests if not r.Test()]
+
+    def _resume(self) -> None:
+        """Tell the coordinator what the journal says is still in flight."""
+        for ckpt, entry in sorted(self.journal.entries.items(), key=lambda kv: kv[1]["seq"]):
+            if entry.get("state") in ("captured", "flushed") and not entry.get("finalized"):
+                self._to_coordinator({"type": "marker", "ckpt": ckpt, "t": time.time(),
+                                      "global_files": entry.get("global_files", [])})
+        pre = sorted(self._preexisting - set(self.journal.entries))
+        if pre:     # a fresh agent adopts only the newest checkpoint already in the spool
+            self._on_marker(pre[-1], force=True)
+
+    # -------------------------------------------------------------- messaging
+    def _send(self, rank: int, msg: dict[str, Any]) -> None:
+        self._requests.append(self.comm.isend(msg, dest=rank, tag=TAG))
+
+    def _to_coordinator(self, msg: dict[str, Any]) -> None:
+        self._send(0, {**msg, "node": self.node})
+
+    def _receive(self) -> None:
+        status = MPI.Status()
+        while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=TAG, status=status):
+            msg = self.comm.recv(source=status.Get_source(), tag=TAG)
+            if "node" in msg and self.coordinator and msg["type"] not in _TO_AGENT:
+                self.coordinator.handle(msg["node"], msg)
+            else:
+                self._handle(msg)
+
+    def _drain_inbox(self) -> None:
+        while True:
+            try:
+                msg = self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            if msg["type"] == "captured":
+                self._after_capture(msg)
+            self._to_coordinator(msg)
+
+    def _wait_requests(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while self._requests and time.monotonic() < deadline:
+            self._requests = [r for r in self._requests if not r.Test()]
+            time.sleep(0.01)
+
+    # ------------------------------------------------------- from coordinator
+    def _handle(self, msg: dict[str, Any]) -> None:
+        kind = msg["type"]
+        if kind == "commit":
+            self._on_commit(msg)
+        elif kind == "finalized":
+            self._on_finalized(msg)
+        elif kind == "failed":
+            self._on_failed(msg)
+        elif kind == "drain":
+            self._on_drain(msg)
+        elif kind == "exit":
+            self.exit_now = True
+
+    def _on_commit(self, msg: dict[str, Any]) -> None:
+        ckpt = msg["ckpt"]
+        previous = self.announced.get(ckpt)
+        flush = msg["flush"] or bool(previous and previous["flush"])
+        self.announced[ckpt] = {**msg, "flush": flush}
+        entry = self.journal.get(ckpt) or {}
+        if ckpt in self._queued:
+            return
+        manifest = self.journal.manifest(ckpt)
+        if entry.get("state") in ("captured", "flushed") and manifest and _held(entry):
+            # a repeated announcement (restart): report what is already held
+            self.inbox.put({"type": "captured", "ckpt": ckpt, "manifest": manifest.to_json()})
+            return
+        self.journal.update(ckpt, seq=msg["seq"], state="capturing",
+                            global_files=msg["global_files"])
+        self._queued.add(ckpt)
+        self.captures.put(self.announced[ckpt])
+
+    def _after_capture(self, msg: dict[str, Any]) -> None:
+        ckpt = msg["ckpt"]
+        announced = self.announced.get(ckpt, {})
+        if announced.get("flush"):
+            entry = self.journal.get(ckpt) or {}
+            self.flusher.submit(LocalManifest.from_json(msg["manifest"]), Path(entry["source"]))
+        self._retain_stage()
+
+    def _on_finalized(self, msg: dict[str, Any]) -> None:
+        manifest = GlobalManifest.from_json(msg["manifest"])
+        self.journal.save_global(manifest)
+        self.journal.update(msg["ckpt"], state="flushed", finalized=True)
+        self._retain_stage()
+
+    def _on_failed(self, msg: dict[str, Any]) -> None:
+        ckpt = msg["ckpt"]
+        entry = self.journal.get(ckpt)
+        if entry and entry.get("mode") == "copy":
+            remove_tree(self.paths.stage / ckpt)
+        self.journal.update(ckpt, state="failed", reason=msg["reason"])
+        self.flusher.cancel(ckpt)
+        self.watcher.forget(ckpt)
+
+    def _on_drain(self, msg: dict[str, Any]) -> None:
+        self.draining = True
+        self.drain_deadline = time.monotonic() + self.config.flush.drain_timeout
+        for ckpt in msg["flush"]:
+            if ckpt in self.announced:
+                self.announced[ckpt]["flush"] = True
+                entry = self.journal.get(ckpt) or {}
+                manifest = self.journal.manifest(ckpt)
+                if entry.get("state") == "captured" and manifest:
+                    self.flusher.submit(manifest, Path(entry["source"]))
+        self.watcher.stop()
+
+    def _check_drained(self) -> None:
+        busy = self._queued or self.flusher.pending() or not self.inbox.empty()
+        if busy and time.monotonic() < self.drain_deadline:
+            return
+        if not getattr(self, "_drained_sent", False):
+            self._drained_sent = True
+            self._to_coordinator({"type": "drained", "unflushed": self.flusher.pending()})
+
+    # ----------------------------------------------------------------- capture
+    def _on_marker(self, ckpt: str, force: bool = False) -> None:
+        """Called by the watcher thread (and once at start-up)."""
+        if ckpt in self._preexisting and not force:
+            return
+        self.inbox.put({"type": "marker", "ckpt": ckpt, "t": time.time(),
+                        "global_files": self._global_files(ckpt)})
+
+    def _global_files(self, ckpt: str) -> list[str]:
+        try:
+            return self.rule.global_files(self.paths.spool / ckpt)
+        except OSError:
+            return []
+
+    def _capture_loop(self) -> None:
+        while (task := self.captures.get()) is not None:
+            try:
+                self._capture(task)
+            except (CachexError, OSError) as exc:
+                error = describe(exc)
+                log.error("capture of %s failed: %s", task["ckpt"], error)
+                self.events.emit("capture_failed", ckpt=task["ckpt"], seq=task["seq"], error=error)
+                self.journal.update(task["ckpt"], state="failed", reason=error)
+                self.inbox.put({"type": "capture_failed", "ckpt": task["ckpt"], "error": error})
+            finally:
+                self._queued.discard(task["ckpt"])
+
+    def _capture(self, task: dict[str, Any]) -> None:
+        ckpt, seq = task["ckpt"], task["seq"]
+        source = self.paths.spool / ckpt
+        start = time.time()
+        settle = self.config.commit.settle if self.rule.needs_polling else 0.0
+        try:
+            wait_quiescent(source, settle, self.config.commit.timeout, self.stop_event)
+        except FileNotFoundError:
+            raise CaptureError(f"{source}: checkpoint directory is missing") from None
+        self.events.emit("capture_start", ckpt=ckpt, seq=seq)
+        relpaths = list_files(source, self.rule.ignore)
+        total = sum((source / rel).stat().st_size for rel in relpaths)
+        mode = "copy" if _memory_allows(total) else "reference"
+        if mode == "copy":
+            target = self.paths.stage / ckpt
+            entries = capture_copy(source, target, relpaths, self.config.flush.chunk)
+        else:
+            log.warning("capture of %s by reference: %d bytes would not fit in memory", ckpt, total)
+            target, entries = source, capture_reference(source, relpaths)
+        manifest = LocalManifest(run=self.config.run, ckpt=ckpt, seq=seq, node=self.node,
+                                 host=self.placement.host, rank=self.rank, files=entries)
+        self.journal.save_manifest(manifest)
+        self.journal.update(ckpt, seq=seq, state="captured", source=str(target), mode=mode,
+                            bytes=manifest.bytes, global_files=task["global_files"])
+        self.events.emit("captured", ckpt=ckpt, seq=seq, bytes=manifest.bytes,
+                         files=len(entries), mode=mode, duration=time.time() - start)
+        self.inbox.put({"type": "captured", "ckpt": ckpt, "manifest": manifest.to_json()})
+
+    def _retain_stage(self) -> None:
+        """Keep the newest `keep.stage` captures; never one still needed by a flush."""
+        keep = self.config.keep.stage
+        held = sorted(((e["seq"], c) for c, e in self.journal.entries.items()
+                       if e.get("state") in ("captured", "flushed") and e.get("mode") == "copy"),
+                      reverse=True)
+        if keep == 0 or len(held) <= keep:
+            return
+        pending = set(self.flusher.pending())
+        for _seq, ckpt in held[keep:]:
+            entry = self.journal.entries[ckpt]
+            wanted = self.announced.get(ckpt, {}).get("flush", False)
+            if ckpt in pending or (wanted and not entry.get("finalized")):
+                continue
+            remove_tree(self.paths.stage / ckpt)
+            self.journal.update(ckpt, mode="evicted")
+            self.events.emit("evicted", ckpt=ckpt, seq=entry["seq"], level="stage")
+            if not entry.get("finalized"):
+                self._to_coordinator({"type": "evicted", "ckpt": ckpt})
+
+    # -------------------------------------------------------------------- stop
+    def _install_signals(self) -> None:
+        def on_signal(signum: int, _frame: Any) -> None:
+            self._signals += 1
+            if self._signals > 1:
+                self.exit_now = True        # a second signal: leave now
+            else:
+                self.inbox.put({"type": "stop", "signal": signum})
+        signal.signal(signal.SIGTERM, on_signal)
+        signal.signal(signal.SIGINT, on_signal)
+
+    def _check_stop_files(self) -> None:
+        now = time.monotonic()
+        if now - getattr(self, "_stop_checked", 0.0) < 1.0:
+            return
+        self._stop_checked = now
+        files = [self.paths.journal / "stop"]
+        if self.coordinator:
+            files.append(self.paths.pfs / "control" / "stop")
+        for path in files:
+            if path.exists():
+                path.unlink(missing_ok=True)
+                self.inbox.put({"type": "stop", "file": str(path)})
+        if self.draining and now > self.drain_deadline + 2 * self.config.agent.timeout:
+            log.error("no exit from the coordinator after the drain; leaving")
+            self.exit_now = True
+
+
+_TO_AGENT = {"commit", "finalized", "failed", "drain", "exit"}
+
+
+def _held(entry: dict[str, Any]) -> bool:
+    """The captured copy (stage, or spool when captured by reference) is still there."""
+    return entry.get("mode") in ("copy", "reference") and Path(entry["source"]).is_dir()
+
+
+def _memory_allows(nbytes: int) -> bool:
+    return psutil.virtual_memory().available - nbytes > MEMORY_RESERVE

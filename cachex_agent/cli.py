@@ -1,0 +1,232 @@
+"""Command line: thin click commands that build the configuration and call a module.
+
+`CachexError` becomes one line on stderr and its exit code (2 for configuration and
+usage, 1 for failed operations); no traceback for expected errors.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import socket
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import click
+
+from . import config as configuration
+from .errors import CachexError, ConfigError, OperationError
+from .fsutil import makedirs, write_json
+
+
+def _overrides(values: tuple[str, ...]) -> dict[str, str]:
+    parsed = {}
+    for item in values:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise ConfigError(f"--set {item!r}: expected section.key=value")
+        parsed[key.strip()] = value
+    return parsed
+
+
+def config_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """--config/--set/--run, shared by every command; passes `cfg`."""
+    @click.option("--config", "config_path", envvar="CACHEX_CONFIG", metavar="FILE",
+                  type=click.Path(dir_okay=False), help="cachex.toml (default: $CACHEX_CONFIG)")
+    @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+                  help="override one key, e.g. --set flush.bandwidth=100MiB (repeatable)")
+    @click.option("--run", "run_name", metavar="NAME", help="the run name (key `run`)")
+    @functools.wraps(func)
+    def wrapper(config_path: str | None, sets: tuple[str, ...], run_name: str | None,
+                **kwargs: Any) -> Any:
+        overrides = _overrides(sets)
+        if run_name:
+            overrides["run"] = run_name
+        path = config_path if config_path else ("cachex.toml" if Path("cachex.toml").exists()
+                                                else None)
+        return func(cfg=configuration.load(path, overrides), **kwargs)
+    return wrapper
+
+
+def _run_guarded(func: Callable[[], Any]) -> None:
+    try:
+        func()
+    except CachexError as exc:
+        click.echo(f"cachex: error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+
+
+def _setup_logging(level: str, prefix: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper()), stream=sys.stderr,
+                        format=f"%(asctime)s [{prefix}] %(levelname)s %(message)s")
+
+
+# ------------------------------------------------------------------ cachex-agent
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@config_options
+@click.option("-v", "--verbose", count=True, help="more log output")
+@click.option("-q", "--quiet", is_flag=True, help="warnings and errors only")
+def agent_command(cfg: configuration.Config, verbose: int, quiet: bool) -> None:
+    """Run the agent: one per node, beside the training step (srun/mpiexec).
+
+    Watches the spool, captures committed checkpoints into the stage and flushes them to
+    the PFS; runs until `cachex stop` or SIGTERM, then drains.
+    """
+    from mpi4py import MPI  # only the agent needs MPI: `cachex status` must not
+
+    from .agent import Agent
+    comm = MPI.COMM_WORLD
+    level = "debug" if verbose else "warning" if quiet else cfg.agent.log
+    _setup_logging(level, f"{comm.Get_rank()}@{socket.gethostname()}")
+    try:
+        agent = Agent(cfg, comm)
+    except CachexError as exc:
+        if comm.Get_rank() == 0:        # every rank raised the same agreed error
+            click.echo(f"cachex-agent: error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    try:
+        sys.exit(agent.run())
+    except Exception:
+        logging.getLogger("cachex").exception("agent failed; aborting the agent job")
+        comm.Abort(1)       # never leave other agents waiting on a dead one
+
+
+def agent_main() -> None:
+    _run_guarded(lambda: _click_main(agent_command))
+
+
+def _click_main(command: click.Command) -> None:
+    try:
+        command.main(standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.exceptions.Abort:
+        sys.exit(1)
+    except click.ClickException as exc:
+        exc.show()
+        sys.exit(2)
+
+
+# ------------------------------------------------------------------------ cachex
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main_group() -> None:
+    """cachex: inspect and operate the checkpoint tier."""
+
+
+@main_group.command("status")
+@config_options
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def status_command(cfg: configuration.Config, as_json: bool) -> None:
+    """Every checkpoint, the highest level that holds, and work in flight."""
+    from .status import format_status, load_status
+    status = load_status(cfg)
+    click.echo(json.dumps(status, indent=1) if as_json else format_status(status))
+
+
+@main_group.command("ls")
+@config_options
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def ls_command(cfg: configuration.Config, as_json: bool) -> None:
+    """List checkpoints and their levels."""
+    from .status import format_ls, listing, load_status
+    status = listing(load_status(cfg))
+    click.echo(json.dumps(status, indent=1) if as_json else format_ls(status))
+
+
+@main_group.command("verify")
+@config_options
+@click.argument("ckpt")
+def verify_command(cfg: configuration.Config, ckpt: str) -> None:
+    """Check the checksums of every copy of CKPT visible from this machine."""
+    from .recovery.verify import verify
+    findings = verify(cfg, ckpt)
+    for f in findings:
+        state = "ok" if f.ok else "not visible here" if not f.checked else "BAD"
+        click.echo(f"{ckpt} {f.level:<6} node {f.node:<4} {state:<16} {f.where}")
+        for problem in f.problems:
+            click.echo(f"    {problem}")
+    bad = [f for f in findings if f.checked and f.problems]
+    if bad or not any(f.checked for f in findings):
+        raise OperationError(f"{ckpt}: {len(bad)} bad copies" if bad
+                             else f"{ckpt}: no copy visible from this machine")
+    click.echo(f"{ckpt}: verified {sum(f.ok for f in findings)} copies")
+
+
+@main_group.command("export")
+@config_options
+@click.argument("ckpt")
+@click.argument("dest", type=click.Path(file_okay=False))
+@click.option("--per-node", is_flag=True, help="one sub-directory per node")
+def export_command(cfg: configuration.Config, ckpt: str, dest: str, per_node: bool) -> None:
+    """Write CKPT from the PFS bundles to DEST in the trainer's layout (no MPI)."""
+    from .recovery.catalog import require_global
+    from .recovery.export import export
+    manifest = require_global(cfg, ckpt)
+    start = time.monotonic()
+    total = export(manifest, cfg.node_paths(0).pfs, Path(dest), per_node,
+                   say=lambda line: click.echo(f"  {line}", err=True))
+    seconds = time.monotonic() - start
+    click.echo(f"{ckpt}: exported {len(manifest.files)} files, {total} bytes to {dest}"
+               f" in {seconds:.1f}s")
+
+
+@main_group.command("stop")
+@config_options
+@click.option("--wait/--no-wait", default=True, help="wait until the agents have exited")
+@click.option("--timeout", type=float, default=None, help="seconds to wait (default: drain"
+              " timeout + agent timeout)")
+def stop_command(cfg: configuration.Config, wait: bool, timeout: float | None) -> None:
+    """Ask the agents of this run to drain and exit."""
+    node0 = cfg.node_paths(0)
+    targets = [node0.pfs / "control" / "stop"]
+    if node0.journal.is_dir():
+        targets.append(node0.journal / "stop")
+    written = []
+    for target in targets:
+        try:
+            makedirs(target.parent)
+            write_json(target, {"requested": time.time()})
+            written.append(target)
+        except OSError:
+            continue
+    if not written:
+        raise OperationError(f"could not write a stop request to {', '.join(map(str, targets))}")
+    click.echo(f"stop requested ({', '.join(map(str, written))})")
+    if wait:
+        _wait_stopped(cfg, timeout or cfg.flush.drain_timeout + cfg.agent.timeout)
+
+
+def _wait_stopped(cfg: configuration.Config, timeout: float) -> None:
+    from .status import load_status
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if load_status(cfg).get("state") == "stopped":
+                click.echo("agents stopped")
+                return
+        except CachexError:
+            pass
+        time.sleep(0.5)
+    raise OperationError(f"agents of run {cfg.run} did not stop within {timeout:.0f}s")
+
+
+@main_group.command("demo")
+@click.option("--workdir", default="demo-run", type=click.Path(file_okay=False),
+              help="where the demo's spools, stage, cache and PFS live")
+@click.option("--nodes", default=4, show_default=True, help="virtual nodes (agents)")
+@click.option("--ranks-per-node", default=2, show_default=True)
+@click.option("--steps", default=40, show_default=True)
+@click.option("--every", default=10, show_default=True, help="checkpoint period in steps")
+@click.option("--shard-size", default="8MiB", show_default=True)
+def demo_command(**options: Any) -> None:
+    """Train the example model beside 4 agents on this machine, then verify."""
+    from .demo import run_demo
+    run_demo(**options)
+
+
+def main() -> None:
+    _run_guarded(lambda: _click_main(main_group))

@@ -1,0 +1,304 @@
+"""The coordinator (agent rank 0, the metadata host): global levels of every checkpoint.
+
+It never moves data. It hears small messages from the agents (a commit marker seen,
+a node's part captured or flushed, errors, progress), decides, and answers through
+`send(rank, message)`. That keeps it free of MPI and testable in one process.
+
+Protocol (DESIGN.md section 5):
+  agent  -> coord  marker      an agent saw the commit marker of `ckpt` in its spool
+  coord  -> all    commit      `ckpt` is committed (seq, global files, flush or not)
+  agent  -> coord  captured    this node's part is in its stage (local manifest)
+  agent  -> coord  flushed     this node's bundle is durable on the PFS
+  coord  -> all    finalized   global manifest and index committed (level "flushed")
+  coord  -> all    failed      `ckpt` can never be whole: drop it
+  agent  -> coord  stop        a user asked to stop (signal, `cachex stop`)
+  coord  -> all    drain       finish pending work, then report `drained`
+  coord  -> all    exit        every agent drained (or the drain timed out)
+
+A level is recorded only when every node's part holds it; the global manifest is
+written last, after every bundle is durable, and only then is the index updated.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from .config import Config
+from .events import EventLog
+from .flush.flusher import ckpt_dir
+from .fsutil import makedirs, read_json, remove_tree, write_json
+from .journal import Journal
+from .manifest import GlobalManifest, LocalManifest
+
+log = logging.getLogger(__name__)
+Send = Callable[[int, dict[str, Any]], None]
+LEVELS = ("written", "captured", "flushed")          # in order; plus "failed", "purged"
+INDEX_FORMAT = "cachex-index"
+
+
+class Coordinator:
+    def __init__(self, config: Config, ranks_by_node: list[int], journal: Journal,
+                 pfs_run: Path, events: EventLog, send: Send,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.ranks = ranks_by_node
+        self.journal = journal
+        self.pfs_run = pfs_run
+        self.events = events
+        self.send = send
+        self.clock = clock
+        saved = journal.read("coordinator.json")
+        self.ckpts: dict[str, dict[str, Any]] = saved.get("ckpts", {})
+        self.next_seq: int = saved.get("next_seq", 1)
+        self.state = "running"
+        self.drained: set[int] = set()
+        self.drain_deadline = 0.0
+        self.dirty = True
+        self._last_status = 0.0
+
+    @property
+    def nodes(self) -> int:
+        return len(self.ranks)
+
+    # ----------------------------------------------------------------- messages
+    def handle(self, node: int, msg: dict[str, Any]) -> None:
+        handler = getattr(self, f"_on_{msg['type']}", None)
+        if handler is None:
+            log.warning("coordinator: unknown message %r from node %d", msg["type"], node)
+            return
+        handler(node, msg)
+        self.dirty = True
+
+    def _on_marker(self, node: int, msg: dict[str, Any]) -> None:
+        ckpt = msg["ckpt"]
+        if ckpt in self.ckpts:
+            record = self.ckpts[ckpt]
+            if record["level"] in ("written", "captured"):
+                self._announce(record)          # an agent restarted: it may need it again
+            return
+        if self.state != "running":
+            return
+        seq, self.next_seq = self.next_seq, self.next_seq + 1
+        every = self.config.flush.every
+        record = {"id": ckpt, "seq": seq, "level": "written", "global_files": msg["global_files"],
+                  "flush": (seq - 1) % every == 0, "times": {"written": msg.get("t", self.clock())},
+                  "captured": {}, "flushed": {}, "errors": {}, "progress": {},
+                  "deadline": self.clock() + self.config.commit.timeout + self.config.agent.timeout}
+        self.ckpts[ckpt] = record
+        self.events.emit("committed", ckpt=ckpt, seq=seq, marker_node=node)
+        self._announce(record)
+        self._persist()
+
+    def _announce(self, record: dict[str, Any]) -> None:
+        self._broadcast({"type": "commit", "ckpt": record["id"], "seq": record["seq"],
+                         "global_files": record["global_files"], "flush": record["flush"]})
+
+    def _on_captured(self, node: int, msg: dict[str, Any]) -> None:
+        record = self.ckpts.get(msg["ckpt"])
+        if record is None or record["level"] in ("failed", "purged"):
+            return
+        record["captured"][str(node)] = msg["manifest"]
+        record["errors"].pop(str(node), None)
+        if record["level"] == "written" and len(record["captured"]) == self.nodes:
+            self._reach(record, "captured")
+
+    def _on_capture_failed(self, node: int, msg: dict[str, Any]) -> None:
+        record = self.ckpts.get(msg["ckpt"])
+        if record is not None and record["level"] == "written":
+            self._fail(record, f"node {node}: {msg['error']}")
+
+    def _on_flushed(self, node: int, msg: dict[str, Any]) -> None:
+        record = self.ckpts.get(msg["ckpt"])
+        if record is None or record["level"] in ("failed", "purged", "flushed"):
+            return
+        record["flushed"][str(node)] = msg["bundle"]
+        record["errors"].pop(str(node), None)
+        record["progress"].pop(str(node), None)
+        self._try_finalize(record)
+
+    def _on_flush_error(self, node: int, msg: dict[str, Any]) -> None:
+        record = self.ckpts.get(msg["ckpt"])
+        if record is not None:
+            record["errors"][str(node)] = msg["error"]
+
+    def _on_progress(self, node: int, msg: dict[str, Any]) -> None:
+        record = self.ckpts.get(msg["ckpt"])
+        if record is not None and record["level"] not in ("flushed", "failed"):
+            record["progress"][str(node)] = {k: msg[k] for k in ("stage", "done", "total")}
+
+    def _on_evicted(self, node: int, msg: dict[str, Any]) -> None:
+        record = self.ckpts.get(msg["ckpt"])
+        if record is not None and record["level"] in ("written", "captured"):
+            record["level"] = "evicted"
+            self._persist()
+
+    def _on_stop(self, node: int, msg: dict[str, Any]) -> None:
+        if self.state != "running":
+            return
+        self.state = "draining"
+        self.drain_deadline = self.clock() + self.config.flush.drain_timeout
+        newest = self._newest(("written", "captured"))
+        flush = [newest["id"]] if newest and not newest["flush"] else []
+        if newest:
+            newest["flush"] = True
+        self.events.emit("drain", requested_by=node, flush=flush)
+        self._broadcast({"type": "drain", "flush": flush})
+
+    def _on_drained(self, node: int, msg: dict[str, Any]) -> None:
+        self.drained.add(node)
+        if len(self.drained) == self.nodes:
+            self._exit("every agent drained")
+
+    # ------------------------------------------------------------------- timers
+    def tick(self) -> None:
+        now = self.clock()
+        for record in list(self.ckpts.values()):
+            if record["level"] == "written" and now > record["deadline"]:
+                missing = sorted(set(range(self.nodes)) - {int(n) for n in record["captured"]})
+                self._fail(record, f"nodes {missing} did not capture within"
+                                   f" {self.config.commit.timeout:.0f}s")
+            elif record["level"] == "captured" and len(record["flushed"]) == self.nodes:
+                self._try_finalize(record)          # a finalize that met a PFS fault
+        if self.state == "draining" and now > self.drain_deadline + self.config.agent.timeout:
+            self._exit(f"drain timed out; agents {sorted(set(range(self.nodes)) - self.drained)}"
+                       " did not report")
+        if self.dirty and now - self._last_status >= 0.5:
+            self.write_status()
+
+    # ---------------------------------------------------------------- decisions
+    def _reach(self, record: dict[str, Any], level: str) -> None:
+        record["level"] = level
+        record["times"][level] = self.clock()
+        self.events.emit(f"level_{level}", ckpt=record["id"], seq=record["seq"],
+                         bytes=_record_bytes(record),
+                         latency=record["times"][level] - record["times"]["written"])
+        self._persist()
+
+    def _fail(self, record: dict[str, Any], reason: str) -> None:
+        record["level"] = "failed"
+        record["reason"] = reason
+        self.events.emit("failed", ckpt=record["id"], seq=record["seq"], reason=reason)
+        log.error("checkpoint %s failed: %s", record["id"], reason)
+        self._broadcast({"type": "failed", "ckpt": record["id"], "reason": reason})
+        self._persist()
+        self._write_index_quietly()
+
+    def _try_finalize(self, record: dict[str, Any]) -> None:
+        if record["level"] != "captured" or len(record["flushed"]) < self.nodes:
+            return
+        record["times"]["flushed"] = self.clock()
+        manifest = self._global_manifest(record)
+        try:
+            directory = makedirs(ckpt_dir(self.pfs_run, record["id"]))
+            write_json(directory / "manifest.json", manifest.to_json())
+            record["level"] = "flushed"
+            self._write_index()
+        except OSError as exc:
+            record["level"] = "captured"
+            record["errors"]["coordinator"] = f"global manifest: {exc.strerror or exc}"
+            log.warning("finalize of %s failed: %s (will retry)", record["id"], exc)
+            return
+        record["errors"].pop("coordinator", None)
+        self.journal.save_global(manifest)
+        self._reach(record, "flushed")
+        self._broadcast({"type": "finalized", "ckpt": record["id"],
+                         "manifest": manifest.to_json()})
+        self._purge_pfs()
+
+    def _global_manifest(self, record: dict[str, Any]) -> GlobalManifest:
+        parts = [LocalManifest.from_json(m) for m in record["captured"].values()]
+        bundles = {int(n): name for n, name in record["flushed"].items()}
+        return GlobalManifest.build(parts, record["global_files"], record["times"], bundles)
+
+    def _purge_pfs(self) -> None:
+        keep = self.config.keep.pfs
+        valid = sorted((r for r in self.ckpts.values() if r["level"] == "flushed"),
+                       key=lambda r: r["seq"])
+        if keep == 0 or len(valid) <= keep:
+            return
+        for record in valid[:-keep]:
+            remove_tree(ckpt_dir(self.pfs_run, record["id"]))
+            record["level"] = "purged"
+            self.events.emit("purged", ckpt=record["id"], seq=record["seq"], level="pfs")
+        self._persist()
+        self._write_index_quietly()
+
+    def _exit(self, why: str) -> None:
+        if self.state == "stopped":
+            return
+        self.state = "stopped"
+        self.events.emit("exit", reason=why)
+        log.info("coordinator: %s; agents exit", why)
+        self._broadcast({"type": "exit"})
+        self.write_status()
+
+    # ------------------------------------------------------------ persistence
+    def _newest(self, levels: tuple[str, ...]) -> dict[str, Any] | None:
+        found = [r for r in self.ckpts.values() if r["level"] in levels]
+        return max(found, key=lambda r: r["seq"]) if found else None
+
+    def _broadcast(self, msg: dict[str, Any]) -> None:
+        for rank in self.ranks:
+            self.send(rank, msg)
+
+    def _persist(self) -> None:
+        self.journal.write("coordinator.json", {"version": 1, "next_seq": self.next_seq,
+                                                "ckpts": self.ckpts})
+
+    def _write_index(self) -> None:
+        rows = [{"id": r["id"], "seq": r["seq"], "state": _index_state(r["level"]),
+                 "bytes": _record_bytes(r), "flushed_at": r["times"].get("flushed")}
+                for r in sorted(self.ckpts.values(), key=lambda r: r["seq"])
+                if r["level"] in ("flushed", "failed", "purged")]
+        current = self._newest(("flushed",))
+        makedirs(self.pfs_run)
+        write_json(self.pfs_run / "index.json", {
+            "format": INDEX_FORMAT, "version": 1, "run": self.config.run,
+            "current": current["id"] if current else None, "checkpoints": rows})
+
+    def _write_index_quietly(self) -> None:
+        try:
+            self._write_index()
+        except OSError as exc:
+            log.warning("index.json not updated: %s", exc)
+
+    def status(self) -> dict[str, Any]:
+        rows = []
+        for record in sorted(self.ckpts.values(), key=lambda r: r["seq"]):
+            rows.append({
+                "id": record["id"], "seq": record["seq"], "level": record["level"],
+                "bytes": _record_bytes(record), "times": record["times"],
+                "nodes_captured": len(record["captured"]), "nodes_flushed": len(record["flushed"]),
+                "flush": record["flush"], "errors": record["errors"],
+                "progress": record["progress"], "reason": record.get("reason")})
+        return {"format": "cachex-status", "version": 1, "run": self.config.run,
+                "updated": self.clock(), "state": self.state, "nodes": self.nodes,
+                "checkpoints": rows}
+
+    def write_status(self) -> None:
+        """Into the journal always; onto the PFS when it takes writes."""
+        status = self.status()
+        self.journal.write("status.json", status)
+        try:
+            makedirs(self.pfs_run)
+            write_json(self.pfs_run / "status.json", status)
+        except OSError:
+            pass
+        self.dirty = False
+        self._last_status = self.clock()
+
+
+def _record_bytes(record: dict[str, Any]) -> int:
+    return sum(e["size"] for m in record["captured"].values() for e in m["files"])
+
+
+def _index_state(level: str) -> str:
+    return {"flushed": "valid"}.get(level, level)
+
+
+def read_index(pfs_run: Path) -> dict[str, Any]:
+    return read_json(pfs_run / "index.json")

@@ -1,0 +1,477 @@
+"""The PFS bundle: one HDF5 file per node per checkpoint (DESIGN.md sections 6 and 8).
+
+Layout of `<pfs>/<run>/ckpt/<ckpt>/node-NNNNN.h5`:
+
+    /                attributes format="cachex-bundle", version=1, run, ckpt, seq, node,
+                     host, rank, algorithm, captured_at, complete (set True last)
+    /files/000000    uint8 1-D contiguous dataset holding one captured file's bytes,
+    /files/000001    attributes path (relative, '/'-separated), size, mode, checksum
+    ...
+
+Plain h5py or h5dump read it. Every HDF5 file is opened with locking disabled (Lustre).
+
+Call order:
+- the flusher: `write_bundle(final, manifest, stage_dir)`; it returns once the bundle is
+  fsynced, renamed to `final`, the directory fsynced and (verify=True) re-read and
+  checked. Only then may the node's part count as flushed.
+- adoption on restart: `is_complete(path)`, then `read_manifest(path)` and
+  `verify_bundle(path, manifest.files)`.
+- `cachex verify`: `verify_bundle(path, expected)`; `cachex export` and recovery from the
+  PFS: `extract(path, dest, only)`.
+
+Errors: `BundleError` for content problems (a source that no longer matches its manifest,
+a corrupt or incomplete bundle; retrying does not help); `OSError` for I/O failures (the
+PFS is down, full or unwritable; worth retrying).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import stat
+from collections.abc import Callable, Iterator
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+import h5py
+import numpy as np
+
+from ..checksum import hasher
+from ..errors import OperationError
+from ..fsutil import commit_rename, fsync_dir, makedirs, temp_name
+from ..manifest import FileEntry, LocalManifest
+from .throttle import TokenBucket
+
+FORMAT = "cachex-bundle"
+VERSION = 1
+FILES = "files"
+CHUNK = 8 * 1024 * 1024
+
+
+class BundleError(OperationError):
+    """A bundle, or the data it is written from, is not what its manifest says."""
+
+
+def bundle_name(node: int) -> str:
+    return f"node-{node:05d}.h5"
+
+
+# ---------------------------------------------------------------------------- writing
+
+def write_bundle(final: Path, manifest: LocalManifest, source_dir: Path, *,
+                 chunk: int = CHUNK, throttle: TokenBucket | None = None,
+                 on_bytes: Callable[[int], None] | None = None,
+                 verify: bool = True) -> None:
+    """Write `manifest.files` (read from `source_dir`) as the bundle `final`.
+
+    The bytes are checksummed as they are read and must match the manifest, else
+    BundleError and nothing is left behind. `final` appears only complete: written to a
+    temp sibling, `complete=True` set last, fsynced, renamed, directory fsynced. With
+    `verify`, the renamed bundle is re-read and checked; a bundle that fails is removed.
+    `throttle.consume(n)` is called before and `on_bytes(n)` after each chunk written.
+    The parent directory of `final` must exist.
+    """
+    if chunk < 1:
+        raise ValueError(f"chunk must be >= 1 byte, got {chunk}")
+    final = Path(final)
+    temp = temp_name(final)
+    try:
+        _write_temp(temp, manifest, Path(source_dir), chunk, throttle, on_bytes)
+        commit_rename(temp, final)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+    if verify:
+        problems = verify_bundle(final, manifest.files)
+        if problems:
+            # A bundle known to be bad must not look complete to adoption or recovery.
+            final.unlink(missing_ok=True)
+            fsync_dir(final.parent)
+            raise BundleError(f"{final}: verification after write failed: "
+                              + "; ".join(problems))
+
+
+def _write_temp(temp: Path, manifest: LocalManifest, source_dir: Path, chunk: int,
+                throttle: TokenBucket | None,
+                on_bytes: Callable[[int], None] | None) -> None:
+    # Why os.pwrite at the dataset's offset rather than `dset[a:b] = buf`: every dataset
+    # is created contiguous with its space allocated at creation (alloc time EARLY) and
+    # no fill value ever written (fill time NEVER), so HDF5 only lays out metadata and
+    # the payload goes to disk with the same syscalls as a plain file copy. Measured at
+    # 1 GiB it matches raw os.write; slice assignment and dset.id.write cost ~5-10% more
+    # CPU per GiB (selection objects, HDF5 I/O path). The result is an ordinary
+    # contiguous dataset: h5py and h5dump read it like any other.
+    buffer = np.empty(chunk, dtype=np.uint8)
+    with h5py.File(temp, "w", locking=False) as h5:
+        _set_root_attrs(h5, manifest)
+        group = h5.create_group(FILES)
+        offsets = [_create_dataset(group.id, _dataset_name(i), entry)
+                   for i, entry in enumerate(manifest.files)]
+        fd = os.open(temp, os.O_WRONLY)
+        try:
+            for entry, offset in zip(manifest.files, offsets, strict=True):
+                _copy_file(source_dir / entry.path, entry, fd, offset, buffer, throttle,
+                           on_bytes)
+        finally:
+            os.close(fd)
+        h5.attrs.modify("complete", True)
+
+
+def _set_root_attrs(h5: h5py.File, manifest: LocalManifest) -> None:
+    attrs = h5.attrs
+    attrs["format"] = FORMAT
+    attrs["version"] = VERSION
+    attrs["run"] = manifest.run
+    attrs["ckpt"] = manifest.ckpt
+    attrs["seq"] = manifest.seq
+    attrs["node"] = manifest.node
+    attrs["host"] = manifest.host
+    attrs["rank"] = manifest.rank
+    attrs["algorithm"] = manifest.algorithm
+    attrs["captured_at"] = manifest.captured_at
+    attrs["complete"] = False
+
+
+def _dataset_name(index: int) -> str:
+    return f"{index:06d}"
+
+
+def _create_dataset(group: h5py.h5g.GroupID, name: str, entry: FileEntry) -> int:
+    """Create the dataset with its space allocated; return the file offset of its data."""
+    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+    dcpl.set_layout(h5py.h5d.CONTIGUOUS)
+    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+    space = h5py.h5s.create_simple((entry.size,), (entry.size,))
+    dsid = h5py.h5d.create(group, name.encode(), h5py.h5t.STD_U8LE, space, dcpl=dcpl)
+    # The low-level attribute calls write the same types as `dset.attrs[...] = ...`
+    # (scalar UTF-8 strings, int64) at a fraction of the Python overhead, which is
+    # what a bundle of thousands of small files (Orbax/zarr) spends its time on.
+    _put_attr(dsid, "path", entry.path)
+    _put_attr(dsid, "size", entry.size)
+    _put_attr(dsid, "mode", entry.mode)
+    _put_attr(dsid, "checksum", entry.checksum)
+    offset = dsid.get_offset()
+    if offset is None and entry.size:
+        raise RuntimeError(f"HDF5 allocated no space for {FILES}/{name} despite EARLY alloc")
+    return offset or 0
+
+
+_STRING = h5py.string_dtype()
+
+
+def _put_attr(obj: h5py.h5o.ObjectID, name: str, value: str | int) -> None:
+    if isinstance(value, str):
+        tid, data = h5py.h5t.py_create(_STRING, logical=True), np.array(value, _STRING)
+    else:
+        tid, data = h5py.h5t.STD_I64LE, np.array(value, np.int64)
+    attr = h5py.h5a.create(obj, name.encode(), tid, h5py.h5s.create(h5py.h5s.SCALAR))
+    attr.write(data)
+
+
+def _get_attr(obj: h5py.h5o.ObjectID, name: str) -> Any:
+    attr = h5py.h5a.open(obj, name.encode())
+    data = np.empty(attr.shape, dtype=attr.dtype)
+    attr.read(data)
+    return data[()]
+
+
+def _copy_file(src: Path, entry: FileEntry, fd: int, offset: int,
+               buffer: np.ndarray, throttle: TokenBucket | None,
+               on_bytes: Callable[[int], None] | None) -> None:
+    """Stream `src` into the bundle at `offset`, checking size and checksum as read."""
+    view = memoryview(buffer)
+    digest = hasher()
+    done = 0
+    try:
+        with open(src, "rb", buffering=0) as handle:
+            while done < entry.size:
+                n = handle.readinto(view[:min(len(view), entry.size - done)])
+                if not n:
+                    break
+                if throttle is not None:
+                    throttle.consume(n)
+                digest.update(view[:n])
+                _pwrite_all(fd, view[:n], offset + done)
+                done += n
+                if on_bytes is not None:
+                    on_bytes(n)
+            longer = done == entry.size and handle.readinto(view[:1])
+    except FileNotFoundError:
+        raise BundleError(f"{src}: listed in the manifest but missing") from None
+    if done != entry.size or longer:
+        raise BundleError(f"{src}: size differs from the manifest ({entry.size} bytes"
+                          f" expected, {'more' if longer else done} found)")
+    if digest.hexdigest() != entry.checksum:
+        raise BundleError(f"{src}: checksum {digest.hexdigest()} differs from the"
+                          f" manifest's {entry.checksum}; the staged copy changed or is"
+                          " corrupt")
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    while data:
+        written = os.pwrite(fd, data, offset)
+        data = data[written:]
+        offset += written
+
+
+# ---------------------------------------------------------------------------- reading
+
+def read_manifest(path: Path) -> LocalManifest:
+    """The LocalManifest a complete bundle was written from (BundleError otherwise)."""
+    with _open(path) as h5:
+        attrs = _checked_root(path, h5, need_complete=True)
+        files = [entry for _, entry in _entries(path, h5)]
+        return LocalManifest(run=_str(attrs["run"]), ckpt=_str(attrs["ckpt"]),
+                             seq=int(attrs["seq"]), node=int(attrs["node"]),
+                             host=_str(attrs["host"]), rank=int(attrs["rank"]),
+                             files=files, captured_at=float(attrs["captured_at"]),
+                             algorithm=_str(attrs["algorithm"]))
+
+
+def is_complete(path: Path) -> bool:
+    """True only for a readable cachex bundle whose `complete` attribute is set."""
+    try:
+        with _open(path) as h5:
+            _checked_root(path, h5, need_complete=True)
+            return True
+    except Exception:
+        return False
+
+
+def verify_bundle(path: Path, expected: list[FileEntry] | None = None) -> list[str]:
+    """Re-read every dataset and compare; return the problems found (empty = good).
+
+    Checks each dataset's length and checksum against its own attributes and, when
+    `expected` is given, that the bundle holds exactly those entries with the same
+    sizes and checksums. Every problem names the bundle and the file's path.
+    """
+    try:
+        with _open(path) as h5, _RawFile(path) as raw:
+            _checked_root(path, h5, need_complete=True)
+            problems: list[str] = []
+            found: dict[str, FileEntry] = {}
+            for dset, entry in _entries(path, h5):
+                found[entry.path] = entry
+                problem = _check_dataset(dset, entry, raw, None)
+                if problem:
+                    problems.append(f"{path}: file {entry.path!r}: {problem}")
+    except (BundleError, OSError) as exc:
+        return [str(exc)]
+    if expected is not None:
+        problems += _compare(path, found, expected)
+    return problems
+
+
+def _compare(path: Path, found: dict[str, FileEntry], expected: list[FileEntry]) -> list[str]:
+    problems = []
+    for want in expected:
+        have = found.get(want.path)
+        if have is None:
+            problems.append(f"{path}: file {want.path!r}: missing from the bundle")
+        elif (have.size, have.checksum) != (want.size, want.checksum):
+            problems.append(f"{path}: file {want.path!r}: bundle has {have.size} bytes"
+                            f" {have.checksum}, expected {want.size} bytes {want.checksum}")
+    names = {want.path for want in expected}
+    problems += [f"{path}: file {name!r}: in the bundle but not expected"
+                 for name in found if name not in names]
+    return problems
+
+
+def extract(path: Path, dest: Path, only: set[str] | None = None) -> list[FileEntry]:
+    """Write the bundle's files (or those named in `only`) under `dest`; return them.
+
+    Each file lands atomically (temp, fsync, rename) at its relative path with its mode,
+    streamed in chunks and checked against its checksum on the way (BundleError on a
+    mismatch, a name in `only` that the bundle lacks, or an unsafe path).
+    """
+    dest = Path(dest)
+    written: list[FileEntry] = []
+    with _open(path) as h5, _RawFile(path) as raw:
+        _checked_root(path, h5, need_complete=True)
+        chosen = [(dset, entry) for dset, entry in _entries(path, h5)
+                  if only is None or entry.path in only]
+        missing = (only or set()) - {entry.path for _, entry in chosen}
+        if missing:
+            raise BundleError(f"{path}: not in the bundle: {', '.join(sorted(missing))}")
+        parents: set[Path] = set()
+        for dset, entry in chosen:
+            target = dest / _safe_relative(path, entry.path)
+            makedirs(target.parent)
+            _extract_one(path, dset, entry, raw, target)
+            parents.add(target.parent)
+            written.append(entry)
+    for parent in parents:
+        fsync_dir(parent)
+    return written
+
+
+def _extract_one(path: Path, dset: h5py.h5d.DatasetID, entry: FileEntry, raw: _RawFile,
+                 target: Path) -> None:
+    temp = temp_name(target)
+    try:
+        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            problem = _check_dataset(dset, entry, raw, fd)
+            if problem:
+                raise BundleError(f"{path}: file {entry.path!r}: {problem}")
+            os.fchmod(fd, stat.S_IMODE(entry.mode))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        os.replace(temp, target)
+    except BaseException:
+        temp.unlink(missing_ok=True)
+        raise
+
+
+def _safe_relative(path: Path, name: str) -> PurePosixPath:
+    """Refuse paths that would land outside the destination (a corrupt bundle)."""
+    relative = PurePosixPath(name)
+    if not name or relative.is_absolute() or ".." in relative.parts:
+        raise BundleError(f"{path}: refusing unsafe file path {name!r}")
+    return relative
+
+
+def _check_dataset(dset: h5py.h5d.DatasetID, entry: FileEntry, raw: _RawFile,
+                   out_fd: int | None) -> str | None:
+    """Hash the dataset's bytes (copying them to `out_fd` if given); say what is wrong."""
+    if dset.rank != 1 or dset.dtype != np.uint8:
+        return f"dataset is {dset.dtype}{dset.shape}, expected 1-D uint8"
+    if dset.shape[0] != entry.size:
+        return f"dataset holds {dset.shape[0]} bytes, its size attribute says {entry.size}"
+    digest = hasher()
+    for window in _windows(dset, raw):
+        digest.update(window)
+        if out_fd is not None:
+            _write_all(out_fd, window)
+    if digest.hexdigest() != entry.checksum:
+        return f"checksum mismatch (data hashes to {digest.hexdigest()}, recorded" \
+               f" {entry.checksum})"
+    return None
+
+
+def _write_all(fd: int, data: memoryview) -> None:
+    while data:
+        data = data[os.write(fd, data):]
+
+
+def _windows(dset: h5py.h5d.DatasetID, raw: _RawFile) -> Iterator[memoryview]:
+    """The dataset's bytes in chunk-sized views, straight from the file when possible."""
+    size = dset.shape[0]
+    if size == 0:
+        return
+    offset = dset.get_offset()
+    if offset is not None and raw.covers(offset, size):
+        yield from raw.windows(offset, size)
+        return
+    # Not a plain contiguous dataset (e.g. repacked with filters): let HDF5 decode it.
+    buffer = raw.buffer
+    decoded = h5py.Dataset(dset)
+    for start in range(0, size, len(buffer)):
+        n = min(len(buffer), size - start)
+        decoded.read_direct(buffer, np.s_[start:start + n], np.s_[0:n])
+        yield memoryview(buffer)[:n]
+
+
+class _RawFile:
+    """The bundle opened a second time, for reading dataset bytes at their offsets.
+
+    Reads through an mmap when the file system allows it: hashing straight from the page
+    cache avoids a copy, which makes the verify pass after a write ~3x cheaper (0.1 s vs
+    0.3 s per GiB here). Ranges are checked against the file size first, so a truncated
+    bundle is reported instead of raising SIGBUS. Falls back to pread into one buffer.
+    """
+
+    def __init__(self, path: Path, chunk: int = CHUNK) -> None:
+        self.buffer = np.empty(chunk, dtype=np.uint8)
+        self._fd = os.open(path, os.O_RDONLY)
+        self._size = os.fstat(self._fd).st_size
+        self._map: mmap.mmap | None = None
+        try:
+            self._map = mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
+            self._map.madvise(mmap.MADV_SEQUENTIAL)
+        except (OSError, ValueError):     # empty file, or no mmap on this file system
+            self._map = None
+
+    def __enter__(self) -> _RawFile:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        if self._map is not None:
+            try:
+                self._map.close()
+            except BufferError:           # a caller still holds a view; GC unmaps it
+                pass
+            self._map = None
+        os.close(self._fd)
+
+    def covers(self, offset: int, size: int) -> bool:
+        return 0 <= offset and offset + size <= self._size
+
+    def windows(self, offset: int, size: int) -> Iterator[memoryview]:
+        step = len(self.buffer)
+        if self._map is not None:
+            with memoryview(self._map) as whole:
+                for start in range(offset, offset + size, step):
+                    with whole[start:min(start + step, offset + size)] as window:
+                        yield window
+            return
+        view = memoryview(self.buffer)
+        for start in range(offset, offset + size, step):
+            n = os.preadv(self._fd, [view[:min(step, offset + size - start)]], start)
+            if n <= 0:
+                raise OSError(f"short read at offset {start}")
+            yield view[:n]
+
+
+def _open(path: Path) -> h5py.File:
+    path = Path(path)
+    if not path.exists():
+        raise BundleError(f"{path}: no such bundle")
+    try:
+        return h5py.File(path, "r", locking=False)
+    except OSError as exc:
+        raise BundleError(f"{path}: not a readable HDF5 file ({exc})") from None
+
+
+def _checked_root(path: Path, h5: h5py.File, need_complete: bool) -> Any:
+    attrs = h5.attrs
+    if _str(attrs.get("format", "")) != FORMAT:
+        raise BundleError(f"{path}: not a cachex bundle (format attribute"
+                          f" {attrs.get('format')!r})")
+    if attrs.get("version") != VERSION:
+        raise BundleError(f"{path}: cachex bundle version {attrs.get('version')!r} is not"
+                          f" supported (this cachex reads version {VERSION})")
+    if need_complete and not bool(attrs.get("complete", False)):
+        raise BundleError(f"{path}: incomplete bundle (the complete attribute is not set)")
+    if FILES not in h5:
+        raise BundleError(f"{path}: bundle has no '{FILES}' group")
+    return attrs
+
+
+def _entries(path: Path, h5: h5py.File) -> list[tuple[h5py.h5d.DatasetID, FileEntry]]:
+    """The datasets in manifest order, with the FileEntry their attributes describe."""
+    group = h5[FILES].id
+    out = []
+    for name in sorted(group, key=lambda n: (len(n), n)):
+        try:
+            dset = h5py.h5d.open(group, name)
+            entry = FileEntry(path=_str(_get_attr(dset, "path")),
+                              size=int(_get_attr(dset, "size")),
+                              mode=int(_get_attr(dset, "mode")),
+                              checksum=_str(_get_attr(dset, "checksum")))
+        except (KeyError, ValueError, TypeError) as exc:
+            raise BundleError(f"{path}: {FILES}/{_str(name)} is not a dataset with path,"
+                              f" size, mode and checksum attributes ({exc})") from None
+        out.append((dset, entry))
+    return out
+
+
+def _str(value: Any) -> str:
+    if isinstance(value, (bytes, np.bytes_)):
+        return bytes(value).decode("utf-8")
+    return str(value)

@@ -1,0 +1,70 @@
+"""The agent's durable state on node-local storage (`<cache>/<run>/journal/`).
+
+    state.json              one entry per checkpoint this node handled: seq, state, stamps
+    manifests/<ckpt>.json   this node's local manifest (copy of what is in the stage)
+    global/<ckpt>.json      the global manifest, broadcast by the coordinator
+    coordinator.json        coordinator only: every checkpoint's global level
+    status.json             coordinator only: what `cachex status` shows
+    events.jsonl            structured events (events.py)
+
+A restarted agent reads it to resume: captured checkpoints are flushed (or their
+finished bundles adopted), nothing is captured twice.
+"""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from typing import Any
+
+from .fsutil import makedirs, read_json, write_json
+from .manifest import GlobalManifest, LocalManifest
+
+LOCAL_STATES = ("capturing", "captured", "flushed", "failed")
+
+
+class Journal:
+    def __init__(self, root: Path) -> None:
+        self.root = makedirs(root)
+        makedirs(root / "manifests")
+        makedirs(root / "global")
+        self._lock = threading.Lock()
+        self.entries: dict[str, dict[str, Any]] = self._load("state.json").get("ckpts", {})
+
+    def _load(self, name: str) -> dict[str, Any]:
+        path = self.root / name
+        return read_json(path) if path.exists() else {}
+
+    def get(self, ckpt: str) -> dict[str, Any] | None:
+        return self.entries.get(ckpt)
+
+    def update(self, ckpt: str, **fields: Any) -> None:
+        with self._lock:
+            self.entries.setdefault(ckpt, {}).update(fields)
+            write_json(self.root / "state.json", {"version": 1, "ckpts": self.entries})
+
+    def forget(self, ckpt: str) -> None:
+        with self._lock:
+            self.entries.pop(ckpt, None)
+            write_json(self.root / "state.json", {"version": 1, "ckpts": self.entries})
+            (self.root / "manifests" / f"{ckpt}.json").unlink(missing_ok=True)
+
+    def save_manifest(self, manifest: LocalManifest) -> None:
+        manifest.save(self.root / "manifests" / f"{manifest.ckpt}.json")
+
+    def manifest(self, ckpt: str) -> LocalManifest | None:
+        path = self.root / "manifests" / f"{ckpt}.json"
+        return LocalManifest.load(path) if path.exists() else None
+
+    def save_global(self, manifest: GlobalManifest) -> None:
+        write_json(self.root / "global" / f"{manifest.ckpt}.json", manifest.to_json())
+
+    def global_manifest(self, ckpt: str) -> GlobalManifest | None:
+        path = self.root / "global" / f"{ckpt}.json"
+        return GlobalManifest.from_json(read_json(path)) if path.exists() else None
+
+    def read(self, name: str) -> dict[str, Any]:
+        return self._load(name)
+
+    def write(self, name: str, data: dict[str, Any]) -> None:
+        write_json(self.root / name, data)

@@ -1,0 +1,63 @@
+"""Where the copies of a checkpoint are: global manifest, local manifests, stage dirs.
+
+Used by `cachex verify` and `cachex export` without MPI: node paths are rendered from
+the configuration for every node the manifests name, and a copy that is not visible
+from this machine is reported as such, never as good.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..config import Config
+from ..errors import OperationError
+from ..flush.flusher import ckpt_dir
+from ..fsutil import read_json
+from ..manifest import GlobalManifest, LocalManifest
+
+
+def global_manifest(config: Config, ckpt: str) -> GlobalManifest | None:
+    """From the PFS, else from the coordinator's journal."""
+    node0 = config.node_paths(0)
+    for path in (ckpt_dir(node0.pfs, ckpt) / "manifest.json",
+                 node0.journal / "global" / f"{ckpt}.json"):
+        try:
+            return GlobalManifest.from_json(read_json(path))
+        except (OSError, json.JSONDecodeError):
+            continue
+    return None
+
+
+def local_manifests(config: Config, ckpt: str, nodes: int) -> dict[int, LocalManifest]:
+    found = {}
+    for node in range(nodes):
+        path = config.node_paths(node).journal / "manifests" / f"{ckpt}.json"
+        try:
+            found[node] = LocalManifest.load(path)
+        except (OSError, json.JSONDecodeError):
+            continue
+    return found
+
+
+def node_count(config: Config) -> int:
+    for path in (config.node_paths(0).journal / "status.json",
+                 config.node_paths(0).pfs / "status.json"):
+        try:
+            return int(read_json(path)["nodes"])
+        except (OSError, KeyError, ValueError, json.JSONDecodeError):
+            continue
+    return 1
+
+
+def require_global(config: Config, ckpt: str) -> GlobalManifest:
+    manifest = global_manifest(config, ckpt)
+    if manifest is None:
+        where = ckpt_dir(config.node_paths(0).pfs, ckpt) / "manifest.json"
+        raise OperationError(f"{ckpt}: no global manifest at {where} (not flushed, or not"
+                             " this run: see `cachex ls`)")
+    return manifest
+
+
+def stage_dir(config: Config, node: int, ckpt: str, host: str | None = None) -> Path:
+    return config.node_paths(node, host=host).stage / ckpt

@@ -1,0 +1,68 @@
+"""`cachex verify CKPT`: checksums of every copy visible from here, level by level."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..checksum import file_checksum
+from ..config import Config
+from ..errors import OperationError
+from ..flush.bundle import verify_bundle
+from ..flush.flusher import bundle_path
+from ..manifest import FileEntry
+from .catalog import global_manifest, local_manifests, node_count, stage_dir
+
+
+@dataclass
+class Finding:
+    level: str              # stage | pfs
+    node: int
+    where: str
+    checked: bool           # False: not visible from this machine
+    problems: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return self.checked and not self.problems
+
+
+def verify(config: Config, ckpt: str) -> list[Finding]:
+    gm = global_manifest(config, ckpt)
+    nodes = len(gm.nodes) if gm else node_count(config)
+    locals_ = local_manifests(config, ckpt, nodes)
+    expected = {n: gm.node_files(n) for n in range(nodes)} if gm else {
+        n: m.files for n, m in locals_.items()}
+    if not expected:
+        raise OperationError(f"{ckpt}: unknown checkpoint (no global or local manifest found)")
+    findings = [_stage(config, ckpt, node, files) for node, files in sorted(expected.items())]
+    if gm:
+        findings += [_bundle(config, ckpt, node, files) for node, files in sorted(expected.items())]
+    return findings
+
+
+def _stage(config: Config, ckpt: str, node: int, files: list[FileEntry]) -> Finding:
+    directory = stage_dir(config, node, ckpt)
+    finding = Finding("stage", node, str(directory), directory.is_dir())
+    if finding.checked:
+        finding.problems = check_files(directory, files)
+    return finding
+
+
+def _bundle(config: Config, ckpt: str, node: int, files: list[FileEntry]) -> Finding:
+    path = bundle_path(config.node_paths(0).pfs, ckpt, node)
+    finding = Finding("pfs", node, str(path), True)
+    finding.problems = verify_bundle(path, files) if path.exists() else [f"{path}: missing"]
+    return finding
+
+
+def check_files(directory, files: list[FileEntry]) -> list[str]:  # noqa: ANN001
+    problems = []
+    for entry in files:
+        path = directory / entry.path
+        if not path.is_file():
+            problems.append(f"{path}: missing")
+        elif path.stat().st_size != entry.size:
+            problems.append(f"{path}: size {path.stat().st_size}, expected {entry.size}")
+        elif file_checksum(path) != entry.checksum:
+            problems.append(f"{path}: checksum mismatch")
+    return problems

@@ -1,0 +1,98 @@
+"""Capture: copy one node's files of a committed checkpoint from the spool into the stage.
+
+Checksums are computed in the same pass as the copy. The captured directory appears
+under its final name only when every file is copied and fsynced (rename of a `.partial`
+directory), so a half-captured checkpoint is never mistaken for a whole one. A source
+file whose inode, size or mtime changed during the copy was rewritten in place by the
+trainer: the capture fails rather than keep a torn copy.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from ..checksum import copy_with_checksum, file_checksum
+from ..errors import OperationError
+from ..fsutil import fsync_dir, makedirs, remove_tree
+from ..manifest import FileEntry
+
+
+class CaptureError(OperationError):
+    """The checkpoint could not be captured whole (deleted, rewritten, unreadable)."""
+
+
+def list_files(ckpt_dir: Path, ignore: Callable[[str], bool] = lambda _: False) -> list[str]:
+    """Relative paths of the regular files under `ckpt_dir`, sorted."""
+    if not ckpt_dir.is_dir():
+        raise CaptureError(f"{ckpt_dir}: checkpoint directory is missing")
+    found = []
+    for root, _dirs, names in os.walk(ckpt_dir):
+        for name in names:
+            full = Path(root, name)
+            rel = full.relative_to(ckpt_dir).as_posix()
+            if full.is_file() and not full.is_symlink() and not ignore(rel):
+                found.append(rel)
+    return sorted(found)
+
+
+def capture_copy(src: Path, dst: Path, relpaths: Iterable[str], chunk: int,
+                 on_bytes: Callable[[int], None] | None = None) -> list[FileEntry]:
+    """Copy `relpaths` from `src` into the new directory `dst`; return their entries."""
+    partial = dst.with_name(f".{dst.name}.partial")
+    remove_tree(partial)
+    makedirs(partial)
+    try:
+        entries = [_copy_one(src, partial, rel, chunk, on_bytes) for rel in relpaths]
+        _fsync_tree(partial)
+        remove_tree(dst)
+        os.rename(partial, dst)
+        fsync_dir(dst.parent)
+    except BaseException:
+        remove_tree(partial)
+        raise
+    return entries
+
+
+def capture_reference(src: Path, relpaths: Iterable[str]) -> list[FileEntry]:
+    """Checksum the files in place (memory short): later stages re-verify as they read."""
+    entries = []
+    for rel in relpaths:
+        path = src / rel
+        before = _identity(path)
+        checksum = file_checksum(path)
+        _check_unchanged(path, before)
+        entries.append(FileEntry(rel, before[1], before[3], checksum))
+    return entries
+
+
+def _copy_one(src: Path, dst: Path, rel: str, chunk: int,
+              on_bytes: Callable[[int], None] | None) -> FileEntry:
+    source, target = src / rel, dst / rel
+    target.parent.mkdir(parents=True, exist_ok=True)
+    before = _identity(source)
+    size, checksum = copy_with_checksum(source, target, chunk, on_bytes)
+    _check_unchanged(source, before)
+    if size != before[1]:
+        raise CaptureError(f"{source}: size changed during capture ({before[1]} -> {size})")
+    os.chmod(target, before[3])
+    return FileEntry(rel, size, before[3], checksum)
+
+
+def _identity(path: Path) -> tuple[int, int, int, int]:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise CaptureError(f"{path}: deleted during capture") from None
+    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode & 0o7777
+
+
+def _check_unchanged(path: Path, before: tuple[int, int, int, int]) -> None:
+    if _identity(path)[:3] != before[:3]:
+        raise CaptureError(f"{path}: rewritten during capture (inode, size or mtime changed)")
+
+
+def _fsync_tree(root: Path) -> None:
+    for directory, _dirs, _files in os.walk(root):
+        fsync_dir(directory)

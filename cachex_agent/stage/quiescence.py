@@ -1,0 +1,218 @@
+"""Is anybody still writing these files?
+
+No training framework writes its data files atomically, so "the marker exists" only
+says the trainer *thinks* it is done; an agent captures a node's files only after no
+process holds them open for writing and (optionally) their sizes and mtimes have stopped
+changing for a settle time.
+
+Limits worth knowing: psutil sees only the processes this user may inspect (everything
+when run as root, the user's own processes otherwise), and a writer that uses a shared
+writable mmap without an open descriptor is invisible. The settle time covers both.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import psutil
+
+from ..errors import OperationError
+
+__all__ = [
+    "FileState",
+    "QuiescenceStopped",
+    "QuiescenceTimeout",
+    "open_for_write",
+    "snapshot",
+    "wait_quiescent",
+]
+
+#: (size, mtime_ns, inode) of one regular file; the inode catches a rename-over that
+#: keeps size and mtime.
+FileState = tuple[int, int, int]
+
+# Modes psutil reports when it has no flags (non-Linux); anything but plain "r" writes.
+_WRITE_MODES = frozenset({"w", "a", "r+", "w+", "a+"})
+
+
+class QuiescenceTimeout(OperationError):
+    """Files of a checkpoint were still being written when the wait ran out."""
+
+    def __init__(self, directory: Path, timeout: float, still_open: Iterable[Path],
+                 changing: bool) -> None:
+        self.directory = Path(directory)
+        self.timeout = timeout
+        self.still_open = sorted(still_open)
+        if self.still_open:
+            names = ", ".join(str(p) for p in self.still_open[:10])
+            more = len(self.still_open) - 10
+            detail = f"still open for writing: {names}" + (f" (+{more} more)" if more > 0 else "")
+        elif changing:
+            detail = "files still changing (size or mtime)"
+        else:
+            detail = "not settled"
+        super().__init__(f"{directory}: not quiescent after {timeout:g}s; {detail}")
+
+
+class QuiescenceStopped(OperationError):
+    """The wait was abandoned because the caller's stop event was set."""
+
+    def __init__(self, directory: Path) -> None:
+        self.directory = Path(directory)
+        super().__init__(f"{directory}: stopped while waiting for writers to finish")
+
+
+def open_for_write(paths: Iterable[str | os.PathLike[str]]) -> set[Path]:
+    """The subset of `paths` that some process currently holds open for writing.
+
+    One pass over all processes. Paths are matched by their resolved name first; a
+    writer whose name does not match (bind mounts, containers, hard links) is matched by
+    device and inode. Processes that vanish or deny access are skipped.
+    """
+    by_name: dict[str, list[Path]] = {}
+    for path in paths:
+        by_name.setdefault(os.path.realpath(path), []).append(Path(path))
+    if not by_name:
+        return set()
+    index: _InodeIndex | None = None     # built on the first writer seen, if any
+    found: set[Path] = set()
+    wanted = sum(len(v) for v in by_name.values())
+    for proc in psutil.process_iter():
+        try:
+            handles = proc.open_files()
+        except (psutil.Error, OSError):
+            continue
+        for handle in handles:
+            if not _is_write_handle(handle):
+                continue
+            if index is None:
+                index = _InodeIndex(by_name)
+            if handle.path in by_name:
+                found.update(index.same_file(handle.path))
+            else:
+                found.update(index.by_inode.get(_handle_inode(proc.pid, handle), ()))
+        if len(found) == wanted:
+            break
+    return found
+
+
+class _InodeIndex:
+    """The wanted paths by (device, inode), so that hard links and names from other
+    mount namespaces match too."""
+
+    def __init__(self, by_name: dict[str, list[Path]]) -> None:
+        self.by_name = by_name
+        self.key_of: dict[str, tuple[int, int]] = {}
+        self.by_inode: dict[tuple[int, int] | None, list[Path]] = {}
+        for name, originals in by_name.items():
+            try:
+                st = os.stat(name)
+            except OSError:
+                continue
+            key = (st.st_dev, st.st_ino)
+            self.key_of[name] = key
+            self.by_inode.setdefault(key, []).extend(originals)
+
+    def same_file(self, name: str) -> list[Path]:
+        key = self.key_of.get(name)
+        return self.by_inode.get(key, self.by_name[name]) if key else self.by_name[name]
+
+
+def _is_write_handle(handle: object) -> bool:
+    flags = getattr(handle, "flags", -1)
+    if isinstance(flags, int) and flags >= 0:
+        return (flags & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
+    return getattr(handle, "mode", "r") in _WRITE_MODES
+
+
+def _handle_inode(pid: int, handle: object) -> tuple[int, int] | None:
+    # /proc/<pid>/fd/<n> reaches the open file itself even when its name is not
+    # resolvable from our mount namespace.
+    candidates = []
+    fd = getattr(handle, "fd", -1)
+    if isinstance(fd, int) and fd >= 0:
+        candidates.append(f"/proc/{pid}/fd/{fd}")
+    candidates.append(getattr(handle, "path", ""))
+    for candidate in candidates:
+        try:
+            st = os.stat(candidate)
+        except (OSError, ValueError):
+            continue
+        return (st.st_dev, st.st_ino)
+    return None
+
+
+def snapshot(directory: str | os.PathLike[str],
+             ignore: Callable[[str], bool] | None = None) -> dict[Path, FileState]:
+    """Every regular file under `directory` (recursive, symlinks not followed).
+
+    `ignore` gets the '/'-separated path relative to `directory`. Raises
+    FileNotFoundError when `directory` itself does not exist; entries that vanish while
+    walking are skipped (the next snapshot differs, which is what callers look for).
+    """
+    root = Path(directory)
+    files: dict[Path, FileState] = {}
+    pending: list[tuple[Path, str]] = [(root, "")]
+    while pending:
+        path, prefix = pending.pop()
+        try:
+            with os.scandir(path) as entries:
+                listing = list(entries)
+        except (FileNotFoundError, NotADirectoryError):
+            if path == root:
+                raise FileNotFoundError(errno.ENOENT, "directory not found", str(root)) from None
+            continue
+        for entry in listing:
+            relpath = prefix + entry.name
+            try:
+                if entry.is_dir(follow_symlinks=False):
+                    pending.append((Path(entry.path), relpath + "/"))
+                    continue
+                if not entry.is_file(follow_symlinks=False) or (ignore and ignore(relpath)):
+                    continue
+                st = entry.stat(follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            files[Path(entry.path)] = (st.st_size, st.st_mtime_ns, st.st_ino)
+    return files
+
+
+def wait_quiescent(directory: str | os.PathLike[str], settle: float, timeout: float,
+                   stop: threading.Event | None = None, poll: float = 0.1, *,
+                   ignore: Callable[[str], bool] | None = None) -> list[Path]:
+    """Wait until nobody writes under `directory`; return its regular files, sorted.
+
+    Quiescent means: no file is open for writing by any process, and (when `settle` > 0)
+    the set of (path, size, mtime, inode) has not changed for `settle` seconds, the last
+    time measured with no writer present. Files for which `ignore(relpath)` is true are
+    neither checked nor returned.
+
+    Raises QuiescenceTimeout after `timeout` seconds, QuiescenceStopped when `stop` is
+    set, FileNotFoundError when `directory` disappears.
+    """
+    directory = Path(directory)
+    deadline = time.monotonic() + timeout
+    last: dict[Path, FileState] | None = None
+    stable_since = time.monotonic()
+    while True:
+        files = snapshot(directory, ignore)
+        busy = open_for_write(files) if files else set()
+        now = time.monotonic()
+        if files != last or busy:
+            # A change or a writer restarts the settle clock: bytes may still be coming.
+            stable_since, last = now, files
+        if not busy and now - stable_since >= settle:
+            return sorted(files)
+        if now >= deadline:
+            raise QuiescenceTimeout(directory, timeout, busy, changing=not busy)
+        pause = max(0.0, min(poll, deadline - now))
+        if stop is not None:
+            if stop.wait(pause):
+                raise QuiescenceStopped(directory)
+        else:
+            time.sleep(pause)

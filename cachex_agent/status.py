@@ -1,0 +1,94 @@
+"""What `cachex status` and `cachex ls` read: the coordinator's view, wherever it is.
+
+The coordinator writes `status.json` into its journal (node-local) and, when the PFS
+takes writes, into `<pfs>/<run>/`. Either may be the newer one; a login node sees only
+the PFS copy. With no agent status at all, the PFS index still tells what was flushed.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+from .config import Config
+from .errors import OperationError
+from .fsutil import read_json
+
+LEVEL_ORDER = {"written": 1, "captured": 2, "replicated": 3, "flushed": 4}
+
+
+def status_sources(config: Config) -> list[Path]:
+    node0 = config.node_paths(0)
+    return [node0.journal / "status.json", node0.pfs / "status.json"]
+
+
+def load_status(config: Config) -> dict[str, Any]:
+    found = []
+    for path in status_sources(config):
+        try:
+            found.append(read_json(path))
+        except (OSError, json.JSONDecodeError):
+            continue
+    if found:
+        return max(found, key=lambda s: s.get("updated", 0))
+    index_path = config.node_paths(0).pfs / "index.json"
+    try:
+        index = read_json(index_path)
+    except (OSError, json.JSONDecodeError):
+        places = ", ".join(str(p) for p in [*status_sources(config), index_path])
+        raise OperationError(f"run {config.run}: no status found (looked in {places})") from None
+    rows = [{"id": r["id"], "seq": r["seq"], "level": "flushed" if r["state"] == "valid"
+             else r["state"], "bytes": r["bytes"]} for r in index["checkpoints"]]
+    return {"run": config.run, "state": "unknown (from the PFS index)", "checkpoints": rows,
+            "updated": None}
+
+
+def listing(status: dict[str, Any]) -> dict[str, Any]:
+    """The `ls --json` shape: id and level of every checkpoint, oldest first."""
+    return {"run": status["run"], "checkpoints": [
+        {"id": r["id"], "seq": r["seq"], "level": r["level"], "bytes": r["bytes"]}
+        for r in status["checkpoints"]]}
+
+
+def human_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def format_ls(status: dict[str, Any]) -> str:
+    lines = [f"{'checkpoint':<24} {'level':<10} {'size':>10}"]
+    for row in status["checkpoints"]:
+        lines.append(f"{row['id']:<24} {row['level']:<10} {human_size(row['bytes']):>10}")
+    return "\n".join(lines)
+
+
+def format_status(status: dict[str, Any]) -> str:
+    updated = status.get("updated")
+    age = f"{time.time() - updated:.0f}s ago" if updated else "unknown"
+    lines = [f"run {status['run']}: agents {status['state']}, {status.get('nodes', '?')} nodes,"
+             f" updated {age}", format_ls(status)]
+    for row in status["checkpoints"]:
+        lines.extend(_details(row, status.get("nodes")))
+    return "\n".join(lines)
+
+
+def _details(row: dict[str, Any], nodes: int | None) -> list[str]:
+    out = []
+    if row["level"] in ("written", "captured") and nodes:
+        out.append(f"  {row['id']}: captured on {row.get('nodes_captured', 0)}/{nodes} nodes,"
+                   f" flushed on {row.get('nodes_flushed', 0)}/{nodes}"
+                   + ("" if row.get("flush", True) else " (not flushed: flush.every)"))
+    for node, progress in sorted((row.get("progress") or {}).items()):
+        share = progress["done"] / progress["total"] if progress["total"] else 1.0
+        out.append(f"  {row['id']}: node {node} {progress['stage']} {share:.0%}"
+                   f" of {human_size(progress['total'])}")
+    for where, error in sorted((row.get("errors") or {}).items()):
+        out.append(f"  {row['id']}: node {where}: {error}")
+    if row.get("reason"):
+        out.append(f"  {row['id']}: failed: {row['reason']}")
+    return out

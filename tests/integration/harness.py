@@ -1,0 +1,173 @@
+"""Real processes for the integration tests: agents under mpiexec, the example trainer,
+the `cachex` command. Every wait is bounded; every process is killed at the end."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+ROOT = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+MPIEXEC = BIN / "mpiexec"
+TRAINER = ROOT / "examples" / "trainer.py"
+assert MPIEXEC.exists(), f"no mpiexec next to {sys.executable}: run `make venv`"
+
+
+def kill_tree(proc: subprocess.Popen[Any]) -> None:
+    """SIGKILL mpiexec's process group and every rank.
+
+    Hydra starts each proxy and rank in a session of its own, so the group alone would
+    leave ranks running (and possibly committing) for a moment after mpiexec dies.
+    """
+    try:
+        ranks = psutil.Process(proc.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        ranks = []
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    for child in ranks:
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+    proc.wait(timeout=10)
+    # Orphaned ranks stay zombies until init reaps them; a zombie writes nothing more.
+    deadline = time.monotonic() + 10
+    while any(_alive(p) for p in ranks):
+        assert time.monotonic() < deadline, f"ranks survived SIGKILL: {ranks}"
+        time.sleep(0.005)
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_for(predicate: Callable[[], Any], timeout: float, what: str, poll: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(poll)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+class Cluster:
+    """N virtual nodes on this machine: spools, stage, cache and a PFS under `root`."""
+
+    def __init__(self, root: Path, nodes: int = 4, extra: str = "", rule: str = "dcp") -> None:
+        self.root, self.nodes = root, nodes
+        for node in range(nodes):
+            (root / f"node{node}" / "spool").mkdir(parents=True, exist_ok=True)
+        (root / "pfs").mkdir(exist_ok=True)
+        self.config = root / "cachex.toml"
+        self.config.write_text(f'''run = "t"
+[paths]
+spool = "{root}/node{{node}}/spool"
+stage = "{root}/node{{node}}/shm"
+cache = "{root}/node{{node}}/nvme"
+pfs = "{root}/pfs"
+[topology]
+domain = "rank"
+[commit]
+rule = "{rule}"
+[agent]
+timeout = "20s"
+{extra}''')
+        self.agents: subprocess.Popen[bytes] | None = None
+        self.trainers: list[subprocess.Popen[bytes]] = []
+
+    # ------------------------------------------------------------------ paths
+    def spool(self, node: int) -> Path:
+        return self.root / f"node{node}" / "spool"
+
+    def stage(self, node: int) -> Path:
+        return self.root / f"node{node}" / "shm" / "t"
+
+    def journal(self, node: int) -> Path:
+        return self.root / f"node{node}" / "nvme" / "t" / "journal"
+
+    @property
+    def pfs(self) -> Path:
+        return self.root / "pfs" / "t"
+
+    # -------------------------------------------------------------- processes
+    def start_agents(self, *args: str) -> subprocess.Popen[bytes]:
+        log = (self.root / "agents.log").open("ab")
+        self.agents = subprocess.Popen(
+            [str(MPIEXEC), "-n", str(self.nodes), str(BIN / "cachex-agent"), "--config",
+             str(self.config), *args], stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+        wait_for(lambda: self._started(), 60, "agents to start")
+        return self.agents
+
+    def _started(self) -> bool:
+        assert self.agents is not None
+        if self.agents.poll() is not None:
+            log = (self.root / "agents.log").read_text()[-3000:]
+            raise AssertionError(f"agents exited with {self.agents.returncode}:\n{log}")
+        return self.status().get("state") == "running"
+
+    def trainer(self, *args: str, ranks: int = 8, ranks_per_node: int = 2
+                ) -> subprocess.Popen[bytes]:
+        command = [str(MPIEXEC), "-n", str(ranks), sys.executable, str(TRAINER), "--spool",
+                   f"{self.root}/node{{node}}/spool", "--ranks-per-node", str(ranks_per_node),
+                   "--state-out", str(self.root / "state.json"), *args]
+        proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                start_new_session=True)
+        self.trainers.append(proc)
+        return proc
+
+    def cachex(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(BIN / "cachex"), *args, "--config", str(self.config)],
+                              capture_output=True, text=True, timeout=timeout)
+
+    def stop(self, timeout: float = 60) -> int:
+        assert self.agents is not None
+        result = self.cachex("stop", "--timeout", str(timeout), timeout=timeout + 10)
+        assert result.returncode == 0, result.stderr
+        return self.agents.wait(timeout)
+
+    def close(self) -> None:
+        for proc in [*self.trainers, self.agents]:
+            if proc is not None and proc.poll() is None:
+                kill_tree(proc)
+
+    # ------------------------------------------------------------------ state
+    def status(self) -> dict[str, Any]:
+        for path in (self.journal(0) / "status.json", self.pfs / "status.json"):
+            try:
+                return json.loads(path.read_text())
+            except (OSError, ValueError):
+                continue
+        return {}
+
+    def levels(self) -> dict[str, str]:
+        return {r["id"]: r["level"] for r in self.status().get("checkpoints", [])}
+
+    def wait_level(self, ckpt: str, level: str, timeout: float = 60) -> None:
+        wait_for(lambda: self.levels().get(ckpt) == level, timeout, f"{ckpt} to reach {level}"
+                 f" (now {self.levels()}; log {self.root / 'agents.log'})")
+
+    def events(self, node: int) -> list[dict[str, Any]]:
+        lines = (self.journal(node) / "events.jsonl").read_text().splitlines()
+        return [json.loads(line) for line in lines if line.strip()]
+
+
+def files_of(directory: Path) -> dict[str, bytes]:
+    return {p.relative_to(directory).as_posix(): p.read_bytes()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
