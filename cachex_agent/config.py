@@ -97,6 +97,13 @@ def _size(value: Any, key: str) -> int:
     return parse_size(value, key)
 
 
+def _buffer_size(value: Any, key: str) -> int:
+    size = parse_size(value, key)
+    if size < 4096:
+        raise ConfigError(f"{key}: expected at least 4KiB, got {value!r}")
+    return size
+
+
 def _duration(value: Any, key: str) -> float:
     return parse_duration(value, key)
 
@@ -170,9 +177,9 @@ _PARSERS: dict[str, dict[str, Callable[[Any, str], Any]]] = {
                         "quiescence", prefixes=("marker:",)),
         "settle": _duration, "timeout": _duration, "scan": _duration, "mirror": _bool,
     },
-    "peer": {"copies": _int(1), "stride": _int(1), "slot": _size, "slots": _int(1)},
+    "peer": {"copies": _int(1), "stride": _int(1), "slot": _buffer_size, "slots": _int(1)},
     "flush": {
-        "bandwidth": _size, "concurrency": _int(1), "every": _int(1), "chunk": _size,
+        "bandwidth": _size, "concurrency": _int(1), "every": _int(1), "chunk": _buffer_size,
         "retry_max": _duration, "drain_timeout": _duration, "verify": _bool, "nice": _int(0),
     },
     "keep": {"stage": _int(0), "replica": _int(0), "pfs": _int(0)},

@@ -22,7 +22,14 @@ class EventLog:
         self.path = path
         self._context = context
         self._lock = threading.Lock()
-        self._fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        self._end_torn_line()
+
+    def _end_torn_line(self) -> None:
+        """An agent killed mid-write left half a line: close it so the next one is whole."""
+        size = os.fstat(self._fd).st_size
+        if size and os.pread(self._fd, 1, size - 1) != b"\n":
+            os.write(self._fd, b"\n")
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
         record = {"t": time.time(), "event": event, **self._context, **fields}

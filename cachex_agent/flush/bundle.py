@@ -105,7 +105,8 @@ def _write_temp(temp: Path, manifest: LocalManifest, source_dir: Path, chunk: in
     with h5py.File(temp, "w", locking=False) as h5:
         _set_root_attrs(h5, manifest)
         group = h5.create_group(FILES)
-        offsets = [_create_dataset(group.id, _dataset_name(i), entry)
+        maker = _DatasetMaker(group.id)
+        offsets = [maker.create(_dataset_name(i), entry)
                    for i, entry in enumerate(manifest.files)]
         fd = os.open(temp, os.O_WRONLY)
         try:
@@ -136,43 +137,56 @@ def _dataset_name(index: int) -> str:
     return f"{index:06d}"
 
 
-def _create_dataset(group: h5py.h5g.GroupID, name: str, entry: FileEntry) -> int:
-    """Create the dataset with its space allocated; return the file offset of its data."""
-    dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
-    dcpl.set_layout(h5py.h5d.CONTIGUOUS)
-    dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
-    dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
-    space = h5py.h5s.create_simple((entry.size,), (entry.size,))
-    dsid = h5py.h5d.create(group, name.encode(), h5py.h5t.STD_U8LE, space, dcpl=dcpl)
-    # The low-level attribute calls write the same types as `dset.attrs[...] = ...`
-    # (scalar UTF-8 strings, int64) at a fraction of the Python overhead, which is
-    # what a bundle of thousands of small files (Orbax/zarr) spends its time on.
-    _put_attr(dsid, "path", entry.path)
-    _put_attr(dsid, "size", entry.size)
-    _put_attr(dsid, "mode", entry.mode)
-    _put_attr(dsid, "checksum", entry.checksum)
-    offset = dsid.get_offset()
-    if offset is None and entry.size:
-        raise RuntimeError(f"HDF5 allocated no space for {FILES}/{name} despite EARLY alloc")
-    return offset or 0
+class _DatasetMaker:
+    """Creates the per-file datasets, reusing the property list, space and types.
+
+    Low-level calls write the same objects as `dset.attrs[...] = ...` (scalar UTF-8
+    strings, int64) for a fraction of the cost: every HDF5 identifier costs ~10 us to
+    create and release here, which is what a bundle of thousands of small files
+    (Orbax/zarr layouts) spends its time on.
+    """
+
+    def __init__(self, group: h5py.h5g.GroupID) -> None:
+        self._group = group
+        self._dcpl = h5py.h5p.create(h5py.h5p.DATASET_CREATE)
+        self._dcpl.set_layout(h5py.h5d.CONTIGUOUS)
+        self._dcpl.set_alloc_time(h5py.h5d.ALLOC_TIME_EARLY)
+        self._dcpl.set_fill_time(h5py.h5d.FILL_TIME_NEVER)
+        self._scalar = h5py.h5s.create(h5py.h5s.SCALAR)
+        self._text = h5py.h5t.py_create(_STRING, logical=True)
+
+    def create(self, name: str, entry: FileEntry) -> int:
+        """Create the dataset with its space allocated; return the offset of its data."""
+        space = h5py.h5s.create_simple((entry.size,), (entry.size,))
+        dsid = h5py.h5d.create(self._group, name.encode(), h5py.h5t.STD_U8LE, space,
+                               dcpl=self._dcpl)
+        self._put(dsid, b"path", self._text, np.array(entry.path, _STRING))
+        self._put(dsid, b"size", h5py.h5t.STD_I64LE, np.array(entry.size, np.int64))
+        self._put(dsid, b"mode", h5py.h5t.STD_I64LE, np.array(entry.mode, np.int64))
+        self._put(dsid, b"checksum", self._text, np.array(entry.checksum, _STRING))
+        offset = dsid.get_offset()
+        if offset is None and entry.size:
+            raise RuntimeError(f"HDF5 allocated no space for {FILES}/{name}"
+                               " despite EARLY allocation")
+        return offset or 0
+
+    def _put(self, obj: h5py.h5d.DatasetID, name: bytes, tid: h5py.h5t.TypeID,
+             data: np.ndarray) -> None:
+        h5py.h5a.create(obj, name, tid, self._scalar).write(data)
 
 
 _STRING = h5py.string_dtype()
 
 
-def _put_attr(obj: h5py.h5o.ObjectID, name: str, value: str | int) -> None:
-    if isinstance(value, str):
-        tid, data = h5py.h5t.py_create(_STRING, logical=True), np.array(value, _STRING)
-    else:
-        tid, data = h5py.h5t.STD_I64LE, np.array(value, np.int64)
-    attr = h5py.h5a.create(obj, name.encode(), tid, h5py.h5s.create(h5py.h5s.SCALAR))
-    attr.write(data)
-
-
-def _get_attr(obj: h5py.h5o.ObjectID, name: str) -> Any:
+def _get_attr(obj: h5py.h5d.DatasetID, name: str, dtype: Any) -> Any:
+    """Read a scalar attribute as `dtype`, or as stored if HDF5 cannot convert it."""
     attr = h5py.h5a.open(obj, name.encode())
-    data = np.empty(attr.shape, dtype=attr.dtype)
-    attr.read(data)
+    data = np.empty((), dtype=dtype)
+    try:
+        attr.read(data)
+    except (TypeError, ValueError, OSError):      # e.g. a fixed-length string
+        data = np.empty(attr.shape, dtype=attr.dtype)
+        attr.read(data)
     return data[()]
 
 
@@ -221,7 +235,7 @@ def read_manifest(path: Path) -> LocalManifest:
     """The LocalManifest a complete bundle was written from (BundleError otherwise)."""
     with _open(path) as h5:
         attrs = _checked_root(path, h5, need_complete=True)
-        files = [entry for _, entry in _entries(path, h5)]
+        files = [entry for _, _, entry in _datasets(path, h5)]
         return LocalManifest(run=_str(attrs["run"]), ckpt=_str(attrs["ckpt"]),
                              seq=int(attrs["seq"]), node=int(attrs["node"]),
                              host=_str(attrs["host"]), rank=int(attrs["rank"]),
@@ -251,7 +265,7 @@ def verify_bundle(path: Path, expected: list[FileEntry] | None = None) -> list[s
             _checked_root(path, h5, need_complete=True)
             problems: list[str] = []
             found: dict[str, FileEntry] = {}
-            for dset, entry in _entries(path, h5):
+            for _, dset, entry in _datasets(path, h5):
                 found[entry.path] = entry
                 problem = _check_dataset(dset, entry, raw, None)
                 if problem:
@@ -289,16 +303,17 @@ def extract(path: Path, dest: Path, only: set[str] | None = None) -> list[FileEn
     written: list[FileEntry] = []
     with _open(path) as h5, _RawFile(path) as raw:
         _checked_root(path, h5, need_complete=True)
-        chosen = [(dset, entry) for dset, entry in _entries(path, h5)
+        chosen = [(name, entry) for name, _, entry in _datasets(path, h5)
                   if only is None or entry.path in only]
         missing = (only or set()) - {entry.path for _, entry in chosen}
         if missing:
             raise BundleError(f"{path}: not in the bundle: {', '.join(sorted(missing))}")
+        group = h5[FILES].id
         parents: set[Path] = set()
-        for dset, entry in chosen:
+        for name, entry in chosen:
             target = dest / _safe_relative(path, entry.path)
             makedirs(target.parent)
-            _extract_one(path, dset, entry, raw, target)
+            _extract_one(path, h5py.h5d.open(group, name), entry, raw, target)
             parents.add(target.parent)
             written.append(entry)
     for parent in parents:
@@ -336,12 +351,13 @@ def _safe_relative(path: Path, name: str) -> PurePosixPath:
 def _check_dataset(dset: h5py.h5d.DatasetID, entry: FileEntry, raw: _RawFile,
                    out_fd: int | None) -> str | None:
     """Hash the dataset's bytes (copying them to `out_fd` if given); say what is wrong."""
-    if dset.rank != 1 or dset.dtype != np.uint8:
-        return f"dataset is {dset.dtype}{dset.shape}, expected 1-D uint8"
-    if dset.shape[0] != entry.size:
-        return f"dataset holds {dset.shape[0]} bytes, its size attribute says {entry.size}"
+    shape, dtype = dset.shape, dset.dtype
+    if len(shape) != 1 or dtype != np.uint8:
+        return f"dataset is {dtype}{shape}, expected 1-D uint8"
+    if shape[0] != entry.size:
+        return f"dataset holds {shape[0]} bytes, its size attribute says {entry.size}"
     digest = hasher()
-    for window in _windows(dset, raw):
+    for window in _windows(dset, entry.size, raw):
         digest.update(window)
         if out_fd is not None:
             _write_all(out_fd, window)
@@ -356,9 +372,8 @@ def _write_all(fd: int, data: memoryview) -> None:
         data = data[os.write(fd, data):]
 
 
-def _windows(dset: h5py.h5d.DatasetID, raw: _RawFile) -> Iterator[memoryview]:
+def _windows(dset: h5py.h5d.DatasetID, size: int, raw: _RawFile) -> Iterator[memoryview]:
     """The dataset's bytes in chunk-sized views, straight from the file when possible."""
-    size = dset.shape[0]
     if size == 0:
         return
     offset = dset.get_offset()
@@ -453,22 +468,26 @@ def _checked_root(path: Path, h5: h5py.File, need_complete: bool) -> Any:
     return attrs
 
 
-def _entries(path: Path, h5: h5py.File) -> list[tuple[h5py.h5d.DatasetID, FileEntry]]:
-    """The datasets in manifest order, with the FileEntry their attributes describe."""
+def _datasets(path: Path, h5: h5py.File
+              ) -> Iterator[tuple[bytes, h5py.h5d.DatasetID, FileEntry]]:
+    """Each dataset in manifest order, open, with the FileEntry its attributes describe.
+
+    One dataset is open at a time: HDF5 scans every open object of the file when it
+    opens an attribute, so holding thousands open makes reading quadratic.
+    """
     group = h5[FILES].id
-    out = []
     for name in sorted(group, key=lambda n: (len(n), n)):
         try:
             dset = h5py.h5d.open(group, name)
-            entry = FileEntry(path=_str(_get_attr(dset, "path")),
-                              size=int(_get_attr(dset, "size")),
-                              mode=int(_get_attr(dset, "mode")),
-                              checksum=_str(_get_attr(dset, "checksum")))
+            entry = FileEntry(path=_str(_get_attr(dset, "path", _STRING)),
+                              size=int(_get_attr(dset, "size", np.int64)),
+                              mode=int(_get_attr(dset, "mode", np.int64)),
+                              checksum=_str(_get_attr(dset, "checksum", _STRING)))
         except (KeyError, ValueError, TypeError) as exc:
             raise BundleError(f"{path}: {FILES}/{_str(name)} is not a dataset with path,"
                               f" size, mode and checksum attributes ({exc})") from None
-        out.append((dset, entry))
-    return out
+        yield name, dset, entry
+        del dset
 
 
 def _str(value: Any) -> str:

@@ -61,6 +61,7 @@ class Flusher:
         """Queue the flush of one captured checkpoint (no-op if already queued)."""
         if manifest.ckpt in self._futures and not self._futures[manifest.ckpt].done():
             return
+        self._cancelled.discard(manifest.ckpt)
         self._futures[manifest.ckpt] = self._pool.submit(self._flush, manifest, source)
 
     def cancel(self, ckpt: str) -> None:
@@ -89,7 +90,11 @@ class Flusher:
             try:
                 self._attempt(manifest, source)
                 return
-            except (OSError, OperationError) as exc:
+            except Exception as exc:        # noqa: BLE001 (a worker must always report)
+                if not isinstance(exc, (OSError, OperationError)):
+                    log.exception("flush of %s", manifest.ckpt)
+                    self._failed(manifest, f"internal error: {exc!r}", final=True)
+                    return
                 if not source.exists():
                     self._failed(manifest, f"{source}: staged copy is gone", final=True)
                     return

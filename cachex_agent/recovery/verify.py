@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from dataclasses import dataclass, field
 
 from ..checksum import file_checksum
@@ -34,15 +35,20 @@ def verify(config: Config, ckpt: str) -> list[Finding]:
         n: m.files for n, m in locals_.items()}
     if not expected:
         raise OperationError(f"{ckpt}: unknown checkpoint (no global or local manifest found)")
-    findings = [_stage(config, ckpt, node, files) for node, files in sorted(expected.items())]
+    hosts = {n["node"]: n["host"] for n in gm.nodes} if gm else {
+        n: m.host for n, m in locals_.items()}
+    findings = [_stage(config, ckpt, node, hosts.get(node), files)
+                for node, files in sorted(expected.items())]
     if gm:
         findings += [_bundle(config, ckpt, node, files) for node, files in sorted(expected.items())]
     return findings
 
 
-def _stage(config: Config, ckpt: str, node: int, files: list[FileEntry]) -> Finding:
-    directory = stage_dir(config, node, ckpt)
-    finding = Finding("stage", node, str(directory), directory.is_dir())
+def _stage(config: Config, ckpt: str, node: int, host: str | None,
+           files: list[FileEntry]) -> Finding:
+    directory = stage_dir(config, node, ckpt, host)
+    here = host in (None, socket.gethostname())     # another host's stage is not visible
+    finding = Finding("stage", node, str(directory), here and directory.is_dir())
     if finding.checked:
         finding.problems = check_files(directory, files)
     return finding
