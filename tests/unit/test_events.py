@@ -100,9 +100,8 @@ def test_read_events_skips_a_torn_last_line(tmp_path):
 
 @pytest.mark.timeout(10)
 def test_restart_after_a_torn_line_keeps_the_new_events(tmp_path):
-    """PRODUCT BUG (events.py, EventLog.__init__): a restarted agent appends its first
-    event right after the torn bytes of the killed one (no newline is written first), so
-    that event is glued to the fragment and read_events drops it."""
+    """A restarted agent must not glue its first event to the torn bytes of the killed
+    one (read_events would drop both)."""
     path = tmp_path / "events.jsonl"
     log = EventLog(path, node=2)
     log.emit("captured", ckpt="step_00100")
