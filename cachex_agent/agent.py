@@ -32,6 +32,8 @@ from .flush.flusher import Flusher
 from .fsutil import makedirs, remove_tree
 from .journal import Journal
 from .manifest import GlobalManifest, LocalManifest
+from .peer.partners import domains_of
+from .peer.replicator import Replicator
 from .stage.capture import CaptureError, capture_copy, capture_reference, list_files
 from .stage.quiescence import wait_quiescent
 from .stage.rules import make_rule
@@ -39,7 +41,8 @@ from .stage.watch import SpoolWatcher
 from .topology import Placement, place_in
 
 log = logging.getLogger(__name__)
-TAG = 7
+TAG = 7           # coordinator protocol
+PEER_TAG = 8      # replication protocol (peer/replicator.py)
 MEMORY_RESERVE = 1 << 30    # capture by reference when the copy would leave less than this
 
 
@@ -94,12 +97,25 @@ class Agent:
         self.exit_now = False
         self._requests: list[Any] = []
         self._signals = 0
-        ranks_by_node = self._ranks_by_node()
-        self.coordinator = (Coordinator(config, ranks_by_node, self.journal, self.paths.pfs,
-                                        self.events, self._send) if self.rank == 0 else None)
+        self._dead_agents: list[int] = []
+        self.ranks_by_node = self._ranks_by_node()
+        self.node_of_rank = {r: n for n, r in enumerate(self.ranks_by_node)}
+        self.coordinator = (Coordinator(config, self.ranks_by_node, self.journal,
+                                        self.paths.pfs, self.events, self._send)
+                            if self.rank == 0 else None)
+        self.replicator = agree(comm, "peer set-up", self._make_replicator)
         self.watcher = SpoolWatcher(self.paths.spool, self.rule, self._on_marker,
                                     scan=config.commit.scan)
         self._preexisting = set(self._committed_now())
+
+    def _make_replicator(self) -> Replicator | None:
+        """Collective (the window): every rank takes the same decision from the config."""
+        path = self.config.model.path
+        domains = len(set(domains_of(self.config.topology.domain, list(self.placement.hosts))))
+        if path == "direct" or (path == "auto" and domains < 2):
+            return None         # flush-only: asked for, or no other failure domain
+        return Replicator(self.comm, self.placement, self.ranks_by_node, self.config,
+                          self.paths, self.events, self._send_peer, self.inbox.put)
 
     def _ranks_by_node(self) -> list[int]:
         pairs = self.comm.allgather((self.node, self.rank))
@@ -125,7 +141,8 @@ class Agent:
         try:
             while not self.exit_now:
                 self._step()
-                time.sleep(self.config.agent.poll)
+                busy = self.replicator is not None and self.replicator.busy()
+                time.sleep(0.001 if busy else self.config.agent.poll)
         finally:
             self.watcher.stop()
             self.stop_event.set()
@@ -133,12 +150,16 @@ class Agent:
             left = self.flusher.close(timeout=0)
             self.events.emit("agent_exit", unflushed=left)
             self._wait_requests(self.config.agent.timeout)
+            if self.replicator is not None:
+                self.replicator.close(free=not self._dead_agents)
             self.events.close()
         return 0
 
     def _step(self) -> None:
         self._drain_inbox()
         self._receive()
+        if self.replicator is not None:
+            self.replicator.pump()
         if self.coordinator:
             self.coordinator.tick()
         self._check_stop_files()
@@ -157,17 +178,24 @@ class Agent:
             self._on_marker(pre[-1], force=True)
 
     # -------------------------------------------------------------- messaging
-    def _send(self, rank: int, msg: dict[str, Any]) -> None:
-        self._requests.append(self.comm.isend(msg, dest=rank, tag=TAG))
+    def _send(self, rank: int, msg: dict[str, Any], tag: int = TAG) -> None:
+        self._requests.append(self.comm.isend(msg, dest=rank, tag=tag))
+
+    def _send_peer(self, rank: int, msg: dict[str, Any]) -> None:
+        self._send(rank, msg, PEER_TAG)
 
     def _to_coordinator(self, msg: dict[str, Any]) -> None:
         self._send(0, {**msg, "node": self.node})
 
     def _receive(self) -> None:
         status = MPI.Status()
-        while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=TAG, status=status):
-            msg = self.comm.recv(source=status.Get_source(), tag=TAG)
-            if "node" in msg and self.coordinator and msg["type"] not in _TO_AGENT:
+        while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status):
+            source, tag = status.Get_source(), status.Get_tag()
+            msg = self.comm.recv(source=source, tag=tag)
+            if tag == PEER_TAG:
+                if self.replicator is not None:
+                    self.replicator.handle(self.node_of_rank[source], msg)
+            elif "node" in msg and self.coordinator and msg["type"] not in _TO_AGENT:
                 self.coordinator.handle(msg["node"], msg)
             else:
                 self._handle(msg)
@@ -178,8 +206,15 @@ class Agent:
                 msg = self.inbox.get_nowait()
             except queue.Empty:
                 return
-            if msg["type"] == "captured":
+            kind = msg["type"]
+            if kind in ("credit", "ack"):           # the replica store answers an owner
+                self._send_peer(self.ranks_by_node[msg.pop("owner")], msg)
+                continue
+            if kind == "captured":
                 self._after_capture(msg)
+            elif kind == "replicated":
+                self._after_replicate(msg)
+                msg = {**msg, "dead": sorted(self.replicator.dead) if self.replicator else []}
             self._to_coordinator(msg)
 
     def _wait_requests(self, timeout: float) -> None:
@@ -200,6 +235,7 @@ class Agent:
         elif kind == "drain":
             self._on_drain(msg)
         elif kind == "exit":
+            self._dead_agents = msg.get("dead", [])
             self.exit_now = True
 
     def _on_commit(self, msg: dict[str, Any]) -> None:
@@ -222,11 +258,33 @@ class Agent:
 
     def _after_capture(self, msg: dict[str, Any]) -> None:
         ckpt = msg["ckpt"]
-        announced = self.announced.get(ckpt, {})
-        if announced.get("flush"):
-            entry = self.journal.get(ckpt) or {}
-            self.flusher.submit(LocalManifest.from_json(msg["manifest"]), Path(entry["source"]))
+        entry = self.journal.get(ckpt) or {}
+        manifest = LocalManifest.from_json(msg["manifest"])
+        if self.replicator is not None and not entry.get("replicated"):
+            self.replicator.replicate(manifest, Path(entry["source"]))
+        else:
+            self._flush_if_wanted(manifest, entry)
         self._retain_stage()
+
+    def _after_replicate(self, msg: dict[str, Any]) -> None:
+        ckpt = msg["ckpt"]
+        entry = self.journal.get(ckpt) or {}
+        if msg["ok"]:
+            self.journal.update(ckpt, replicated=True)
+            self.events.emit("replicated", ckpt=ckpt, seq=entry.get("seq"),
+                             bytes=entry.get("bytes"), partners=msg["partners"])
+        else:
+            log.warning("replication of %s failed: %s", ckpt, msg["errors"])
+            self.events.emit("replicate_failed", ckpt=ckpt, seq=entry.get("seq"),
+                             errors=msg["errors"])
+        manifest = self.journal.manifest(ckpt)
+        if manifest is not None and entry.get("state") in ("captured", "flushed"):
+            self._flush_if_wanted(manifest, entry)
+        self._retain_stage()
+
+    def _flush_if_wanted(self, manifest: LocalManifest, entry: dict[str, Any]) -> None:
+        if self.announced.get(manifest.ckpt, {}).get("flush"):
+            self.flusher.submit(manifest, Path(entry["source"]))
 
     def _on_finalized(self, msg: dict[str, Any]) -> None:
         manifest = GlobalManifest.from_json(msg["manifest"])
@@ -251,12 +309,14 @@ class Agent:
                 self.announced[ckpt]["flush"] = True
                 entry = self.journal.get(ckpt) or {}
                 manifest = self.journal.manifest(ckpt)
-                if entry.get("state") == "captured" and manifest:
+                replicating = self.replicator is not None and ckpt in self.replicator.pending()
+                if entry.get("state") == "captured" and manifest and not replicating:
                     self.flusher.submit(manifest, Path(entry["source"]))
         self.watcher.stop()
 
     def _check_drained(self) -> None:
-        busy = self._queued or self.flusher.pending() or not self.inbox.empty()
+        replicating = self.replicator is not None and self.replicator.busy()
+        busy = self._queued or self.flusher.pending() or not self.inbox.empty() or replicating
         if busy and time.monotonic() < self.drain_deadline:
             return
         if not getattr(self, "_drained_sent", False):
@@ -327,6 +387,8 @@ class Agent:
         if keep == 0 or len(held) <= keep:
             return
         pending = set(self.flusher.pending())
+        if self.replicator is not None:
+            pending |= self.replicator.pending()
         for _seq, ckpt in held[keep:]:
             entry = self.journal.entries[ckpt]
             wanted = self.announced.get(ckpt, {}).get("flush", False)

@@ -8,6 +8,7 @@ Protocol (DESIGN.md section 5):
   agent  -> coord  marker      an agent saw the commit marker of `ckpt` in its spool
   coord  -> all    commit      `ckpt` is committed (seq, global files, flush or not)
   agent  -> coord  captured    this node's part is in its stage (local manifest)
+  agent  -> coord  replicated  this node's partners hold verified copies (or why not)
   agent  -> coord  flushed     this node's bundle is durable on the PFS
   coord  -> all    finalized   global manifest and index committed (level "flushed")
   coord  -> all    failed      `ckpt` can never be whole: drop it
@@ -36,7 +37,7 @@ from .manifest import GlobalManifest, LocalManifest
 
 log = logging.getLogger(__name__)
 Send = Callable[[int, dict[str, Any]], None]
-LEVELS = ("written", "captured", "flushed")          # in order; plus "failed", "purged"
+LEVELS = ("written", "captured", "replicated", "flushed")   # plus failed, evicted, purged
 INDEX_FORMAT = "cachex-index"
 
 
@@ -56,6 +57,7 @@ class Coordinator:
         self.next_seq: int = saved.get("next_seq", 1)
         self.state = "running"
         self.drained: set[int] = set()
+        self.dead: set[int] = set()         # agents that partners found unresponsive
         self.drain_deadline = 0.0
         self.dirty = True
         self._last_status = 0.0
@@ -86,7 +88,8 @@ class Coordinator:
         every = self.config.flush.every
         record = {"id": ckpt, "seq": seq, "level": "written", "global_files": msg["global_files"],
                   "flush": (seq - 1) % every == 0, "times": {"written": msg.get("t", self.clock())},
-                  "captured": {}, "flushed": {}, "errors": {}, "progress": {},
+                  "captured": {}, "replicated": {}, "flushed": {}, "errors": {},
+                  "progress": {},
                   "deadline": self.clock() + self.config.commit.timeout + self.config.agent.timeout}
         self.ckpts[ckpt] = record
         self.events.emit("committed", ckpt=ckpt, seq=seq, marker_node=node)
@@ -103,8 +106,27 @@ class Coordinator:
             return
         record["captured"][str(node)] = msg["manifest"]
         record["errors"].pop(str(node), None)
+        self._advance(record)
+
+    def _on_replicated(self, node: int, msg: dict[str, Any]) -> None:
+        self.dead.update(msg.get("dead", []))
+        record = self.ckpts.get(msg["ckpt"])
+        if record is None or record["level"] in ("failed", "purged", "flushed"):
+            return
+        if msg["ok"]:
+            record.setdefault("replicated", {})[str(node)] = msg["partners"]
+        else:
+            record["replication_failed"] = True
+            record["errors"][str(node)] = "; ".join(msg["errors"].values())
+        self._advance(record)
+
+    def _advance(self, record: dict[str, Any]) -> None:
+        """Move the level up as far as every node's reports allow."""
         if record["level"] == "written" and len(record["captured"]) == self.nodes:
             self._reach(record, "captured")
+        if (record["level"] == "captured" and len(record.get("replicated", {})) == self.nodes
+                and not record.get("replication_failed")):
+            self._reach(record, "replicated")
 
     def _on_capture_failed(self, node: int, msg: dict[str, Any]) -> None:
         record = self.ckpts.get(msg["ckpt"])
@@ -122,8 +144,11 @@ class Coordinator:
 
     def _on_flush_error(self, node: int, msg: dict[str, Any]) -> None:
         record = self.ckpts.get(msg["ckpt"])
-        if record is not None:
-            record["errors"][str(node)] = msg["error"]
+        if record is None:
+            return
+        record["errors"][str(node)] = msg["error"]
+        if msg.get("final") and record["level"] in ("written", "captured", "replicated"):
+            self._fail(record, f"node {node}: flush impossible: {msg['error']}")
 
     def _on_progress(self, node: int, msg: dict[str, Any]) -> None:
         record = self.ckpts.get(msg["ckpt"])
@@ -132,7 +157,7 @@ class Coordinator:
 
     def _on_evicted(self, node: int, msg: dict[str, Any]) -> None:
         record = self.ckpts.get(msg["ckpt"])
-        if record is not None and record["level"] in ("written", "captured"):
+        if record is not None and record["level"] in ("written", "captured", "replicated"):
             record["level"] = "evicted"
             self._persist()
 
@@ -141,7 +166,7 @@ class Coordinator:
             return
         self.state = "draining"
         self.drain_deadline = self.clock() + self.config.flush.drain_timeout
-        newest = self._newest(("written", "captured"))
+        newest = self._newest(("written", "captured", "replicated"))
         flush = [newest["id"]] if newest and not newest["flush"] else []
         if newest:
             newest["flush"] = True
@@ -161,7 +186,8 @@ class Coordinator:
                 missing = sorted(set(range(self.nodes)) - {int(n) for n in record["captured"]})
                 self._fail(record, f"nodes {missing} did not capture within"
                                    f" {self.config.commit.timeout:.0f}s")
-            elif record["level"] == "captured" and len(record["flushed"]) == self.nodes:
+            elif (record["level"] in ("captured", "replicated")
+                  and len(record["flushed"]) == self.nodes):
                 self._try_finalize(record)          # a finalize that met a PFS fault
         if self.state == "draining" and now > self.drain_deadline + self.config.agent.timeout:
             self._exit(f"drain timed out; agents {sorted(set(range(self.nodes)) - self.drained)}"
@@ -188,9 +214,10 @@ class Coordinator:
         self._write_index_quietly()
 
     def _try_finalize(self, record: dict[str, Any]) -> None:
-        if record["level"] != "captured" or len(record["flushed"]) < self.nodes:
+        if record["level"] not in ("captured", "replicated") or len(record["flushed"]) < self.nodes:
             return
         record["times"]["flushed"] = self.clock()
+        level_before = record["level"]
         manifest = self._global_manifest(record)
         try:
             directory = makedirs(ckpt_dir(self.pfs_run, record["id"]))
@@ -198,7 +225,7 @@ class Coordinator:
             record["level"] = "flushed"
             self._write_index()
         except OSError as exc:
-            record["level"] = "captured"
+            record["level"] = level_before
             record["errors"]["coordinator"] = f"global manifest: {exc.strerror or exc}"
             log.warning("finalize of %s failed: %s (will retry)", record["id"], exc)
             return
@@ -233,7 +260,7 @@ class Coordinator:
         self.state = "stopped"
         self.events.emit("exit", reason=why)
         log.info("coordinator: %s; agents exit", why)
-        self._broadcast({"type": "exit"})
+        self._broadcast({"type": "exit", "dead": sorted(self.dead)})
         self.write_status()
 
     # ------------------------------------------------------------ persistence
@@ -272,7 +299,9 @@ class Coordinator:
             rows.append({
                 "id": record["id"], "seq": record["seq"], "level": record["level"],
                 "bytes": _record_bytes(record), "times": record["times"],
-                "nodes_captured": len(record["captured"]), "nodes_flushed": len(record["flushed"]),
+                "nodes_captured": len(record["captured"]),
+                "nodes_replicated": len(record.get("replicated", {})),
+                "nodes_flushed": len(record["flushed"]),
                 "flush": record["flush"], "errors": record["errors"],
                 "progress": record["progress"], "reason": record.get("reason")})
         return {"format": "cachex-status", "version": 1, "run": self.config.run,

@@ -46,6 +46,7 @@ FORMAT = "cachex-bundle"
 VERSION = 1
 FILES = "files"
 CHUNK = 8 * 1024 * 1024
+_STRING = h5py.string_dtype()       # variable-length UTF-8, what h5py writes for a str
 
 
 class BundleError(OperationError):
@@ -173,9 +174,6 @@ class _DatasetMaker:
     def _put(self, obj: h5py.h5d.DatasetID, name: bytes, tid: h5py.h5t.TypeID,
              data: np.ndarray) -> None:
         h5py.h5a.create(obj, name, tid, self._scalar).write(data)
-
-
-_STRING = h5py.string_dtype()
 
 
 def _get_attr(obj: h5py.h5d.DatasetID, name: str, dtype: Any) -> Any:

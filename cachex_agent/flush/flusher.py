@@ -29,7 +29,7 @@ from ..errors import OperationError, describe
 from ..events import EventLog
 from ..fsutil import makedirs
 from ..manifest import LocalManifest
-from .bundle import bundle_name, is_complete, read_manifest, write_bundle
+from .bundle import BundleError, bundle_name, is_complete, read_manifest, write_bundle
 from .throttle import TokenBucket
 
 log = logging.getLogger(__name__)
@@ -97,6 +97,9 @@ class Flusher:
                     return
                 if not source.exists():
                     self._failed(manifest, f"{source}: staged copy is gone", final=True)
+                    return
+                if isinstance(exc, BundleError):    # the data is wrong: retrying cannot help
+                    self._failed(manifest, str(exc), final=True)
                     return
                 attempt += 1
                 delay = min(self.settings.retry_max, 0.5 * 2 ** min(attempt, 16))

@@ -339,3 +339,15 @@ def test_malformed_entry(tmp_path: Path, bundle: Path, damage: str) -> None:
     with pytest.raises(BundleError, match="files/(000002|999999)"):
         read_manifest(bundle)
     assert "files/" in verify_bundle(bundle)[0]
+
+
+def test_fixed_length_string_attributes_are_read(staged: tuple[Path, LocalManifest],
+                                                 bundle: Path) -> None:
+    """Tools other than h5py may store strings as fixed-length bytes."""
+    _, manifest = staged
+    with h5py.File(bundle, "r+", locking=False) as h5:
+        dset = h5["files/000000"]
+        dset.attrs["path"] = np.bytes_(manifest.files[0].path.encode())
+        dset.attrs["size"] = np.int32(manifest.files[0].size)
+    assert read_manifest(bundle) == manifest
+    assert verify_bundle(bundle, manifest.files) == []

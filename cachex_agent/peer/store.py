@@ -1,0 +1,261 @@
+"""The partner side of replication: drains filled window slots to node-local NVMe.
+
+    <cache>/<run>/replicas/node-<owner>/<ckpt>/...             the owner's files
+    <cache>/<run>/replicas/node-<owner>/<ckpt>.manifest.json   written last
+
+(The manifest sits beside the directory, not in it, so a trainer file called
+`manifest.json` cannot collide with it.) One writer thread does all disk work, in the
+order the slots were filled, so a file's checksum is computed as its bytes arrive; the
+main thread only queues work (`begin`, `slot`, `end`) and forwards what the writer
+`post`s: a `credit` once a slot's bytes are on disk (the owner may refill it), and an
+`ack` once every file is verified against the owner's checksums, fsynced, renamed into
+place and the manifest written: only then is the replica durable.
+
+A full disk evicts replicas that a newer replica of the same owner supersedes, oldest
+first, and retries; with nothing left to evict the replica fails (the owner flushes to
+the PFS instead). `keep` bounds the replicas kept per owner.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import queue
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..checksum import hasher
+from ..errors import describe
+from ..events import EventLog
+from ..fsutil import fsync_dir, makedirs, remove_tree
+from ..manifest import LocalManifest
+from .window import ReceiveWindow
+
+log = logging.getLogger(__name__)
+Post = Callable[[dict[str, Any]], None]
+
+
+def owner_dir(root: Path, owner: int) -> Path:
+    return root / f"node-{owner:05d}"
+
+
+def replica_dir(root: Path, owner: int, ckpt: str) -> Path:
+    return owner_dir(root, owner) / ckpt
+
+
+def manifest_path(root: Path, owner: int, ckpt: str) -> Path:
+    return owner_dir(root, owner) / f"{ckpt}.manifest.json"
+
+
+def held_replicas(root: Path) -> dict[int, list[LocalManifest]]:
+    """Complete replicas by owner, oldest first (only those whose manifest was written)."""
+    found: dict[int, list[LocalManifest]] = {}
+    for directory in sorted(root.glob("node-*")) if root.is_dir() else []:
+        for path in directory.glob("*.manifest.json"):
+            try:
+                manifest = LocalManifest.load(path)
+            except (OSError, ValueError):
+                continue
+            found.setdefault(manifest.node, []).append(manifest)
+    return {owner: sorted(items, key=lambda m: m.seq) for owner, items in found.items()}
+
+
+@dataclass
+class _Incoming:
+    manifest: LocalManifest
+    partial: Path
+    hashers: dict[int, Any] = field(default_factory=dict)
+    written: dict[int, int] = field(default_factory=dict)
+    fds: dict[int, int] = field(default_factory=dict)
+    done: set[int] = field(default_factory=set)
+    error: str | None = None
+
+
+class ReplicaStore:
+    def __init__(self, root: Path, window: ReceiveWindow, regions: dict[int, int], keep: int,
+                 post: Post, events: EventLog) -> None:
+        self.root = makedirs(root)
+        self.window, self.regions, self.keep = window, regions, keep
+        self.post, self.events = post, events
+        self._tasks: queue.Queue[tuple[str, tuple[Any, ...]] | None] = queue.Queue()
+        self._incoming: dict[tuple[int, str], _Incoming] = {}
+        self._thread = threading.Thread(target=self._run, name="replica-writer", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------ main thread
+    def begin(self, owner: int, manifest: dict[str, Any]) -> None:
+        self._tasks.put(("begin", (owner, LocalManifest.from_json(manifest))))
+
+    def slot(self, owner: int, ckpt: str, slot: int, index: int, offset: int, length: int
+             ) -> None:
+        self.window.sync()      # the owner's Put is complete: make it visible here
+        self._tasks.put(("write", (owner, ckpt, slot, index, offset, length)))
+
+    def end(self, owner: int, ckpt: str) -> None:
+        self._tasks.put(("end", (owner, ckpt)))
+
+    def busy(self) -> bool:
+        return self._tasks.unfinished_tasks > 0
+
+    def close(self, timeout: float = 10.0) -> None:
+        self._tasks.put(None)
+        self._thread.join(timeout)
+
+    # ---------------------------------------------------------- writer thread
+    def _run(self) -> None:
+        while (task := self._tasks.get()) is not None:
+            kind, args = task
+            try:
+                getattr(self, f"_do_{kind}")(*args)
+            except Exception:       # noqa: BLE001 (the writer must never die silently)
+                log.exception("replica writer: %s %s", kind, args[:2])
+            finally:
+                self._tasks.task_done()
+        self._tasks.task_done()
+
+    def _do_begin(self, owner: int, manifest: LocalManifest) -> None:
+        partial = owner_dir(self.root, owner) / f".{manifest.ckpt}.partial"
+        item = _Incoming(manifest, partial)
+        self._incoming[(owner, manifest.ckpt)] = item
+        self.events.emit("replica_start", ckpt=manifest.ckpt, seq=manifest.seq, owner=owner,
+                         bytes=manifest.bytes)
+        try:
+            remove_tree(partial)
+            self._retry_full(lambda: makedirs(partial))
+            for index, entry in enumerate(manifest.files):
+                if entry.size == 0:
+                    self._retry_full(lambda e=entry: self._create_empty(partial, e))
+                    item.done.add(index)
+        except OSError as exc:
+            item.error = describe(exc)
+
+    def _do_write(self, owner: int, ckpt: str, slot: int, index: int, offset: int,
+                  length: int) -> None:
+        item = self._incoming.get((owner, ckpt))
+        try:
+            if item is not None and item.error is None:
+                self._write(item, self.regions[owner], slot, index, offset, length)
+        except OSError as exc:
+            item.error = describe(exc)
+            self._abandon(item)             # give the space back now, not at `end`
+        finally:
+            self.post({"type": "credit", "owner": owner, "slot": slot})
+
+    def _write(self, item: _Incoming, region: int, slot: int, index: int, offset: int,
+               length: int) -> None:
+        entry = item.manifest.files[index]
+        if item.written.get(index, 0) != offset:
+            raise OSError(errno.EIO, f"{entry.path}: out-of-order chunk at {offset}")
+        if index not in item.fds:
+            item.fds[index] = self._retry_full(lambda: self._open(item.partial, entry))
+            item.hashers[index] = hasher()
+        data = self.window.view(region, slot, length)
+        item.hashers[index].update(data)
+        done = 0
+        while done < length:
+            done += self._retry_full(
+                lambda d=done: os.pwrite(item.fds[index], data[d:], offset + d))
+        item.written[index] = offset + length
+        if item.written[index] == entry.size:
+            self._close_file(item, index)
+
+    def _close_file(self, item: _Incoming, index: int) -> None:
+        entry = item.manifest.files[index]
+        fd = item.fds.pop(index)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+        if item.hashers.pop(index).hexdigest() != entry.checksum:
+            raise OSError(errno.EIO, f"{entry.path}: checksum differs from the owner's")
+        item.done.add(index)
+
+    def _do_end(self, owner: int, ckpt: str) -> None:
+        item = self._incoming.pop((owner, ckpt), None)
+        if item is None:
+            return
+        error = item.error or self._missing(item)
+        if error is None:
+            try:
+                self._commit(owner, item)
+            except OSError as exc:
+                error = describe(exc)
+        if error is not None:
+            self._abandon(item)
+            self.events.emit("replica_failed", ckpt=ckpt, seq=item.manifest.seq, owner=owner,
+                             error=error)
+        else:
+            self.events.emit("replica_done", ckpt=ckpt, seq=item.manifest.seq, owner=owner,
+                             bytes=item.manifest.bytes)
+            self._retain(owner)
+        self.post({"type": "ack", "owner": owner, "ckpt": ckpt, "ok": error is None,
+                   "error": error})
+
+    @staticmethod
+    def _abandon(item: _Incoming) -> None:
+        for fd in item.fds.values():
+            os.close(fd)
+        item.fds.clear()
+        remove_tree(item.partial)
+
+    def _missing(self, item: _Incoming) -> str | None:
+        missing = [e.path for i, e in enumerate(item.manifest.files) if i not in item.done]
+        return f"{len(missing)} files incomplete (first: {missing[0]})" if missing else None
+
+    def _commit(self, owner: int, item: _Incoming) -> None:
+        for directory, _dirs, _files in os.walk(item.partial):
+            fsync_dir(directory)
+        final = replica_dir(self.root, owner, item.manifest.ckpt)
+        remove_tree(final)
+        os.rename(item.partial, final)
+        fsync_dir(final.parent)
+        self._retry_full(lambda: item.manifest.save(
+            manifest_path(self.root, owner, item.manifest.ckpt)))
+
+    # -------------------------------------------------------------- disk space
+    def _retry_full(self, action: Callable[[], Any]) -> Any:
+        """Run `action`; on ENOSPC evict a superseded replica and try again."""
+        while True:
+            try:
+                return action()
+            except OSError as exc:
+                if exc.errno != errno.ENOSPC or not self._evict_one():
+                    raise
+
+    def _evict_one(self) -> bool:
+        superseded = [m for items in held_replicas(self.root).values() for m in items[:-1]]
+        if not superseded:
+            return False
+        victim = min(superseded, key=lambda m: m.captured_at)
+        self._delete(victim.node, victim, reason="disk full")
+        return True
+
+    def _retain(self, owner: int) -> None:
+        items = held_replicas(self.root).get(owner, [])
+        if self.keep and len(items) > self.keep:
+            for manifest in items[:-self.keep]:
+                self._delete(owner, manifest, reason="keep.replica")
+
+    def _delete(self, owner: int, manifest: LocalManifest, reason: str) -> None:
+        manifest_path(self.root, owner, manifest.ckpt).unlink(missing_ok=True)
+        remove_tree(replica_dir(self.root, owner, manifest.ckpt))
+        self.events.emit("evicted", ckpt=manifest.ckpt, seq=manifest.seq, owner=owner,
+                         level="replica", reason=reason)
+
+    @staticmethod
+    def _open(partial: Path, entry: Any) -> int:
+        path = partial / entry.path
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        os.fchmod(fd, entry.mode & 0o7777)      # exactly the owner's mode, whatever the umask
+        return fd
+
+    @staticmethod
+    def _create_empty(partial: Path, entry: Any) -> None:
+        fd = ReplicaStore._open(partial, entry)
+        os.fsync(fd)
+        os.close(fd)

@@ -1,0 +1,60 @@
+"""One owner class for the agent's receive window (MPI one-sided RMA).
+
+Every agent exposes `regions x slots x slot` bytes: one region per owner that replicates
+to it, `slots` slots each. Owners `put` into a partner's slot with `Put` + `Flush`
+inside one passive-target epoch opened at construction (`Lock_all`): per-transfer
+`Lock`/`Unlock` would wait for the partner to enter MPI (notes/mpi-rma.md). Signals
+(slot full, slot free) are small two-sided messages, so no software atomics are needed.
+
+Collective: construct and `free()` on every rank of the communicator, in the same order.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+
+class ReceiveWindow:
+    def __init__(self, comm: Any, regions: int, slots: int, slot: int) -> None:
+        self.slots, self.slot = slots, slot
+        size = max(regions, 0) * slots * slot
+        self.win = MPI.Win.Allocate(max(size, 1), disp_unit=1, comm=comm)
+        self.memory = np.frombuffer(self.win.tomemory(), dtype=np.uint8)[:size]
+        self.win.Lock_all()
+        self._open = True
+
+    def displacement(self, region: int, slot: int) -> int:
+        return (region * self.slots + slot) * self.slot
+
+    def put(self, data: np.ndarray, target: int, region: int, slot: int) -> None:
+        """Copy `data` (<= one slot) into the target's slot; complete at the target on return."""
+        self._check()
+        count = data.nbytes
+        self.win.Put([data, count, MPI.BYTE], target,
+                     [self.displacement(region, slot), count, MPI.BYTE])
+        self.win.Flush(target)
+
+    def view(self, region: int, slot: int, length: int) -> memoryview:
+        """A local slot's bytes; call `sync()` first after hearing that it was filled."""
+        self._check()
+        start = self.displacement(region, slot)
+        return memoryview(self.memory[start:start + length])
+
+    def sync(self) -> None:
+        """Make remote Puts visible to this process's loads (separate/unified models)."""
+        self._check()
+        self.win.Sync()
+
+    def free(self) -> None:
+        """Collective. Later use is an error."""
+        if self._open:
+            self._open = False
+            self.win.Unlock_all()
+            self.win.Free()
+
+    def _check(self) -> None:
+        if not self._open:
+            raise RuntimeError("the receive window was freed")

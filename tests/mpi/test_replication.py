@@ -1,0 +1,168 @@
+"""The window protocol on 4 ranks: real `MPI.Win`, real files, every rank an owner and a
+partner. Run with and without MPIR_CVAR_NOLOCAL=1 (make test-mpi does both)."""
+
+from __future__ import annotations
+
+import os
+import queue
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from cachex_agent.checksum import file_checksum
+from cachex_agent.config import load
+from cachex_agent.events import EventLog
+from cachex_agent.manifest import FileEntry, LocalManifest
+from cachex_agent.peer.partners import incoming, partner_map
+from cachex_agent.peer.store import manifest_path, replica_dir
+from cachex_agent.topology import place_in
+
+pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(180)]
+PEER = 8
+
+
+def all_ok(comm, ok) -> bool:
+    from mpi4py import MPI
+    return comm.allreduce(bool(ok), op=MPI.LAND)
+
+
+def config(root: Path, extra: str):
+    path = root / f"cfg-{os.getpid()}.toml"
+    path.write_text(f'''run = "r"
+[paths]
+spool = "{root}/node{{node}}/spool"
+stage = "{root}/node{{node}}/shm"
+cache = "{root}/node{{node}}/nvme"
+pfs = "{root}/pfs"
+[topology]
+domain = "rank"
+[agent]
+timeout = "30s"
+{extra}''')
+    return load(path, environ={})
+
+
+def make_files(directory: Path, sizes: dict[str, int], seed: int) -> list[FileEntry]:
+    rng = np.random.default_rng(seed)
+    entries = []
+    for name, size in sizes.items():
+        path = directory / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(rng.integers(0, 256, size, dtype=np.uint8).tobytes())
+        entries.append(FileEntry(name, size, 0o640, file_checksum(path)))
+    return entries
+
+
+def run_replication(root: Path, cfg, sizes_of_rank, ckpts=("c1",)) -> dict:
+    """Every rank replicates its files to its partners, serving the others meanwhile."""
+    from mpi4py import MPI
+
+    from cachex_agent.peer.replicator import Replicator
+    comm = MPI.COMM_WORLD
+    placement = place_in(comm, "rank")
+    paths = cfg.node_paths(comm.rank)
+    paths.replicas.mkdir(parents=True, exist_ok=True)
+    posts: queue.Queue = queue.Queue()
+    requests = []
+
+    def send(rank, msg):
+        requests.append(comm.isend(msg, dest=rank, tag=PEER))
+    events = EventLog(paths.journal / "events.jsonl", node=comm.rank)
+    replicator = Replicator(comm, placement, list(range(comm.size)), cfg, paths, events,
+                            send, posts.put)
+    results = {}
+    for seq, ckpt in enumerate(ckpts, 1):
+        source = paths.stage / ckpt
+        files = make_files(source, sizes_of_rank(comm.rank), seed=comm.rank * 100 + seq)
+        manifest = LocalManifest(run="r", ckpt=ckpt, seq=seq, node=comm.rank, host="h",
+                                 rank=comm.rank, files=files)
+        replicator.replicate(manifest, source)
+    barrier = None
+    deadline = time.monotonic() + 120
+    status = MPI.Status()
+    while time.monotonic() < deadline:
+        while comm.iprobe(source=MPI.ANY_SOURCE, tag=PEER, status=status):
+            source_rank = status.Get_source()
+            replicator.handle(source_rank, comm.recv(source=source_rank, tag=PEER))
+        while not posts.empty():
+            msg = posts.get()
+            if msg["type"] in ("credit", "ack"):
+                send(msg.pop("owner"), msg)
+            else:
+                results[msg["ckpt"]] = msg
+        replicator.pump()
+        requests = [r for r in requests if not r.Test()]
+        if barrier is None and len(results) == len(ckpts):
+            barrier = comm.Ibarrier()       # done as an owner; keep serving as a partner
+        if barrier is not None and barrier.Test() and not replicator.busy():
+            break
+        time.sleep(0.0005)
+    replicator.close()
+    events.close()
+    return results
+
+
+def check_replicas(root: Path, cfg, ckpts=("c1",)) -> list[str]:
+    """As a partner: every replica I hold equals its owner's source, manifest last."""
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    pmap = partner_map([str(n) for n in range(comm.size)], cfg.peer.stride, cfg.peer.copies)
+    problems = []
+    for owner in incoming(comm.rank, pmap):
+        for ckpt in ckpts:
+            source = cfg.node_paths(owner).stage / ckpt
+            replica = replica_dir(cfg.node_paths(comm.rank).replicas, owner, ckpt)
+            if not manifest_path(cfg.node_paths(comm.rank).replicas, owner, ckpt).exists():
+                problems.append(f"{replica}: no manifest")
+                continue
+            for path in sorted(source.rglob("*")):
+                twin = replica / path.relative_to(source)
+                if path.is_file() and (not twin.is_file() or twin.read_bytes() != path.read_bytes()
+                                       or (twin.stat().st_mode & 0o777) != 0o640):
+                    problems.append(f"{twin}: differs from {path}")
+    return problems
+
+
+@pytest.mark.parametrize("case", ["wraparound", "small_files", "empty_and_mixed"])
+def test_replicas_are_byte_identical(mpi_tmp_path, case):
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    sizes = {
+        # a file 6x bigger than the whole window (2 slots of 64 KiB): wrap-around, reuse
+        "wraparound": lambda rank: {"big.bin": 768 * 1024 + rank, "tail.bin": 100},
+        "small_files": lambda rank: {f"d{i % 7}/f{i:04d}": 10 + i % 50 for i in range(2000)},
+        "empty_and_mixed": lambda rank: {"empty": 0, "a/empty2": 0, "x": 65536, "y": 65537,
+                                          ".metadata": 3},
+    }[case]
+    cfg = config(mpi_tmp_path, '[peer]\nslot = "64KiB"\nslots = 2\n')
+    results = run_replication(mpi_tmp_path, cfg, sizes, ckpts=("c1", "c2"))
+    ok = all(r["ok"] for r in results.values()) and len(results) == 2
+    assert all_ok(comm, ok), results
+    problems = check_replicas(mpi_tmp_path, cfg, ckpts=("c1", "c2"))
+    assert all_ok(comm, not problems), problems[:5]
+
+
+def test_two_owners_write_to_one_partner(mpi_tmp_path):
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    if comm.size < 3:
+        pytest.fail("needs 3 ranks for 2 copies in distinct domains")
+    cfg = config(mpi_tmp_path, '[peer]\ncopies = 2\nslot = "32KiB"\nslots = 3\n')
+    results = run_replication(mpi_tmp_path, cfg, lambda rank: {"s.bin": 300_000 + rank})
+    assert all_ok(comm, results["c1"]["ok"] and len(results["c1"]["partners"]) == 2), results
+    problems = check_replicas(mpi_tmp_path, cfg)
+    assert all_ok(comm, not problems), problems[:5]
+
+
+def test_retention_keeps_the_newest_replicas(mpi_tmp_path):
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    cfg = config(mpi_tmp_path, '[peer]\nslot = "64KiB"\n[keep]\nreplica = 1\n')
+    run_replication(mpi_tmp_path, cfg, lambda rank: {"s": 1000}, ckpts=("c1", "c2", "c3"))
+    owner = (comm.rank - 1) % comm.size
+    replicas = cfg.node_paths(comm.rank).replicas
+    kept = sorted(p.name for p in (replicas / f"node-{owner:05d}").glob("*.manifest.json"))
+    assert all_ok(comm, kept == ["c3.manifest.json"]), kept
+    assert all_ok(comm, not (replicas / f"node-{owner:05d}" / "c1").exists())
