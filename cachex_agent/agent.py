@@ -13,6 +13,7 @@ forwards. That keeps MPI single-threaded in practice and every wait bounded.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import signal
 import threading
@@ -131,7 +132,8 @@ class Agent:
     def run(self) -> int:
         self._install_signals()
         self.events.emit("agent_start", spool=str(self.paths.spool), pfs=str(self.paths.pfs),
-                         nodes=self.placement.nodes)
+                         nodes=self.placement.nodes, pid=os.getpid(),
+                         partners=self.replicator.partners if self.replicator else [])
         log.info("agent node %d/%d: spool %s -> stage %s -> pfs %s", self.node,
                  self.placement.nodes, self.paths.spool, self.paths.stage, self.paths.pfs)
         capture_thread = threading.Thread(target=self._capture_loop, name="capture", daemon=True)

@@ -145,8 +145,8 @@ def verify_command(cfg: configuration.Config, ckpt: str) -> None:
     from .recovery.verify import verify
     findings = verify(cfg, ckpt)
     for f in findings:
-        state = "ok" if f.ok else "not visible here" if not f.checked else "BAD"
-        click.echo(f"{ckpt} {f.level:<6} node {f.node:<4} {state:<16} {f.where}")
+        state = "ok" if f.ok else f.note if not f.checked else "BAD"
+        click.echo(f"{ckpt} {f.level:<7} node {f.node:<4} {state:<16} {f.where}")
         for problem in f.problems:
             click.echo(f"    {problem}")
     bad = [f for f in findings if f.checked and f.problems]

@@ -11,16 +11,19 @@ from ..errors import OperationError
 from ..flush.bundle import verify_bundle
 from ..flush.flusher import bundle_path
 from ..manifest import FileEntry
+from ..peer.partners import domains_of, partner_map
+from ..peer.store import manifest_path, replica_dir
 from .catalog import global_manifest, local_manifests, node_count, stage_dir
 
 
 @dataclass
 class Finding:
-    level: str              # stage | pfs
-    node: int
+    level: str              # stage | replica | pfs
+    node: int               # whose data
     where: str
-    checked: bool           # False: not visible from this machine
+    checked: bool           # False: not visible from this machine, or not kept
     problems: list[str] = field(default_factory=list)
+    note: str = "not visible here"
 
     @property
     def ok(self) -> bool:
@@ -39,6 +42,7 @@ def verify(config: Config, ckpt: str) -> list[Finding]:
         n: m.host for n, m in locals_.items()}
     findings = [_stage(config, ckpt, node, hosts.get(node), files)
                 for node, files in sorted(expected.items())]
+    findings += _replicas(config, ckpt, expected, hosts, nodes)
     if gm:
         findings += [_bundle(config, ckpt, node, files) for node, files in sorted(expected.items())]
     return findings
@@ -49,6 +53,31 @@ def _stage(config: Config, ckpt: str, node: int, host: str | None,
     directory = stage_dir(config, node, ckpt, host)
     here = host in (None, socket.gethostname())     # another host's stage is not visible
     finding = Finding("stage", node, str(directory), here and directory.is_dir())
+    if finding.checked:
+        finding.problems = check_files(directory, files)
+    return finding
+
+
+def _replicas(config: Config, ckpt: str, expected: dict[int, list[FileEntry]],
+              hosts: dict[int, str], nodes: int) -> list[Finding]:
+    if config.model.path == "direct" or len(hosts) < nodes:
+        return []
+    domains = domains_of(config.topology.domain, [hosts[n] for n in range(nodes)])
+    if len(set(domains)) < 2:
+        return []
+    pmap = partner_map(domains, config.peer.stride, config.peer.copies)
+    return [_replica(config, ckpt, owner, partner, hosts[partner], files)
+            for owner, files in sorted(expected.items()) for partner in pmap[owner]]
+
+
+def _replica(config: Config, ckpt: str, owner: int, partner: int, host: str,
+             files: list[FileEntry]) -> Finding:
+    root = config.node_paths(partner, host=host).replicas
+    directory = replica_dir(root, owner, ckpt)
+    here = host == socket.gethostname()
+    finding = Finding("replica", owner, f"{directory} (on node {partner})", here)
+    if here and not manifest_path(root, owner, ckpt).exists():
+        finding.checked, finding.note = False, "not held (not replicated, or evicted)"
     if finding.checked:
         finding.problems = check_files(directory, files)
     return finding

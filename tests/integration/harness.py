@@ -69,7 +69,8 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, poll: floa
 class Cluster:
     """N virtual nodes on this machine: spools, stage, cache and a PFS under `root`."""
 
-    def __init__(self, root: Path, nodes: int = 4, extra: str = "", rule: str = "dcp") -> None:
+    def __init__(self, root: Path, nodes: int = 4, extra: str = "", rule: str = "dcp",
+                 agent_timeout: str = "20s") -> None:
         self.root, self.nodes = root, nodes
         for node in range(nodes):
             (root / f"node{node}" / "spool").mkdir(parents=True, exist_ok=True)
@@ -86,7 +87,7 @@ domain = "rank"
 [commit]
 rule = "{rule}"
 [agent]
-timeout = "20s"
+timeout = "{agent_timeout}"
 {extra}''')
         self.agents: subprocess.Popen[bytes] | None = None
         self.trainers: list[subprocess.Popen[bytes]] = []

@@ -1,0 +1,139 @@
+"""Peer replication end to end: 4 virtual nodes, real agents and trainer, a real full
+tmpfs, a real stopped partner (SIGSTOP)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+from harness import Cluster, files_of, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+TRAIN = ["--shard-size", "256KiB", "--chunk-size", "64KiB", "--step-time", "0.02"]
+
+
+@pytest.fixture
+def cluster(tmp_path):
+    made = []
+
+    def make(**kwargs) -> Cluster:
+        made.append(Cluster(tmp_path, **kwargs))
+        return made[-1]
+    yield make
+    for c in made:
+        c.close()
+
+
+@pytest.fixture
+def tmpfs(tmp_path):
+    mounted = []
+
+    def mount(path, size: str):
+        path.mkdir(parents=True, exist_ok=True)
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+                       check=True)
+        mounted.append(path)
+    yield mount
+    for path in mounted:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def finish(proc, timeout: float = 90) -> None:
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out.decode()
+
+
+def replica(c: Cluster, partner: int, owner: int, ckpt: str):
+    return c.root / f"node{partner}" / "nvme" / "t" / "replicas" / f"node-{owner:05d}" / ckpt
+
+
+def events(c: Cluster, node: int, kind: str) -> list[dict]:
+    return [e for e in c.events(node) if e["event"] == kind]
+
+
+def test_replicated_before_flushed_and_replicas_identical(cluster):
+    c = cluster()
+    c.start_agents()
+    finish(c.trainer("--steps", "8", "--every", "4", *TRAIN))
+    steps = ("step_00004", "step_00008")
+    for step in steps:
+        c.wait_level(step, "flushed")
+    coordinator = {(e["event"], e.get("ckpt")): e["t"] for e in c.events(0)}
+    for step in steps:
+        assert coordinator[("level_replicated", step)] < coordinator[("level_flushed", step)]
+    for node in range(4):
+        for step in steps:
+            times = {e["event"]: e["t"] for e in c.events(node) if e.get("ckpt") == step}
+            assert times["captured"] <= times["replicated"] <= times["flush_start"]
+            partner = (node + 1) % 4
+            assert files_of(replica(c, partner, node, step)) == files_of(c.spool(node) / step)
+    assert c.cachex("verify", "step_00008").returncode == 0
+
+    # a replica changed after the fact is caught, naming the replica's path
+    shard = replica(c, 2, 1, "step_00008") / "__3_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[1000] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    result = c.cachex("verify", "step_00008")
+    assert result.returncode == 1 and str(shard) in result.stdout, result.stdout
+    assert c.stop() == 0
+
+
+def test_full_replica_disk_evicts_only_superseded_replicas(cluster, tmpfs):
+    c = cluster(extra="[keep]\nreplica = 0\n")
+    # node 2 keeps node 1's replicas: room for two checkpoints of node 1, not three
+    tmpfs(c.root / "node2" / "nvme" / "t" / "replicas", "1300k")
+    c.start_agents()
+    finish(c.trainer("--steps", "12", "--every", "4", *TRAIN))
+    c.wait_level("step_00012", "flushed")
+    levels = c.levels()
+    assert all(levels[s] == "flushed" for s in ("step_00004", "step_00008", "step_00012"))
+    evicted = [e for e in events(c, 2, "evicted") if e.get("reason") == "disk full"]
+    assert [e["ckpt"] for e in evicted] == ["step_00004"] and evicted[0]["owner"] == 1
+    for step in ("step_00008", "step_00012"):
+        assert files_of(replica(c, 2, 1, step)) == files_of(c.spool(1) / step)
+    assert not events(c, 1, "replicate_failed")
+    assert c.stop() == 0
+
+
+def test_replica_disk_too_small_reports_and_goes_on_to_the_pfs(cluster, tmpfs):
+    c = cluster()
+    tmpfs(c.root / "node2" / "nvme" / "t" / "replicas", "300k")    # < one checkpoint
+    c.start_agents()
+    finish(c.trainer("--steps", "8", "--every", "4", *TRAIN))
+    for step in ("step_00004", "step_00008"):
+        c.wait_level(step, "flushed")
+    failed = events(c, 1, "replicate_failed")
+    assert [e["ckpt"] for e in failed] == ["step_00004", "step_00008"]
+    assert "No space left" in json.dumps(failed[0]["errors"])
+    assert not replica(c, 2, 1, "step_00004").exists()           # the partial copy is gone
+    status = [r for r in c.status()["checkpoints"] if r["id"] == "step_00008"][0]
+    assert status["level"] == "flushed" and status["nodes_replicated"] == 3
+    assert c.stop() == 0
+
+
+def test_dead_partner_is_detected_and_the_owner_flushes(cluster):
+    c = cluster(agent_timeout="4s")
+    c.start_agents()
+    finish(c.trainer("--steps", "4", "--every", "4", *TRAIN))
+    c.wait_level("step_00004", "flushed")
+    pid = [e for e in c.events(2) if e["event"] == "agent_start"][-1]["pid"]
+    os.kill(pid, signal.SIGSTOP)                 # node 2 hangs: partner of node 1
+    try:
+        finish(c.trainer("--steps", "12", "--every", "4", "--resume", *TRAIN))
+        failed = wait_for(lambda: events(c, 1, "replicate_failed"), 60,
+                          "node 1 to give up on its partner")
+        assert "partner node 2" in json.dumps(failed[0]["errors"])
+        assert "did not answer" in json.dumps(failed[0]["errors"])
+        flushed = wait_for(lambda: [e for e in events(c, 1, "flushed")
+                                    if e["ckpt"] == "step_00008"], 60, "node 1's flush")
+        assert (c.pfs / "ckpt" / "step_00008" / "node-00001.h5").exists(), flushed
+        # capture never waited for the partner: node 1 took the next checkpoint as well
+        wait_for(lambda: [e for e in events(c, 1, "captured") if e["ckpt"] == "step_00012"],
+                 60, "node 1 to capture step_00012")
+        assert c.agents.poll() is None
+    finally:
+        os.kill(pid, signal.SIGCONT)
