@@ -38,6 +38,7 @@ from .manifest import GlobalManifest, LocalManifest
 log = logging.getLogger(__name__)
 Send = Callable[[int, dict[str, Any]], None]
 LEVELS = ("written", "captured", "replicated", "flushed")   # plus failed, evicted, purged
+IN_FLIGHT = LEVELS[:-1]
 INDEX_FORMAT = "cachex-index"
 
 
@@ -79,7 +80,7 @@ class Coordinator:
         ckpt = msg["ckpt"]
         if ckpt in self.ckpts:
             record = self.ckpts[ckpt]
-            if record["level"] in ("written", "captured"):
+            if record["level"] in IN_FLIGHT:
                 self._announce(record)          # an agent restarted: it may need it again
             return
         if self.state != "running":
@@ -147,7 +148,7 @@ class Coordinator:
         if record is None:
             return
         record["errors"][str(node)] = msg["error"]
-        if msg.get("final") and record["level"] in ("written", "captured", "replicated"):
+        if msg.get("final") and record["level"] in IN_FLIGHT:
             self._fail(record, f"node {node}: flush impossible: {msg['error']}")
 
     def _on_progress(self, node: int, msg: dict[str, Any]) -> None:
@@ -157,7 +158,7 @@ class Coordinator:
 
     def _on_evicted(self, node: int, msg: dict[str, Any]) -> None:
         record = self.ckpts.get(msg["ckpt"])
-        if record is not None and record["level"] in ("written", "captured", "replicated"):
+        if record is not None and record["level"] in IN_FLIGHT:
             record["level"] = "evicted"
             self._persist()
 
@@ -166,7 +167,7 @@ class Coordinator:
             return
         self.state = "draining"
         self.drain_deadline = self.clock() + self.config.flush.drain_timeout
-        newest = self._newest(("written", "captured", "replicated"))
+        newest = self._newest(IN_FLIGHT)
         flush = [newest["id"]] if newest and not newest["flush"] else []
         if newest:
             newest["flush"] = True

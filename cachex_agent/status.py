@@ -79,8 +79,9 @@ def format_status(status: dict[str, Any]) -> str:
 
 def _details(row: dict[str, Any], nodes: int | None) -> list[str]:
     out = []
-    if row["level"] in ("written", "captured") and nodes:
+    if row["level"] in ("written", "captured", "replicated") and nodes:
         out.append(f"  {row['id']}: captured on {row.get('nodes_captured', 0)}/{nodes} nodes,"
+                   f" replicated on {row.get('nodes_replicated', 0)}/{nodes},"
                    f" flushed on {row.get('nodes_flushed', 0)}/{nodes}"
                    + ("" if row.get("flush", True) else " (not flushed: flush.every)"))
     for node, progress in sorted((row.get("progress") or {}).items()):

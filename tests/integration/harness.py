@@ -160,9 +160,13 @@ timeout = "{agent_timeout}"
     def levels(self) -> dict[str, str]:
         return {r["id"]: r["level"] for r in self.status().get("checkpoints", [])}
 
-    def wait_level(self, ckpt: str, level: str, timeout: float = 60) -> None:
-        wait_for(lambda: self.levels().get(ckpt) == level, timeout, f"{ckpt} to reach {level}"
-                 f" (now {self.levels()}; log {self.root / 'agents.log'})")
+    def wait_level(self, ckpt: str, *levels: str, timeout: float = 60) -> None:
+        """Until `ckpt` is at one of `levels`."""
+        try:
+            wait_for(lambda: self.levels().get(ckpt) in levels, timeout, f"{ckpt} in {levels}")
+        except AssertionError as exc:
+            raise AssertionError(f"{exc} (now {self.levels()}; log {self.root / 'agents.log'})"
+                                 ) from None
 
     def events(self, node: int) -> list[dict[str, Any]]:
         lines = (self.journal(node) / "events.jsonl").read_text().splitlines()

@@ -1,0 +1,520 @@
+"""Peer replication throughput: the real Replicator vs the physical limits (raw Put, raw write).
+
+Two ranks on one host: rank 0 is the owner, rank 1 its partner (topology.domain "rank").
+One run measures, alternating the three kinds every repeat (rotated) so drift of the disk
+hits all of them, each after os.sync() and a Barrier:
+
+  put        raw MPI bandwidth: a window of slots x slot bytes on rank 1; rank 0, inside one
+             Lock_all epoch opened at set-up, does Put(slot bytes) + Flush(1) into the slots
+             in turn until `size` bytes moved. Rank 1 meanwhile loops on Iprobe + sleep(1 ms),
+             the agent's tick while it is busy.
+  write      raw disk bandwidth: rank 1 writes the checkpoint's file sizes under its replica
+             directory with os.pwrite in slot-size chunks (from a pre-filled random buffer),
+             fsyncs each file when it is complete (as the replica store does), then the
+             directory once.
+  replicate  the real thing: rank 0 calls Replicator.replicate() on a checkpoint staged in
+             /dev/shm; both ranks then drive their Replicator the way agent.py does (inbox
+             drained, Iprobe/recv, pump(), requests tested, sleep(1 ms) while busy, else
+             agent.poll) until the owner's `replicated` post. That includes Put + Flush per
+             slot, slot/credit messages, the partner's writer thread (xxh3-128 per file,
+             pwrite, fsync per file, checksum check, directory fsyncs, rename, manifest).
+
+The replica of each repeat is removed afterwards, outside the timing, so keep.replica never
+evicts inside a timed run.
+
+File mix (the staged checkpoint): six small files (0 B, 100 B, 4 KiB, 64 KiB + 1, 1 MiB,
+3 MiB - 1: metadata, RNG state, config-like), then sizes doubling from 16 MiB while they
+fit, then the remainder as one last file. At 1 GiB: 16, 32, 64, 128, 256, 512 MiB and one of
+~11.9 MiB; 13 files in all, none but the doubling ones a multiple of the slot.
+
+    mpiexec -n 2 python benchmarks/replicate.py [--size 1GiB] [--slot 16MiB] [--slots 4]
+                                                [--dir DIR] [--repeat 3] [--profile]
+
+Run it also with MPIR_CVAR_NOLOCAL=1 (no shared memory between the ranks: the closest one
+host gets to two nodes). --profile adds a breakdown of where the replicate runs spend time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cachex_agent.checksum import file_checksum  # noqa: E402
+from cachex_agent.config import Config, load, parse_size  # noqa: E402
+from cachex_agent.events import EventLog  # noqa: E402
+from cachex_agent.fsutil import fsync_dir  # noqa: E402
+from cachex_agent.manifest import FileEntry, LocalManifest  # noqa: E402
+
+MiB = 1024 * 1024
+GiB = 1024 * MiB
+PEER = 8            # the agent's PEER_TAG
+CTRL = 9            # this benchmark's own "stop idling" message
+BUSY_TICK = 0.001   # agent.py sleeps this long between steps while the replicator is busy
+SMALL = [0, 100, 4096, 64 * 1024 + 1, MiB, 3 * MiB - 1]
+
+
+def file_sizes(total: int, smallest: int = 16 * MiB) -> list[int]:
+    """SMALL (as far as they fit), doubling sizes from `smallest`, then the remainder."""
+    sizes: list[int] = []
+    for size in SMALL:
+        if sum(sizes) + size <= total // 8:
+            sizes.append(size)
+    size = smallest
+    while sum(sizes) + size <= total:
+        sizes.append(size)
+        size *= 2
+    if total > sum(sizes):
+        sizes.append(total - sum(sizes))
+    return sizes
+
+
+def make_sources(root: Path, sizes: list[int]) -> list[FileEntry]:
+    rng = np.random.default_rng(1)
+    entries = []
+    for i, size in enumerate(sizes):
+        name = f"rank{i % 4}/shard_{i:03d}.bin" if size >= 16 * MiB else f"meta/{i:03d}.dat"
+        path = root / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "wb") as handle:
+            left = size
+            while left:
+                n = min(left, 64 * MiB)
+                handle.write(rng.bytes(n))       # incompressible, like trained weights
+                left -= n
+        entries.append(FileEntry(name, size, 0o644, file_checksum(path)))
+    return entries
+
+
+def write_config(root: Path, stage: Path, slot: int, slots: int) -> Path:
+    path = root / "bench.toml"
+    path.write_text(f'''run = "bench"
+[paths]
+spool = "{root}/node{{node}}/spool"
+stage = "{stage}/node{{node}}"
+cache = "{root}/node{{node}}/cache"
+pfs = "{root}/pfs"
+[topology]
+domain = "rank"
+[peer]
+slot = {slot}
+slots = {slots}
+[agent]
+timeout = "60s"
+''')
+    return path
+
+
+# ---------------------------------------------------------------------- profiling
+class Trace:
+    """Timestamps (time.monotonic: one clock for both processes on one host)."""
+
+    def __init__(self) -> None:
+        self.spans: dict[str, list[tuple[float, float]]] = {}
+        self.marks: dict[str, list[float]] = {}
+
+    def span(self, name: str, start: float, end: float) -> None:
+        self.spans.setdefault(name, []).append((start, end))
+
+    def mark(self, name: str) -> None:
+        self.marks.setdefault(name, []).append(time.monotonic())
+
+    def timed(self, name: str, function: Any) -> Any:
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.monotonic()
+            try:
+                return function(*args, **kwargs)
+            finally:
+                self.span(name, start, time.monotonic())
+        return wrapper
+
+    def clear(self) -> None:
+        self.spans.clear()
+        self.marks.clear()
+
+
+class _TimedOs:
+    """Stands in for `os` inside peer/store.py: times pwrite and fsync, passes the rest."""
+
+    def __init__(self, trace: Trace) -> None:
+        self._trace = trace
+        self.pwrite = trace.timed("pwrite", os.pwrite)
+        self.fsync = trace.timed("fsync", os.fsync)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(os, name)
+
+
+class _TimedHasher:
+    def __init__(self, trace: Trace, inner: Any) -> None:
+        self._trace, self._inner = trace, inner
+
+    def update(self, data: Any) -> None:
+        start = time.monotonic()
+        self._inner.update(data)
+        self._trace.span("xxh3", start, time.monotonic())
+
+    def hexdigest(self) -> str:
+        return self._inner.hexdigest()
+
+
+def instrument(replicator: Any, trace: Trace, rank: int) -> None:
+    """Benchmark-only wrappers (instance attributes and the store module's globals)."""
+    from cachex_agent.peer import replicator as replicator_module
+    from cachex_agent.peer import store as store_module
+    if rank == 0:
+        replicator.window.put = trace.timed("put", replicator.window.put)
+        original = replicator_module.Sender.next_chunk
+        replicator_module.Sender.next_chunk = (     # type: ignore[method-assign]
+            lambda self, buffer: trace.timed("read", original)(self, buffer))
+        on_credit = replicator.on_credit
+        replicator.on_credit = lambda p, s: (trace.mark("credit_in"), on_credit(p, s))
+    else:
+        store = replicator.store
+        store_module.os = _TimedOs(trace)
+        make = store_module.hasher
+        store_module.hasher = lambda: _TimedHasher(trace, make())
+        for name in ("_do_begin", "_do_write", "_do_end", "_commit"):
+            setattr(store, name, trace.timed(name, getattr(store, name)))
+
+
+def busy_time(spans: list[tuple[float, float]]) -> float:
+    return sum(end - start for start, end in spans)
+
+
+def profile_report(owner: Trace, partner: Trace, start: float, end: float,
+                   nbytes: int) -> list[str]:
+    total = end - start
+    lines = [f"profile of the last replicate run ({total:.3f}s):"]
+    read, put = busy_time(owner.spans.get("read", [])), busy_time(owner.spans.get("put", []))
+    puts = owner.spans.get("put", [])
+    lines.append(f"  owner main thread: read from /dev/shm {read:.3f}s, Put+Flush {put:.3f}s"
+                 f" ({len(puts)} slots, {nbytes / MiB / put if put else 0:.0f} MiB/s while"
+                 f" in Put), the rest {total - read - put:.3f}s waiting (credits, ticks)")
+    writer = {k: busy_time(partner.spans.get(k, []))
+              for k in ("_do_begin", "_do_write", "_do_end", "_commit", "pwrite", "fsync",
+                        "xxh3")}
+    busy = writer["_do_begin"] + writer["_do_write"] + writer["_do_end"]
+    lines.append(f"  partner writer thread: busy {busy:.3f}s ({100 * busy / total:.0f}%):"
+                 f" pwrite {writer['pwrite']:.3f}s, fsync {writer['fsync']:.3f}s"
+                 f" ({len(partner.spans.get('fsync', []))} files),"
+                 f" xxh3 {writer['xxh3']:.3f}s, begin {writer['_do_begin']:.3f}s,"
+                 f" end/commit {writer['_do_end']:.3f}s (commit {writer['_commit']:.3f}s)")
+    writes = partner.spans.get("_do_write", [])
+    if writes:
+        first, last = writes[0][0], writes[-1][1]
+        gaps = [b[0] - a[1] for a, b in zip(writes, writes[1:], strict=False)]
+        lines.append(f"  first slot reached the writer after {first - start:.3f}s; writer idle"
+                     f" between slots {sum(gaps):.3f}s (max gap {max(gaps, default=0):.4f}s);"
+                     f" last write done {end - last:.3f}s before the end")
+    # credit round trip: writer posts it -> partner main thread sends it -> owner hears it
+    posted, sent = partner.marks.get("credit_post", []), partner.marks.get("credit_send", [])
+    heard = owner.marks.get("credit_in", [])
+    if posted and sent and heard and len(posted) == len(sent) == len(heard):
+        to_send = statistics.median(s - p for p, s in zip(posted, sent, strict=True))
+        to_owner = statistics.median(h - s for s, h in zip(sent, heard, strict=True))
+        lines.append(f"  credit latency (median): writer post -> partner sends {1e3 * to_send:.2f}"
+                     f" ms, -> owner hears {1e3 * to_owner:.2f} ms")
+    slots_in, handled = partner.marks.get("slot_in", []), writes
+    if slots_in and len(slots_in) == len(handled):
+        lag = statistics.median(w[0] - s for s, w in zip(slots_in, handled, strict=True))
+        lines.append(f"  slot message received -> writer starts on it (median) {1e3 * lag:.2f} ms")
+    return lines
+
+
+# ---------------------------------------------------------------------- the three kinds
+def idle_until_stopped(comm: Any) -> None:
+    """The partner during `put`: an idle agent-like loop that keeps calling into MPI."""
+    from mpi4py import MPI
+    while not comm.iprobe(source=0, tag=CTRL, status=MPI.Status()):
+        time.sleep(BUSY_TICK)
+    comm.recv(source=0, tag=CTRL)
+
+
+def raw_put(comm: Any, win: Any, data: np.ndarray, size: int, slot: int, slots: int
+            ) -> float | None:
+    from mpi4py import MPI
+    comm.Barrier()
+    if comm.rank == 1:
+        idle_until_stopped(comm)
+        return None
+    start = time.perf_counter()
+    done, k = 0, 0
+    while done < size:
+        n = min(slot, size - done)
+        win.Put([data[:n], n, MPI.BYTE], 1, [(k % slots) * slot, n, MPI.BYTE])
+        win.Flush(1)
+        done, k = done + n, k + 1
+    elapsed = time.perf_counter() - start
+    comm.send("stop", dest=1, tag=CTRL)
+    return elapsed
+
+
+def raw_write(comm: Any, directory: Path, sizes: list[int], pool: np.ndarray, slot: int
+              ) -> float | None:
+    comm.Barrier()
+    if comm.rank == 0:
+        return None
+    start = time.perf_counter()
+    position = 0
+    for i, size in enumerate(sizes):
+        fd = os.open(directory / f"f{i:03d}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            offset = 0
+            while offset < size:
+                n = min(slot, size - offset)
+                if position + n > pool.nbytes:
+                    position = 0
+                view = memoryview(pool[position:position + n])
+                done = 0
+                while done < n:
+                    done += os.pwrite(fd, view[done:], offset + done)
+                offset, position = offset + n, position + n
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fsync_dir(directory)
+    elapsed = time.perf_counter() - start
+    for path in directory.iterdir():
+        path.unlink()
+    fsync_dir(directory)
+    return elapsed
+
+
+class Driver:
+    """Both ranks' Replicator, driven like agent.py's main loop."""
+
+    def __init__(self, comm: Any, cfg: Config, trace: Trace | None) -> None:
+        import queue
+
+        from cachex_agent.peer.replicator import Replicator
+        from cachex_agent.topology import place_in
+        self.comm, self.cfg, self.trace = comm, cfg, trace
+        self.paths = cfg.node_paths(comm.rank)
+        self.paths.replicas.mkdir(parents=True, exist_ok=True)
+        self.posts: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.requests: list[Any] = []
+        self.events = EventLog(self.paths.journal / "events.jsonl", node=comm.rank)
+        post = self.posts.put
+        if trace is not None and comm.rank == 1:
+            def post(msg: dict[str, Any]) -> None:
+                if msg["type"] == "credit":
+                    trace.mark("credit_post")
+                self.posts.put(msg)
+        self.replicator = Replicator(comm, place_in(comm, "rank"), list(range(comm.size)),
+                                     cfg, self.paths, self.events, self.send, post)
+        if trace is not None:
+            instrument(self.replicator, trace, comm.rank)
+        self.result: dict[str, Any] | None = None
+        self.finished = 0.0
+
+    def send(self, rank: int, msg: dict[str, Any]) -> None:
+        self.requests.append(self.comm.isend(msg, dest=rank, tag=PEER))
+
+    def step(self) -> None:
+        from mpi4py import MPI
+        while not self.posts.empty():
+            msg = self.posts.get()
+            if msg["type"] in ("credit", "ack"):
+                if self.trace is not None and msg["type"] == "credit":
+                    self.trace.mark("credit_send")
+                self.send(msg.pop("owner"), msg)
+            elif msg["type"] == "replicated":
+                self.result = msg
+        status = MPI.Status()
+        while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=PEER, status=status):
+            source = status.Get_source()
+            msg = self.comm.recv(source=source, tag=PEER)
+            if self.trace is not None and msg["type"] == "slot":
+                self.trace.mark("slot_in")
+            self.replicator.handle(source, msg)
+            if msg["type"] == "ack":        # the post happened inside handle(): stop the clock
+                self.finished = time.perf_counter()
+                if self.trace is not None:
+                    self.trace.mark("end")
+        self.replicator.pump()
+        self.requests = [r for r in self.requests if not r.Test()]
+
+    def replicate(self, entries: list[FileEntry], source: Path, seq: int) -> float | None:
+        """Collective; the owner's time from replicate() to the `replicated` post."""
+        comm = self.comm
+        ckpt = f"step_{seq:05d}"
+        comm.Barrier()
+        start = time.perf_counter()
+        if self.trace is not None:
+            self.trace.mark("start")
+        if comm.rank == 0:
+            manifest = LocalManifest(run="bench", ckpt=ckpt, seq=seq, node=0, host="bench",
+                                     rank=0, files=entries)
+            self.replicator.replicate(manifest, source)
+        self.result = None
+        barrier = comm.Ibarrier() if comm.rank == 1 else None
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            self.step()
+            if barrier is None and self.result is not None:
+                barrier = comm.Ibarrier()   # done as the owner; the partner may still be busy
+            if (barrier is not None and barrier.Test() and not self.replicator.busy()
+                    and not self.requests):
+                break
+            time.sleep(BUSY_TICK if self.replicator.busy() else self.cfg.agent.poll)
+        else:
+            raise RuntimeError(f"rank {comm.rank}: replication did not finish in 300 s")
+        if comm.rank == 0:
+            if not self.result or not self.result["ok"]:
+                raise RuntimeError(f"replication failed: {self.result}")
+            return self.finished - start
+        self._check_and_remove(ckpt, entries)
+        return None
+
+    def _check_and_remove(self, ckpt: str, entries: list[FileEntry]) -> None:
+        from cachex_agent.peer.store import manifest_path, owner_dir, replica_dir
+        root = self.paths.replicas
+        replica = replica_dir(root, 0, ckpt)
+        if not manifest_path(root, 0, ckpt).is_file():
+            raise RuntimeError(f"{replica}: no manifest after the ack")
+        for entry in entries:
+            if (replica / entry.path).stat().st_size != entry.size:
+                raise RuntimeError(f"{replica / entry.path}: wrong size")
+        manifest_path(root, 0, ckpt).unlink()
+        shutil.rmtree(replica)
+        fsync_dir(owner_dir(root, 0))
+
+    def close(self) -> None:
+        self.replicator.close()
+        self.events.close()
+
+
+# ---------------------------------------------------------------------- main
+def parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="1GiB")
+    parser.add_argument("--slot", default="16MiB")
+    parser.add_argument("--slots", type=int, default=4)
+    parser.add_argument("--dir", help="where the partner's cache (replicas) lives"
+                                      " (default: a new directory under /tmp)")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1,
+                        help="untimed rounds of all three first")
+    parser.add_argument("--profile", action="store_true",
+                        help="break the last replicate run down (adds a little overhead)")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    args = parse(argv)
+    if comm.size != 2:
+        if comm.rank == 0:
+            print("run on exactly 2 ranks: mpiexec -n 2 python benchmarks/replicate.py",
+                  file=sys.stderr)
+        return 2
+    size, slot = parse_size(args.size, "--size"), parse_size(args.slot, "--slot")
+    slots = args.slots
+    sizes = file_sizes(size)
+    root = stage = None
+    if comm.rank == 0:
+        root = Path(tempfile.mkdtemp(prefix="cachex-bench-repl-", dir=args.dir or "/tmp"))
+        stage = Path(tempfile.mkdtemp(prefix="cachex-bench-repl-", dir="/dev/shm"))
+    root, stage = comm.bcast((root, stage))
+    driver = win = None
+    try:
+        entries: list[FileEntry] = []
+        if comm.rank == 0:
+            write_config(root, stage, slot, slots)
+            source = stage / "src"
+            entries = make_sources(source, sizes)
+        comm.Barrier()
+        cfg = load(root / "bench.toml", environ={})
+        trace = Trace() if args.profile else None
+        driver = Driver(comm, cfg, trace)
+        win = MPI.Win.Allocate(slots * slot if comm.rank == 1 else 1, disp_unit=1, comm=comm)
+        win.Lock_all()
+        rng = np.random.default_rng(2)
+        pool = (np.frombuffer(rng.bytes(min(size, GiB)), dtype=np.uint8) if comm.rank == 1
+                else np.frombuffer(rng.bytes(slot), dtype=np.uint8))
+        raw_dir = driver.paths.replicas / "raw-write"
+        raw_dir.mkdir(exist_ok=True)
+        if comm.rank == 0:
+            print(f"{len(sizes)} files, {size / GiB:.2f} GiB, sizes:"
+                  f" {[round(s / MiB, 3) for s in sizes]} MiB; slot {slot // MiB} MiB x {slots};"
+                  f" files under {root};"
+                  f" MPIR_CVAR_NOLOCAL={os.environ.get('MPIR_CVAR_NOLOCAL', '')!r};"
+                  f" agent.poll {cfg.agent.poll}s", flush=True)
+
+        seq = 0
+
+        def run(kind: str) -> float | None:
+            nonlocal seq
+            os.sync()
+            if kind == "put":
+                return raw_put(comm, win, pool, size, slot, slots)
+            if kind == "write":
+                return raw_write(comm, raw_dir, sizes, pool, slot)
+            seq += 1
+            if trace is not None:
+                trace.clear()
+            return driver.replicate(entries, stage / "src", seq)
+
+        kinds = ["put", "write", "replicate"]
+        for _ in range(args.warmup):
+            for kind in kinds:
+                run(kind)
+        times: dict[str, list[float]] = {kind: [] for kind in kinds}
+        for r in range(args.repeat):
+            for kind in kinds[r % 3:] + kinds[:r % 3]:
+                elapsed = comm.bcast(run(kind), root=0 if kind != "write" else 1)
+                times[kind].append(elapsed)
+            if comm.rank == 0:
+                print(f"repeat {r + 1}: " + "  ".join(f"{k} {times[k][-1]:.3f}s" for k in kinds),
+                      flush=True)
+        traces = comm.gather(trace) if trace is not None else None
+        if comm.rank == 0:
+            rate = {k: size / MiB / statistics.median(v) for k, v in times.items()}
+            best = {k: size / MiB / min(v) for k, v in times.items()}
+            for kind in kinds:
+                print(f"{kind:10s} median {rate[kind]:8.1f} MiB/s   best {best[kind]:8.1f} MiB/s")
+            limit = min(rate["put"], rate["write"])
+            print(f"replicate ratio: {rate['replicate'] / limit:.2f}  (replication"
+                  f" {rate['replicate']:.1f} MiB/s vs min(raw Put {rate['put']:.1f} MiB/s,"
+                  f" raw write {rate['write']:.1f} MiB/s) = {limit:.1f} MiB/s,"
+                  f" {size / GiB:.2f} GiB, slot {slot // MiB} MiB x {slots})")
+            if traces is not None:
+                owner, partner = traces
+                for line in profile_report(owner, partner, owner.marks["start"][-1],
+                                           owner.marks["end"][-1], size):
+                    print(line)
+        comm.Barrier()
+    except BaseException:
+        traceback.print_exc()
+        sys.stderr.flush()
+        if comm.rank == 0:
+            shutil.rmtree(stage, ignore_errors=True)
+            shutil.rmtree(root, ignore_errors=True)
+        comm.Abort(1)
+    if driver is not None:
+        driver.close()
+    if win is not None:
+        win.Unlock_all()
+        win.Free()
+    comm.Barrier()
+    if comm.rank == 0:
+        shutil.rmtree(stage, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
