@@ -187,3 +187,50 @@ def test_status_and_events(world, tmp_path):
     assert (tmp_path / "pfs/r/status.json").exists()
     kinds = [e["event"] for e in read_events(tmp_path / "events.jsonl")]
     assert kinds[:3] == ["committed", "level_captured", "level_flushed"]
+
+
+def replicate_all(coord, ckpt, failing: int | None = None):
+    for node in range(NODES):
+        ok = node != failing
+        coord.handle(node, {"type": "replicated", "ckpt": ckpt, "ok": ok, "partners": [
+            (node + 1) % NODES], "errors": {} if ok else {"2": "partner node 2: gone"},
+            "dead": [] if ok else [2]})
+
+
+def test_replicated_level_needs_every_node(world):
+    coord, _, _ = world()
+    commit_all(coord, "s1", flushed=False)
+    coord.handle(0, {"type": "replicated", "ckpt": "s1", "ok": True, "partners": [1],
+                     "errors": {}})
+    assert coord.ckpts["s1"]["level"] == "captured"
+    replicate_all(coord, "s1")
+    assert coord.ckpts["s1"]["level"] == "replicated"
+    for node in range(NODES):
+        coord.handle(node, {"type": "flushed", "ckpt": "s1", "bundle": f"node-{node:05d}.h5"})
+    assert coord.ckpts["s1"]["level"] == "flushed"
+
+
+def test_failed_replication_skips_to_flushed_and_names_the_dead(world):
+    coord, sent, _ = world()
+    commit_all(coord, "s1", flushed=False)
+    replicate_all(coord, "s1", failing=1)
+    record = coord.ckpts["s1"]
+    assert record["level"] == "captured" and "partner node 2" in record["errors"]["1"]
+    for node in range(NODES):
+        coord.handle(node, {"type": "flushed", "ckpt": "s1", "bundle": f"node-{node:05d}.h5"})
+    assert record["level"] == "flushed"
+    coord.handle(0, {"type": "stop"})
+    for node in range(NODES):
+        coord.handle(node, {"type": "drained"})
+    assert types(sent, "exit")[0][1]["dead"] == [2]
+
+
+def test_final_flush_error_fails_the_checkpoint(world):
+    coord, _, _ = world()
+    commit_all(coord, "s1", flushed=False)
+    coord.handle(1, {"type": "flush_error", "ckpt": "s1", "error": "checksum differs",
+                     "final": False})
+    assert coord.ckpts["s1"]["level"] == "captured"
+    coord.handle(1, {"type": "flush_error", "ckpt": "s1", "error": "checksum differs",
+                     "final": True})
+    assert coord.ckpts["s1"]["level"] == "failed"
