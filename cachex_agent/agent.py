@@ -33,6 +33,7 @@ from .flush.flusher import Flusher
 from .fsutil import makedirs, remove_tree
 from .journal import Journal
 from .manifest import GlobalManifest, LocalManifest
+from .peer.globals import GlobalFiles
 from .peer.partners import domains_of
 from .peer.replicator import Replicator
 from .stage.capture import CaptureError, capture_copy, capture_reference, list_files
@@ -105,6 +106,7 @@ class Agent:
                                         self.paths.pfs, self.events, self._send)
                             if self.rank == 0 else None)
         self.replicator = agree(comm, "peer set-up", self._make_replicator)
+        self.globals = GlobalFiles(comm, self.paths.journal, self._send_peer)
         self.watcher = SpoolWatcher(self.paths.spool, self.rule, self._on_marker,
                                     scan=config.commit.scan)
         self._preexisting = set(self._committed_now())
@@ -162,6 +164,9 @@ class Agent:
         self._receive()
         if self.replicator is not None:
             self.replicator.pump()
+        for header in self.globals.poll():
+            self.events.emit("global_file", ckpt=header["ckpt"], path=header["path"],
+                             bytes=header["size"])
         if self.coordinator:
             self.coordinator.tick()
         self._check_stop_files()
@@ -191,13 +196,16 @@ class Agent:
 
     def _receive(self) -> None:
         status = MPI.Status()
-        while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=MPI.ANY_TAG, status=status):
-            source, tag = status.Get_source(), status.Get_tag()
-            msg = self.comm.recv(source=source, tag=tag)
-            if tag == PEER_TAG:
-                if self.replicator is not None:
-                    self.replicator.handle(self.node_of_rank[source], msg)
-            elif "node" in msg and self.coordinator and msg["type"] not in _TO_AGENT:
+        while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=PEER_TAG, status=status):
+            source = status.Get_source()
+            msg = self.comm.recv(source=source, tag=PEER_TAG)
+            if msg["type"] == "global_file":
+                self.globals.on_header(source, msg)
+            elif self.replicator is not None:
+                self.replicator.handle(self.node_of_rank[source], msg)
+        while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=TAG, status=status):
+            msg = self.comm.recv(source=status.Get_source(), tag=TAG)
+            if "node" in msg and self.coordinator and msg["type"] not in _TO_AGENT:
                 self.coordinator.handle(msg["node"], msg)
             else:
                 self._handle(msg)
@@ -262,11 +270,21 @@ class Agent:
         ckpt = msg["ckpt"]
         entry = self.journal.get(ckpt) or {}
         manifest = LocalManifest.from_json(msg["manifest"])
+        self._share_globals(manifest, entry)
         if self.replicator is not None and not entry.get("replicated"):
             self.replicator.replicate(manifest, Path(entry["source"]))
         else:
             self._flush_if_wanted(manifest, entry)
         self._retain_stage()
+
+    def _share_globals(self, manifest: LocalManifest, entry: dict[str, Any]) -> None:
+        """This node wrote the checkpoint's global files: every journal gets a copy."""
+        names = set(self.announced.get(manifest.ckpt, {}).get("global_files", []))
+        held = [e for e in manifest.files if e.path in names]
+        if held and not entry.get("globals_shared"):
+            others = [r for r in self.ranks_by_node if r != self.rank]
+            self.globals.share(manifest.ckpt, Path(entry["source"]), held, others)
+            self.journal.update(manifest.ckpt, globals_shared=True)
 
     def _after_replicate(self, msg: dict[str, Any]) -> None:
         ckpt = msg["ckpt"]
@@ -318,6 +336,7 @@ class Agent:
 
     def _check_drained(self) -> None:
         replicating = self.replicator is not None and self.replicator.busy()
+        replicating = replicating or self.globals.busy()
         busy = self._queued or self.flusher.pending() or not self.inbox.empty() or replicating
         if busy and time.monotonic() < self.drain_deadline:
             return

@@ -137,3 +137,18 @@ def test_dead_partner_is_detected_and_the_owner_flushes(cluster):
         assert c.agents.poll() is None
     finally:
         os.kill(pid, signal.SIGCONT)
+
+
+def test_global_metadata_reaches_every_journal(cluster):
+    c = cluster()
+    c.start_agents()
+    finish(c.trainer("--steps", "4", "--every", "4", *TRAIN))
+    c.wait_level("step_00004", "flushed")
+    metadata = (c.spool(0) / "step_00004" / ".metadata").read_bytes()
+    for node in range(4):
+        kept = c.journal(node) / "global" / "step_00004" / "files" / ".metadata"
+        wait_for(kept.exists, 30, f"{kept}")
+        assert kept.read_bytes() == metadata
+        gm = json.loads((c.journal(node) / "global" / "step_00004.json").read_text())
+        assert gm["global_files"] == [".metadata"] and len(gm["nodes"]) == 4
+    assert c.stop() == 0

@@ -1,0 +1,83 @@
+"""Global metadata files (written by one node only, e.g. DCP's `.metadata`) to every agent.
+
+Every agent keeps them in its journal (`journal/global/<ckpt>/files/<path>`), so any
+surviving node can lead a recovery when the node that wrote them is gone. A small header
+(PEER tag) announces each file; the bytes follow as a raw buffer on their own tag (no
+pickling), received with `Irecv` and checked against the owner's checksum.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from ..checksum import hasher
+from ..fsutil import atomic_open, makedirs
+from ..manifest import FileEntry
+
+log = logging.getLogger(__name__)
+DATA_TAG = 9
+
+
+def global_dir(journal: Path, ckpt: str) -> Path:
+    return journal / "global" / ckpt / "files"
+
+
+class GlobalFiles:
+    def __init__(self, comm: Any, journal: Path, send_header: Any) -> None:
+        self.comm, self.journal, self.send_header = comm, journal, send_header
+        self._outgoing: list[tuple[Any, np.ndarray]] = []
+        self._incoming: list[tuple[Any, np.ndarray, dict[str, Any]]] = []
+
+    def share(self, ckpt: str, source: Path, entries: list[FileEntry], ranks: list[int]
+              ) -> None:
+        """Send each file of `entries` (read from `source`) to every rank in `ranks`."""
+        for entry in entries:
+            data = np.fromfile(source / entry.path, dtype=np.uint8)
+            header = {"type": "global_file", "ckpt": ckpt, "path": entry.path,
+                      "size": entry.size, "checksum": entry.checksum}
+            self.keep(ckpt, entry, data)
+            for rank in ranks:
+                self.send_header(rank, header)
+                self._outgoing.append((self.comm.Isend([data, MPI.BYTE], rank, DATA_TAG), data))
+
+    def on_header(self, source: int, header: dict[str, Any]) -> None:
+        buffer = np.empty(header["size"], dtype=np.uint8)
+        request = self.comm.Irecv([buffer, MPI.BYTE], source, DATA_TAG)
+        self._incoming.append((request, buffer, header))
+
+    def poll(self) -> list[dict[str, Any]]:
+        """Complete what arrived; return the headers of files now in the journal."""
+        self._outgoing = [(r, d) for r, d in self._outgoing if not r.Test()]
+        done, waiting = [], []
+        for request, buffer, header in self._incoming:
+            if not request.Test():
+                waiting.append((request, buffer, header))
+                continue
+            entry = FileEntry(header["path"], header["size"], 0o644, header["checksum"])
+            if _checksum(buffer) != entry.checksum:
+                log.error("global file %s of %s: checksum mismatch", entry.path, header["ckpt"])
+                continue
+            self.keep(header["ckpt"], entry, buffer)
+            done.append(header)
+        self._incoming = waiting
+        return done
+
+    def keep(self, ckpt: str, entry: FileEntry, data: np.ndarray) -> None:
+        target = global_dir(self.journal, ckpt) / entry.path
+        makedirs(target.parent)
+        with atomic_open(target) as handle:
+            handle.write(memoryview(data))
+
+    def busy(self) -> bool:
+        return bool(self._outgoing or self._incoming)
+
+
+def _checksum(data: np.ndarray) -> str:
+    digest = hasher()
+    digest.update(memoryview(data))
+    return digest.hexdigest()
