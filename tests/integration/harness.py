@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from support import virtual_nodes_config
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -76,19 +77,11 @@ class Cluster:
             (root / f"node{node}" / "spool").mkdir(parents=True, exist_ok=True)
         (root / "pfs").mkdir(exist_ok=True)
         self.config = root / "cachex.toml"
-        self.config.write_text(f'''run = "t"
-[paths]
-spool = "{root}/node{{node}}/spool"
-stage = "{root}/node{{node}}/shm"
-cache = "{root}/node{{node}}/nvme"
-pfs = "{root}/pfs"
-[topology]
-domain = "rank"
-[commit]
+        self.config.write_text(virtual_nodes_config(root, "t", f'''[commit]
 rule = "{rule}"
 [agent]
 timeout = "{agent_timeout}"
-{extra}''')
+{extra}'''))
         self.agents: subprocess.Popen[bytes] | None = None
         self.trainers: list[subprocess.Popen[bytes]] = []
 
@@ -171,6 +164,13 @@ timeout = "{agent_timeout}"
     def events(self, node: int) -> list[dict[str, Any]]:
         lines = (self.journal(node) / "events.jsonl").read_text().splitlines()
         return [json.loads(line) for line in lines if line.strip()]
+
+
+def finish(proc: subprocess.Popen[bytes], timeout: float = 90) -> str:
+    """Wait for a trainer; it must succeed."""
+    out, _ = proc.communicate(timeout=timeout)
+    assert proc.returncode == 0, out.decode()
+    return out.decode()
 
 
 def files_of(directory: Path) -> dict[str, bytes]:

@@ -9,28 +9,10 @@ import time
 
 import h5py
 import pytest
-from harness import BIN, MPIEXEC, Cluster, files_of, kill_tree, wait_for
+from harness import BIN, MPIEXEC, Cluster, files_of, finish, kill_tree, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 TRAIN = ["--shard-size", "256KiB", "--chunk-size", "64KiB", "--step-time", "0.02"]
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    made = []
-
-    def make(**kwargs) -> Cluster:
-        made.append(Cluster(tmp_path, **kwargs))
-        return made[-1]
-    yield make
-    for c in made:
-        c.close()
-
-
-def finish(proc: subprocess.Popen, timeout: float = 90) -> str:
-    out, _ = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, out.decode()
-    return out.decode()
 
 
 def test_checkpoints_flow_to_the_pfs_and_export_byte_for_byte(cluster, tmp_path):

@@ -6,44 +6,12 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 
 import pytest
-from harness import Cluster, files_of, wait_for
+from harness import Cluster, files_of, finish, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 TRAIN = ["--shard-size", "256KiB", "--chunk-size", "64KiB", "--step-time", "0.02"]
-
-
-@pytest.fixture
-def cluster(tmp_path):
-    made = []
-
-    def make(**kwargs) -> Cluster:
-        made.append(Cluster(tmp_path, **kwargs))
-        return made[-1]
-    yield make
-    for c in made:
-        c.close()
-
-
-@pytest.fixture
-def tmpfs(tmp_path):
-    mounted = []
-
-    def mount(path, size: str):
-        path.mkdir(parents=True, exist_ok=True)
-        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                       check=True)
-        mounted.append(path)
-    yield mount
-    for path in mounted:
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
-def finish(proc, timeout: float = 90) -> None:
-    out, _ = proc.communicate(timeout=timeout)
-    assert proc.returncode == 0, out.decode()
 
 
 def replica(c: Cluster, partner: int, owner: int, ckpt: str):

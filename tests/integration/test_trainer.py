@@ -11,7 +11,6 @@ import importlib.util
 import json
 import os
 import shutil
-import signal
 import subprocess
 import sys
 import time
@@ -19,8 +18,8 @@ from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
-import psutil
 import pytest
+from harness import kill_tree
 
 pytestmark = pytest.mark.integration
 
@@ -44,8 +43,6 @@ COMMON = [
 ]  # fmt: skip
 RUN_TIMEOUT = 30.0
 
-if not MPIEXEC.exists():
-    pytest.skip(f"no mpiexec next to {sys.executable}", allow_module_level=True)
 
 
 def spool(root: Path, node: int) -> Path:
@@ -60,41 +57,6 @@ def trainer_cmd(root: Path, *args: str) -> list[str]:
     template = str(root / "node{node}" / "spool")
     return [str(MPIEXEC), "-n", str(NP), sys.executable, str(TRAINER), "--spool", template,
             *COMMON, *args]  # fmt: skip
-
-
-def kill_tree(proc: subprocess.Popen[str]) -> None:
-    """SIGKILL mpiexec's process group and every rank.
-
-    Hydra starts each proxy and rank in a session of its own, so the group alone would
-    leave ranks running (and possibly committing) for a moment after mpiexec dies.
-    """
-    try:
-        ranks = psutil.Process(proc.pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        ranks = []
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    for child in ranks:
-        try:
-            child.kill()
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait(timeout=10)
-    # Orphaned ranks stay zombies until init gets round to reaping them (seconds in some
-    # containers); a zombie writes nothing more, so it counts as dead.
-    deadline = time.monotonic() + 10
-    while any(_alive(p) for p in ranks):
-        assert time.monotonic() < deadline, f"ranks survived SIGKILL: {ranks}"
-        time.sleep(0.005)
-
-
-def _alive(process: psutil.Process) -> bool:
-    try:
-        return process.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 def run(cmd: list[str], timeout: float = RUN_TIMEOUT) -> subprocess.CompletedProcess[str]:

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
+from support import virtual_nodes_config
 
 from cachex_agent.collective import agree
 from cachex_agent.config import load
@@ -51,20 +52,12 @@ def test_placement_by_rank_and_by_host():
 
 def write_config(root: Path, extra: str = "") -> Path:
     path = root / "cachex.toml"
-    path.write_text(f'''run = "m"
-[paths]
-spool = "{root}/node{{node}}/spool"
-stage = "{root}/node{{node}}/shm"
-cache = "{root}/node{{node}}/nvme"
-pfs = "{root}/pfs"
-[topology]
-domain = "rank"
-[commit]
+    path.write_text(virtual_nodes_config(root, "m", f'''[commit]
 rule = "dcp"
 scan = "0.5s"
 [agent]
 timeout = "20s"
-{extra}''')
+{extra}'''))
     return path
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from support import virtual_nodes_config
 
 from cachex_agent.checksum import file_checksum
 from cachex_agent.config import load
@@ -30,17 +31,9 @@ def all_ok(comm, ok) -> bool:
 
 def config(root: Path, extra: str):
     path = root / f"cfg-{os.getpid()}.toml"
-    path.write_text(f'''run = "r"
-[paths]
-spool = "{root}/node{{node}}/spool"
-stage = "{root}/node{{node}}/shm"
-cache = "{root}/node{{node}}/nvme"
-pfs = "{root}/pfs"
-[topology]
-domain = "rank"
-[agent]
+    path.write_text(virtual_nodes_config(root, "r", f'''[agent]
 timeout = "30s"
-{extra}''')
+{extra}'''))
     return load(path, environ={})
 
 
