@@ -65,6 +65,10 @@ BUSY_TICK = 0.001   # agent.py sleeps this long between steps while the replicat
 SMALL = [0, 100, 4096, 64 * 1024 + 1, MiB, 3 * MiB - 1]
 
 
+def human(size: int) -> str:
+    return f"{size // MiB} MiB" if size % MiB == 0 else f"{size / 1024:.0f} KiB"
+
+
 def file_sizes(total: int, smallest: int = 16 * MiB) -> list[int]:
     """SMALL (as far as they fit), doubling sizes from `smallest`, then the remainder."""
     sizes: list[int] = []
@@ -212,6 +216,12 @@ def profile_report(owner: Trace, partner: Trace, start: float, end: float,
                  f" xxh3 {writer['xxh3']:.3f}s, begin {writer['_do_begin']:.3f}s,"
                  f" end/commit {writer['_do_end']:.3f}s (commit {writer['_commit']:.3f}s)")
     writes = partner.spans.get("_do_write", [])
+    begin_in, begins = partner.marks.get("begin_in", []), partner.spans.get("_do_begin", [])
+    if begin_in and begins and writes:
+        lines.append(f"  start-up: partner received begin after {1e3 * (begin_in[0] - start):.1f}"
+                     f" ms, writer ran begin {1e3 * (begins[0][0] - start):.1f}-"
+                     f"{1e3 * (begins[0][1] - start):.1f} ms, first slot"
+                     f" {1e3 * (writes[0][0] - start):.1f} ms")
     if writes:
         first, last = writes[0][0], writes[-1][1]
         gaps = [b[0] - a[1] for a, b in zip(writes, writes[1:], strict=False)]
@@ -293,7 +303,9 @@ def raw_write(comm: Any, directory: Path, sizes: list[int], pool: np.ndarray, sl
 
 
 class Driver:
-    """Both ranks' Replicator, driven like agent.py's main loop."""
+    """Both ranks' Replicator, driven like agent.py's main loop (Agent._step: inbox, then
+    one `while iprobe` pass, then pump; sleep 1 ms while busy, else agent.poll). Keep the
+    two in step, so a change to the agent's cadence shows up here."""
 
     def __init__(self, comm: Any, cfg: Config, trace: Trace | None) -> None:
         import queue
@@ -336,8 +348,8 @@ class Driver:
         while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=PEER, status=status):
             source = status.Get_source()
             msg = self.comm.recv(source=source, tag=PEER)
-            if self.trace is not None and msg["type"] == "slot":
-                self.trace.mark("slot_in")
+            if self.trace is not None:
+                self.trace.mark(f"{msg['type']}_in")
             self.replicator.handle(source, msg)
             if msg["type"] == "ack":        # the post happened inside handle(): stop the clock
                 self.finished = time.perf_counter()
@@ -350,6 +362,7 @@ class Driver:
         """Collective; the owner's time from replicate() to the `replicated` post."""
         comm = self.comm
         ckpt = f"step_{seq:05d}"
+        self.result = None
         comm.Barrier()
         start = time.perf_counter()
         if self.trace is not None:
@@ -358,7 +371,6 @@ class Driver:
             manifest = LocalManifest(run="bench", ckpt=ckpt, seq=seq, node=0, host="bench",
                                      rank=0, files=entries)
             self.replicator.replicate(manifest, source)
-        self.result = None
         barrier = comm.Ibarrier() if comm.rank == 1 else None
         deadline = time.monotonic() + 300
         while time.monotonic() < deadline:
@@ -449,7 +461,7 @@ def main(argv: list[str] | None = None) -> int:
         raw_dir.mkdir(exist_ok=True)
         if comm.rank == 0:
             print(f"{len(sizes)} files, {size / GiB:.2f} GiB, sizes:"
-                  f" {[round(s / MiB, 3) for s in sizes]} MiB; slot {slot // MiB} MiB x {slots};"
+                  f" {[round(s / MiB, 3) for s in sizes]} MiB; slot {human(slot)} x {slots};"
                   f" files under {root};"
                   f" MPIR_CVAR_NOLOCAL={os.environ.get('MPIR_CVAR_NOLOCAL', '')!r};"
                   f" agent.poll {cfg.agent.poll}s", flush=True)
@@ -490,7 +502,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"replicate ratio: {rate['replicate'] / limit:.2f}  (replication"
                   f" {rate['replicate']:.1f} MiB/s vs min(raw Put {rate['put']:.1f} MiB/s,"
                   f" raw write {rate['write']:.1f} MiB/s) = {limit:.1f} MiB/s,"
-                  f" {size / GiB:.2f} GiB, slot {slot // MiB} MiB x {slots})")
+                  f" {size / GiB:.2f} GiB, slot {human(slot)} x {slots})")
             if traces is not None:
                 owner, partner = traces
                 for line in profile_report(owner, partner, owner.marks["start"][-1],
@@ -500,9 +512,8 @@ def main(argv: list[str] | None = None) -> int:
     except BaseException:
         traceback.print_exc()
         sys.stderr.flush()
-        if comm.rank == 0:
-            shutil.rmtree(stage, ignore_errors=True)
-            shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(stage, ignore_errors=True)     # one host: either rank can clean up
+        shutil.rmtree(root, ignore_errors=True)
         comm.Abort(1)
     if driver is not None:
         driver.close()

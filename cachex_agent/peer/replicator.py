@@ -113,6 +113,8 @@ class Replicator:
     # ----------------------------------------------------------------- owner side
     def replicate(self, manifest: LocalManifest, source: Path) -> None:
         """Queue `manifest` to every partner; `post`s `replicated` when all answered."""
+        if manifest.ckpt in self.results:
+            return                      # already under way (a repeated announcement)
         self.results[manifest.ckpt] = {}
         self.events.emit("replicate_start", ckpt=manifest.ckpt, seq=manifest.seq,
                          bytes=manifest.bytes, partners=self.partners)
