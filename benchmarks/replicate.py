@@ -193,6 +193,14 @@ def instrument(replicator: Any, trace: Trace, rank: int) -> None:
             setattr(store, name, trace.timed(name, getattr(store, name)))
 
 
+def disk_split(trace: Trace, kind: str) -> str:
+    """The partner's time in pwrite and fsync during the run just finished."""
+    prefix = "raw_" if kind == "write" else ""
+    pwrite = busy_time(trace.spans.get(f"{prefix}pwrite", []))
+    fsync = busy_time(trace.spans.get(f"{prefix}fsync", []))
+    return f" (pwrite {pwrite:.2f} + fsync {fsync:.2f})"
+
+
 def busy_time(spans: list[tuple[float, float]]) -> float:
     return sum(end - start for start, end in spans)
 
@@ -215,6 +223,10 @@ def profile_report(owner: Trace, partner: Trace, start: float, end: float,
                  f" ({len(partner.spans.get('fsync', []))} files),"
                  f" xxh3 {writer['xxh3']:.3f}s, begin {writer['_do_begin']:.3f}s,"
                  f" end/commit {writer['_do_end']:.3f}s (commit {writer['_commit']:.3f}s)")
+    raw_pwrite = busy_time(partner.spans.get("raw_pwrite", []))
+    raw_fsync = busy_time(partner.spans.get("raw_fsync", []))
+    lines.append(f"  for comparison, the last raw write: pwrite {raw_pwrite:.3f}s,"
+                 f" fsync {raw_fsync:.3f}s")
     writes = partner.spans.get("_do_write", [])
     begin_in, begins = partner.marks.get("begin_in", []), partner.spans.get("_do_begin", [])
     if begin_in and begins and writes:
@@ -271,8 +283,8 @@ def raw_put(comm: Any, win: Any, data: np.ndarray, size: int, slot: int, slots: 
     return elapsed
 
 
-def raw_write(comm: Any, directory: Path, sizes: list[int], pool: np.ndarray, slot: int
-              ) -> float | None:
+def raw_write(comm: Any, directory: Path, sizes: list[int], pool: np.ndarray, slot: int,
+              trace: Trace | None = None) -> float | None:
     comm.Barrier()
     if comm.rank == 0:
         return None
@@ -288,10 +300,16 @@ def raw_write(comm: Any, directory: Path, sizes: list[int], pool: np.ndarray, sl
                     position = 0
                 view = memoryview(pool[position:position + n])
                 done = 0
+                begun = time.monotonic()
                 while done < n:
                     done += os.pwrite(fd, view[done:], offset + done)
+                if trace is not None:
+                    trace.span("raw_pwrite", begun, time.monotonic())
                 offset, position = offset + n, position + n
+            begun = time.monotonic()
             os.fsync(fd)
+            if trace is not None:
+                trace.span("raw_fsync", begun, time.monotonic())
         finally:
             os.close(fd)
     fsync_dir(directory)
@@ -474,10 +492,15 @@ def main(argv: list[str] | None = None) -> int:
             if kind == "put":
                 return raw_put(comm, win, pool, size, slot, slots)
             if kind == "write":
-                return raw_write(comm, raw_dir, sizes, pool, slot)
+                if trace is not None:
+                    trace.spans.pop("raw_pwrite", None)
+                    trace.spans.pop("raw_fsync", None)
+                return raw_write(comm, raw_dir, sizes, pool, slot, trace)
             seq += 1
             if trace is not None:
+                raw = {k: trace.spans.get(k, []) for k in ("raw_pwrite", "raw_fsync")}
                 trace.clear()
+                trace.spans.update(raw)
             return driver.replicate(entries, stage / "src", seq)
 
         kinds = ["put", "write", "replicate"]
@@ -486,12 +509,15 @@ def main(argv: list[str] | None = None) -> int:
                 run(kind)
         times: dict[str, list[float]] = {kind: [] for kind in kinds}
         for r in range(args.repeat):
+            split: dict[str, str] = {}
             for kind in kinds[r % 3:] + kinds[:r % 3]:
                 elapsed = comm.bcast(run(kind), root=0 if kind != "write" else 1)
                 times[kind].append(elapsed)
+                if trace is not None and kind != "put":
+                    split[kind] = comm.bcast(disk_split(trace, kind), root=1)
             if comm.rank == 0:
-                print(f"repeat {r + 1}: " + "  ".join(f"{k} {times[k][-1]:.3f}s" for k in kinds),
-                      flush=True)
+                print(f"repeat {r + 1}: " + "  ".join(f"{k} {times[k][-1]:.3f}s{split.get(k, '')}"
+                                                      for k in kinds), flush=True)
         traces = comm.gather(trace) if trace is not None else None
         if comm.rank == 0:
             rate = {k: size / MiB / statistics.median(v) for k, v in times.items()}

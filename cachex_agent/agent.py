@@ -240,6 +240,8 @@ class Agent:
             self._on_commit(msg)
         elif kind == "finalized":
             self._on_finalized(msg)
+        elif kind == "manifest":
+            self.journal.save_global(GlobalManifest.from_json(msg["manifest"]))
         elif kind == "failed":
             self._on_failed(msg)
         elif kind == "drain":
@@ -449,7 +451,7 @@ class Agent:
             self.exit_now = True
 
 
-_TO_AGENT = {"commit", "finalized", "failed", "drain", "exit"}
+_TO_AGENT = {"commit", "manifest", "finalized", "failed", "drain", "exit"}
 
 
 def _held(entry: dict[str, Any]) -> bool:

@@ -174,6 +174,55 @@ def export_command(cfg: configuration.Config, ckpt: str, dest: str, per_node: bo
                f" in {seconds:.1f}s")
 
 
+@main_group.command("recover")
+@config_options
+@click.option("--ckpt", metavar="ID", help="recover this checkpoint (default: the newest"
+              " recoverable one)")
+@click.option("--exclude", multiple=True, metavar="SOURCE",
+              type=click.Choice(["spool", "stage", "replica", "journal", "pfs"]),
+              help="do not use copies of this kind (repeatable)")
+@click.option("--dry-run", is_flag=True, help="print the plan, change nothing")
+def recover_command(cfg: configuration.Config, ckpt: str | None, exclude: tuple[str, ...],
+                    dry_run: bool) -> None:
+    """Rebuild a checkpoint into every node's spool from what survived.
+
+    Run with one rank per node (replacement nodes included), e.g.
+    `srun --ntasks-per-node=1 cachex recover`, or as one process for one node.
+    """
+    from mpi4py import MPI
+
+    from .recovery.rebuild import recover
+    comm = MPI.COMM_WORLD
+    _setup_logging(cfg.agent.log, f"{comm.Get_rank()}@{socket.gethostname()}")
+    try:
+        outcome = recover(cfg, comm, ckpt, frozenset(exclude), dry_run)
+    except CachexError as exc:      # raised alike on every rank
+        if comm.Get_rank() == 0:
+            click.echo(f"cachex recover: error: {exc}", err=True)
+        sys.exit(exc.exit_code)
+    except Exception:
+        logging.getLogger("cachex").exception("recover failed; aborting the job")
+        comm.Abort(1)
+    if comm.Get_rank() == 0:
+        click.echo("\n".join(outcome.plan.describe()))
+        if not dry_run:
+            click.echo(_recovery_summary(outcome))
+
+
+def _recovery_summary(outcome: Any) -> str:
+    from .status import human_size
+    total = sum(outcome.bytes_by_kind.values())
+    rate = total / outcome.seconds if outcome.seconds else 0.0
+    sources = ", ".join(f"{kind} {human_size(n)}" for kind, n in
+                        sorted(outcome.bytes_by_kind.items())) or "nothing to move"
+    lines = [f"recovered {outcome.plan.ckpt}: {len(outcome.plan.manifest.files)} files,"
+             f" {human_size(total)} moved ({sources}) in {outcome.seconds:.1f}s"
+             f" ({human_size(rate)}/s); re-replicated {human_size(outcome.replicated_bytes)}"]
+    if outcome.moved_aside:
+        lines.append(f"moved aside newer, unrecoverable: {', '.join(outcome.moved_aside)}")
+    return "\n".join(lines)
+
+
 @main_group.command("stop")
 @config_options
 @click.option("--wait/--no-wait", default=True, help="wait until the agents have exited")

@@ -10,6 +10,7 @@ Protocol (DESIGN.md section 5):
   agent  -> coord  captured    this node's part is in its stage (local manifest)
   agent  -> coord  replicated  this node's partners hold verified copies (or why not)
   agent  -> coord  flushed     this node's bundle is durable on the PFS
+  coord  -> all    manifest    every node captured: the global manifest, for every journal
   coord  -> all    finalized   global manifest and index committed (level "flushed")
   coord  -> all    failed      `ckpt` can never be whole: drop it
   agent  -> coord  stop        a user asked to stop (signal, `cachex stop`)
@@ -30,6 +31,7 @@ from typing import Any
 
 from .config import Config
 from .events import EventLog
+from .flush.bundle import bundle_name
 from .flush.flusher import ckpt_dir
 from .fsutil import makedirs, read_json, remove_tree, write_json
 from .journal import Journal
@@ -125,6 +127,12 @@ class Coordinator:
         """Move the level up as far as every node's reports allow."""
         if record["level"] == "written" and len(record["captured"]) == self.nodes:
             self._reach(record, "captured")
+            # every journal learns what the checkpoint is, long before the PFS does:
+            # what a recovery needs when the coordinator's node is the one lost
+            manifest = self._global_manifest(record)
+            self.journal.save_global(manifest)
+            self._broadcast({"type": "manifest", "ckpt": record["id"],
+                             "manifest": manifest.to_json()})
         if (record["level"] == "captured" and len(record.get("replicated", {})) == self.nodes
                 and not record.get("replication_failed")):
             self._reach(record, "replicated")
@@ -239,7 +247,7 @@ class Coordinator:
 
     def _global_manifest(self, record: dict[str, Any]) -> GlobalManifest:
         parts = [LocalManifest.from_json(m) for m in record["captured"].values()]
-        bundles = {int(n): name for n, name in record["flushed"].items()}
+        bundles = {int(n): bundle_name(int(n)) for n in record["captured"]}
         return GlobalManifest.build(parts, record["global_files"], record["times"], bundles)
 
     def _purge_pfs(self) -> None:

@@ -73,8 +73,8 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:05d}"
 
 
-def shard_file_name(rank: int) -> str:
-    return f"__{rank}_0.distcp"
+def shard_file_name(rank: int, part: int = 0) -> str:
+    return f"__{rank}_{part}.distcp"
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,7 @@ class Layout:
     spool_template: str
     world_size: int
     ranks_per_node: int
+    files_per_rank: int = 1
 
     def node_of(self, rank: int) -> int:
         return rank // self.ranks_per_node
@@ -91,8 +92,9 @@ class Layout:
     def spool(self, node: int) -> Path:
         return Path(self.spool_template.format(node=node))
 
-    def shard_path(self, step: int, rank: int) -> Path:
-        return self.spool(self.node_of(rank)) / step_dir_name(step) / shard_file_name(rank)
+    def shard_path(self, step: int, rank: int, part: int = 0) -> Path:
+        return (self.spool(self.node_of(rank)) / step_dir_name(step)
+                / shard_file_name(rank, part))
 
 
 # ---------------------------------------------------------------------------- model
@@ -178,7 +180,9 @@ def save_checkpoint(
         (shard_path.parent / METADATA).unlink(missing_ok=True)
     comm.Barrier()
 
-    info = write_shard(shard_path, step, rank, comm.size, params, args.chunk_size, args.write_delay)
+    parts = np.array_split(params, layout.files_per_rank)
+    info = [write_shard(layout.shard_path(step, rank, k), step, rank, comm.size, part,
+                        args.chunk_size, args.write_delay) for k, part in enumerate(parts)]
     infos = comm.gather(info, root=0)
     comm.Barrier()
 
@@ -187,12 +191,14 @@ def save_checkpoint(
         shards = [
             {
                 "rank": r,
+                "part": k,
                 "node": layout.node_of(r),
-                "file": shard_file_name(r),
+                "file": shard_file_name(r, k),
                 "size": i["size"],
                 "crc32": i["crc32"],
             }
-            for r, i in enumerate(infos)
+            for r, rank_infos in enumerate(infos)
+            for k, i in enumerate(rank_infos)
         ]
         total = sum(s["size"] for s in shards)
         metadata = {
@@ -205,6 +211,7 @@ def save_checkpoint(
             "seed": args.seed,
             "dtype": DTYPE.str,
             "shard_elements": int(params.size),
+            "files_per_rank": layout.files_per_rank,
             "header_bytes": SHARD_HEADER.size,
             "total_bytes": total,
             "shards": shards,
@@ -275,8 +282,13 @@ def check_metadata(
             raise ResumeError(
                 f"rank 0: {where}: {key} is {metadata.get(key)!r}, this run needs {want!r}"
             )
+    if metadata.get("files_per_rank", 1) != layout.files_per_rank:
+        raise ResumeError(f"rank 0: {where}: files_per_rank is"
+                          f" {metadata.get('files_per_rank', 1)}, this run needs"
+                          f" {layout.files_per_rank}")
     shards = metadata.get("shards")
-    if not isinstance(shards, list) or [s.get("rank") for s in shards] != list(range(comm.size)):
+    ranks = [r for r in range(comm.size) for _ in range(layout.files_per_rank)]
+    if not isinstance(shards, list) or [s.get("rank") for s in shards] != ranks:
         raise ResumeError(f"rank 0: {where}: shard list does not cover ranks 0..{comm.size - 1}")
 
 
@@ -328,9 +340,12 @@ def resume(comm: Intracomm, layout: Layout, count: int) -> tuple[int, np.ndarray
     params = None
     if error is None:
         assert metadata is not None
-        path = layout.shard_path(step, comm.rank)
+        k = layout.files_per_rank
         try:
-            params = load_shard(path, step, comm.rank, comm.size, metadata["shards"][comm.rank])
+            params = np.concatenate([
+                load_shard(layout.shard_path(step, comm.rank, part), step, comm.rank,
+                           comm.size, metadata["shards"][comm.rank * k + part])
+                for part in range(k)])
         except ResumeError as exc:
             error = str(exc)
     errors = [e for e in comm.allgather(error) if e is not None]
@@ -398,6 +413,8 @@ def build_parser() -> argparse.ArgumentParser:
         help="after each commit keep only the N newest step dirs (0 = keep all)",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--files-per-rank", type=int, default=1,
+                   help="split each rank's state into this many shard files")
     p.add_argument(
         "--resume",
         action="store_true",
@@ -414,6 +431,8 @@ def build_parser() -> argparse.ArgumentParser:
 def validate(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.steps < 0 or args.every <= 0 or args.ranks_per_node <= 0 or args.keep < 0:
         p.error("--steps/--keep must be >= 0, --every and --ranks-per-node > 0")
+    if args.files_per_rank <= 0:
+        p.error("--files-per-rank must be > 0")
     if args.shard_size <= 0 or args.shard_size % DTYPE.itemsize:
         p.error(f"--shard-size must be a positive multiple of {DTYPE.itemsize} bytes")
     if args.chunk_size <= 0:
@@ -444,7 +463,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     comm = MPI.COMM_WORLD
     abort_on_uncaught(comm)
-    layout = Layout(args.spool, comm.size, args.ranks_per_node)
+    layout = Layout(args.spool, comm.size, args.ranks_per_node, args.files_per_rank)
     count = args.shard_size // DTYPE.itemsize
 
     start, params = resume(comm, layout, count) if args.resume else (0, None)

@@ -64,6 +64,22 @@ def held_replicas(root: Path) -> dict[int, list[LocalManifest]]:
     return {owner: sorted(items, key=lambda m: m.seq) for owner, items in found.items()}
 
 
+def partial_dir(root: Path, owner: int, ckpt: str) -> Path:
+    return owner_dir(root, owner) / f".{ckpt}.partial"
+
+
+def commit_replica(root: Path, manifest: LocalManifest, partial: Path,
+                   retry: Callable[[Callable[[], Any]], Any] = lambda action: action()) -> None:
+    """`partial` holds every file, verified: fsync, rename into place, manifest last."""
+    for directory, _dirs, _files in os.walk(partial):
+        fsync_dir(directory)
+    final = replica_dir(root, manifest.node, manifest.ckpt)
+    remove_tree(final)
+    os.rename(partial, final)
+    fsync_dir(final.parent)
+    retry(lambda: manifest.save(manifest_path(root, manifest.node, manifest.ckpt)))
+
+
 @dataclass
 class _Incoming:
     manifest: LocalManifest
@@ -118,7 +134,7 @@ class ReplicaStore:
         self._tasks.task_done()
 
     def _do_begin(self, owner: int, manifest: LocalManifest) -> None:
-        partial = owner_dir(self.root, owner) / f".{manifest.ckpt}.partial"
+        partial = partial_dir(self.root, owner, manifest.ckpt)
         item = _Incoming(manifest, partial)
         self._incoming[(owner, manifest.ckpt)] = item
         self.events.emit("replica_start", ckpt=manifest.ckpt, seq=manifest.seq, owner=owner,
@@ -207,14 +223,7 @@ class ReplicaStore:
         return f"{len(missing)} files incomplete (first: {missing[0]})" if missing else None
 
     def _commit(self, owner: int, item: _Incoming) -> None:
-        for directory, _dirs, _files in os.walk(item.partial):
-            fsync_dir(directory)
-        final = replica_dir(self.root, owner, item.manifest.ckpt)
-        remove_tree(final)
-        os.rename(item.partial, final)
-        fsync_dir(final.parent)
-        self._retry_full(lambda: item.manifest.save(
-            manifest_path(self.root, owner, item.manifest.ckpt)))
+        commit_replica(self.root, item.manifest, item.partial, self._retry_full)
 
     # -------------------------------------------------------------- disk space
     def _retry_full(self, action: Callable[[], Any]) -> Any:

@@ -1,0 +1,133 @@
+"""What one node holds, verified: the input of a recovery plan (recovery/plan.py).
+
+Global manifests come from the node's journal (every agent keeps them from the moment
+a checkpoint is captured everywhere) and, on rank 0, from the PFS. A copy is reported
+only when every file of it is present with the size and checksum of the manifest: a
+corrupted copy is skipped, and a better one is chosen.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from ..config import Config, NodePaths
+from ..flush.bundle import is_complete, read_manifest, verify_bundle
+from ..flush.flusher import bundle_path
+from ..fsutil import read_json
+from ..manifest import FileEntry, GlobalManifest
+from ..peer.globals import global_dir
+from ..peer.store import held_replicas, replica_dir
+from .plan import Copy
+from .verify import check_files
+
+
+def journal_manifests(paths: NodePaths) -> dict[str, GlobalManifest]:
+    found = {}
+    for path in sorted((paths.journal / "global").glob("*.json")):
+        try:
+            manifest = GlobalManifest.from_json(read_json(path))
+        except (OSError, ValueError, TypeError):
+            continue
+        found[manifest.ckpt] = manifest
+    return found
+
+
+def pfs_manifests(pfs_run: Path) -> dict[str, GlobalManifest]:
+    found = {}
+    try:
+        candidates = sorted((pfs_run / "ckpt").glob("*/manifest.json"))
+    except OSError:
+        return found
+    for path in candidates:
+        try:
+            manifest = GlobalManifest.from_json(read_json(path))
+        except (OSError, ValueError, TypeError):
+            continue
+        found[manifest.ckpt] = manifest
+    return found
+
+
+def local_copies(paths: NodePaths, node: int, manifests: dict[str, GlobalManifest],
+                 exclude: frozenset[str]) -> list[Copy]:
+    """The node's own parts (spool, stage), global files (journal), partners' replicas."""
+    copies = []
+    for ckpt, manifest in manifests.items():
+        own = manifest.node_files(node) if node < len(manifest.nodes) else []
+        for kind, directory in (("spool", paths.spool / ckpt), ("stage", paths.stage / ckpt)):
+            if kind not in exclude and own and _intact(directory, own):
+                copies.append(Copy(ckpt, node, kind, node, _paths(own)))
+        copies += _journal_globals(paths, node, manifest, exclude)
+    if "replica" not in exclude:
+        copies += _replicas(paths, node, manifests)
+    return copies
+
+
+def _journal_globals(paths: NodePaths, node: int, manifest: GlobalManifest,
+                     exclude: frozenset[str]) -> list[Copy]:
+    if "journal" in exclude or not manifest.global_files:
+        return []
+    entries = [FileEntry(e["path"], e["size"], e["mode"], e["checksum"])
+               for e in manifest.files if e["path"] in manifest.global_files]
+    owners = {e["node"] for e in manifest.files if e["path"] in manifest.global_files}
+    if len(owners) != 1 or not _intact(global_dir(paths.journal, manifest.ckpt), entries):
+        return []
+    return [Copy(manifest.ckpt, owners.pop(), "journal", node, _paths(entries))]
+
+
+def _replicas(paths: NodePaths, node: int, manifests: dict[str, GlobalManifest]) -> list[Copy]:
+    copies = []
+    for owner, held in held_replicas(paths.replicas).items():
+        for replica in held:
+            manifest = manifests.get(replica.ckpt)
+            if manifest is None or owner >= len(manifest.nodes):
+                continue
+            expected = manifest.node_files(owner)
+            if replica.files == expected and _intact(
+                    replica_dir(paths.replicas, owner, replica.ckpt), expected):
+                copies.append(Copy(replica.ckpt, owner, "replica", node, _paths(expected)))
+    return copies
+
+
+def pfs_copies(pfs_run: Path, manifests: dict[str, GlobalManifest]) -> list[Copy]:
+    """Complete bundles whose manifest matches (checksums are checked when chosen)."""
+    copies = []
+    for ckpt, manifest in manifests.items():
+        for node in range(len(manifest.nodes)):
+            path = bundle_path(pfs_run, ckpt, node)
+            try:
+                if is_complete(path) and read_manifest(path).files == manifest.node_files(node):
+                    copies.append(Copy(ckpt, node, "pfs", -1,
+                                       _paths(manifest.node_files(node))))
+            except (OSError, ValueError):
+                continue
+    return copies
+
+
+def bundle_ok(pfs_run: Path, manifest: GlobalManifest, node: int) -> bool:
+    path = bundle_path(pfs_run, manifest.ckpt, node)
+    return not verify_bundle(path, manifest.node_files(node))
+
+
+def source_dir(config: Config, copy: Copy, host: str | None = None) -> Path:
+    """Where a non-PFS copy's files are, on its holder."""
+    paths = config.node_paths(copy.holder, host=host)
+    return {"spool": paths.spool / copy.ckpt, "stage": paths.stage / copy.ckpt,
+            "replica": replica_dir(paths.replicas, copy.owner, copy.ckpt),
+            "journal": global_dir(paths.journal, copy.ckpt)}[copy.kind]
+
+
+def _intact(directory: Path, entries: list[FileEntry]) -> bool:
+    return directory.is_dir() and not check_files(directory, entries)
+
+
+def _paths(entries: list[FileEntry]) -> tuple[str, ...]:
+    return tuple(e.path for e in entries)
+
+
+def to_json(manifests: dict[str, GlobalManifest]) -> str:
+    return json.dumps({k: m.to_json() for k, m in manifests.items()})
+
+
+def from_json(text: str) -> dict[str, GlobalManifest]:
+    return {k: GlobalManifest.from_json(v) for k, v in json.loads(text).items()}

@@ -1,0 +1,289 @@
+"""`cachex recover`: bring back the newest recoverable checkpoint into every node's spool.
+
+Collective over the recovery job (one rank per node, replacements included; or one
+process for one node). Call order, every rank:
+  1. manifests   every journal's global manifests (+ the PFS on rank 0), merged, shared
+  2. holdings    each rank verifies what it holds (spool, stage, replicas, journal)
+  3. plan        rank 0 picks the checkpoint and the source of every part; shared
+  4. moves       in the plan's order: local copies, PFS extraction, and transfers from
+                 a surviving holder to the target over MPI (raw buffers, bounded waits)
+  5. redundancy  every node's restored part is copied to its partners' replica stores
+Every step ends with an agreement: a failure anywhere fails every rank with the same
+message. Files land atomically in `<spool>/<ckpt>/` in the trainer's layout, global
+files last; newer checkpoint directories that could not be recovered are moved aside
+(`.cachex-unrecoverable-<ckpt>`) so that unchanged resume code picks the recovered one.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from mpi4py import MPI
+
+from ..checksum import CHUNK, copy_with_checksum, hasher
+from ..collective import agree
+from ..config import Config
+from ..errors import OperationError
+from ..flush.bundle import extract
+from ..flush.flusher import bundle_path
+from ..fsutil import fsync_dir, makedirs, remove_tree, temp_name
+from ..manifest import FileEntry, GlobalManifest, LocalManifest
+from ..peer.partners import domains_of, partner_map
+from ..peer.store import commit_replica, partial_dir
+from ..stage.rules import checkpoint_names, natural_key
+from ..topology import place_in
+from . import holdings
+from .plan import Copy, Move, Plan, choose
+
+DATA_TAG = 21
+
+
+@dataclass
+class Outcome:
+    plan: Plan
+    bytes_by_kind: dict[str, int] = field(default_factory=dict)
+    replicated_bytes: int = 0
+    seconds: float = 0.0
+    moved_aside: list[str] = field(default_factory=list)
+
+
+def recover(config: Config, comm: Any, want: str | None = None,
+            exclude: frozenset[str] = frozenset(), dry_run: bool = False) -> Outcome:
+    start = time.monotonic()
+    placement = place_in(comm, config.topology.domain)
+    node = placement.node
+    paths = config.node_paths(node, placement.rank, placement.host)
+    manifests = _shared_manifests(comm, config, paths, exclude)
+    copies = _all_copies(comm, config, paths, node, manifests, exclude)
+    plan = _plan(comm, config, manifests, copies, placement.nodes, want, exclude)
+    outcome = Outcome(plan)
+    if dry_run:
+        return outcome
+    ranks = comm.allgather((node, placement.rank))
+    rank_of = dict(ranks)
+    moved = agree(comm, "restore", lambda: _restore(comm, config, node, rank_of, plan))
+    outcome.moved_aside = agree(comm, "set aside", lambda: _set_aside(paths.spool, plan,
+                                                                    manifests))
+    replicated = agree(comm, "re-replication", lambda: _rereplicate(
+        comm, config, placement, rank_of, plan, copies))
+    for part in comm.allgather(moved):
+        for kind, count in part.items():
+            outcome.bytes_by_kind[kind] = outcome.bytes_by_kind.get(kind, 0) + count
+    outcome.replicated_bytes = comm.allreduce(replicated)
+    outcome.seconds = time.monotonic() - start
+    return outcome
+
+
+# ----------------------------------------------------------------------- phases
+def _shared_manifests(comm: Any, config: Config, paths: Any, exclude: frozenset[str]
+                      ) -> dict[str, GlobalManifest]:
+    mine = holdings.journal_manifests(paths)
+    if comm.Get_rank() == 0 and "pfs" not in exclude:
+        mine = {**holdings.pfs_manifests(paths.pfs), **mine}
+    merged: dict[str, GlobalManifest] = {}
+    for text in comm.allgather(holdings.to_json(mine)):
+        for ckpt, manifest in holdings.from_json(text).items():
+            if ckpt not in merged or manifest.committed_at > merged[ckpt].committed_at:
+                merged[ckpt] = manifest
+    return merged
+
+
+def _all_copies(comm: Any, config: Config, paths: Any, node: int,
+                manifests: dict[str, GlobalManifest], exclude: frozenset[str]) -> list[Copy]:
+    mine = holdings.local_copies(paths, node, manifests, exclude)
+    copies = [c for part in comm.allgather(mine) for c in part]
+    if "pfs" not in exclude:
+        copies += holdings.pfs_copies(paths.pfs, manifests)
+    return copies
+
+
+def _plan(comm: Any, config: Config, manifests: dict[str, GlobalManifest],
+          copies: list[Copy], nodes: int, want: str | None, exclude: frozenset[str]) -> Plan:
+    """Rank 0 decides; every rank gets the plan, or raises the same error."""
+    answer: Plan | str = ""
+    if comm.Get_rank() == 0:
+        try:
+            answer = _checked_plan(config, manifests, copies, nodes, want, exclude)
+        except OperationError as exc:
+            answer = str(exc)
+    answer = comm.bcast(answer, root=0)
+    if isinstance(answer, str):
+        raise OperationError(answer)
+    return answer
+
+
+def _checked_plan(config: Config, manifests: dict[str, GlobalManifest], copies: list[Copy],
+                  nodes: int, want: str | None, exclude: frozenset[str]) -> Plan:
+    """A PFS bundle is verified only when a plan needs it; a bad one is dropped."""
+    pfs = config.node_paths(0).pfs
+    while True:
+        plan = choose(manifests, copies, nodes, want, exclude)
+        bad = [m.source for m in plan.moves if m.source.kind == "pfs"
+               and not holdings.bundle_ok(pfs, plan.manifest, m.source.owner)]
+        if not bad:
+            return plan
+        copies = [c for c in copies if c not in bad]
+
+
+def _restore(comm: Any, config: Config, node: int, rank_of: dict[int, int], plan: Plan
+             ) -> dict[str, int]:
+    """Transfers first, in the plan's order on every rank (so no rank waits on another
+    that is busy extracting from a slow PFS), then the moves each node does alone; a
+    node's own part before the global files of others."""
+    moved: dict[str, int] = {}
+    spool = config.node_paths(node).spool / plan.ckpt
+    entries = {(e["node"], e["path"]): _entry(e) for e in plan.manifest.files}
+    ordered = sorted(plan.moves, key=lambda m: (m.local, m.owner != m.target))
+    for move in ordered:
+        files = [entries[(move.owner, p)] for p in move.paths]
+        if move.target == node:
+            n = _receive_move(comm, config, move, files, spool, rank_of)
+            moved[move.source.kind] = moved.get(move.source.kind, 0) + n
+        elif move.source.holder == node:
+            _send_files(comm, config, move.source, files, rank_of[move.target])
+    if spool.exists():
+        fsync_dir(spool)
+    return moved
+
+
+def _receive_move(comm: Any, config: Config, move: Move, files: list[FileEntry],
+                  spool: Path, rank_of: dict[int, int]) -> int:
+    source = move.source
+    if source.kind in ("spool",) and source.holder == move.target:
+        return 0                                    # already in place, verified
+    makedirs(spool)
+    if source.kind == "pfs":
+        pfs = config.node_paths(0).pfs
+        extract(bundle_path(pfs, source.ckpt, source.owner), spool, only=set(move.paths))
+    elif source.holder == move.target:
+        directory = holdings.source_dir(config, source)
+        for entry in files:
+            _copy_in(directory / entry.path, spool / entry.path, entry)
+    else:
+        _receive_files(comm, config, files, spool, rank_of[source.holder], source.holder)
+    return sum(e.size for e in files)
+
+
+# -------------------------------------------------------------------- transfers
+def _send_files(comm: Any, config: Config, source: Copy, files: list[FileEntry],
+                dest: int) -> None:
+    directory = holdings.source_dir(config, source)
+    buffer = np.empty(CHUNK, dtype=np.uint8)
+    for entry in files:
+        with open(directory / entry.path, "rb", buffering=0) as handle:
+            left = entry.size
+            while left:
+                n = handle.readinto(memoryview(buffer)[:min(left, CHUNK)])
+                if not n:
+                    raise OperationError(f"{directory / entry.path}: shorter than its manifest")
+                _wait(comm.Isend([buffer[:n], MPI.BYTE], dest, DATA_TAG), config, dest)
+                left -= n
+
+
+def _receive_files(comm: Any, config: Config, files: list[FileEntry], spool: Path,
+                   source_rank: int, source_node: int) -> None:
+    buffer = np.empty(CHUNK, dtype=np.uint8)
+    for entry in files:
+        target = spool / entry.path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        temp = temp_name(target)
+        digest = hasher()
+        with open(temp, "wb", buffering=0) as out:
+            left = entry.size
+            while left:
+                n = min(left, CHUNK)
+                _wait(comm.Irecv([buffer[:n], MPI.BYTE], source_rank, DATA_TAG), config,
+                      source_rank, f"node {source_node}")
+                digest.update(memoryview(buffer)[:n])
+                out.write(memoryview(buffer)[:n])
+                left -= n
+            os.fsync(out.fileno())
+        _finish_file(temp, target, entry, digest.hexdigest())
+
+
+def _copy_in(source: Path, target: Path, entry: FileEntry) -> None:
+    target.parent.mkdir(parents=True, exist_ok=True)
+    temp = temp_name(target)
+    _size, checksum = copy_with_checksum(source, temp)
+    _finish_file(temp, target, entry, checksum)
+
+
+def _finish_file(temp: Path, target: Path, entry: FileEntry, checksum: str) -> None:
+    if checksum != entry.checksum:
+        temp.unlink(missing_ok=True)
+        raise OperationError(f"{target}: checksum differs from the manifest after transfer")
+    os.chmod(temp, entry.mode & 0o7777)
+    os.replace(temp, target)
+
+
+def _wait(request: Any, config: Config, peer: int, name: str | None = None) -> None:
+    deadline = time.monotonic() + config.agent.timeout
+    while not request.Test():
+        if time.monotonic() > deadline:
+            request.Cancel()
+            raise OperationError(f"{name or f'rank {peer}'} did not answer within"
+                                 f" {config.agent.timeout:.0f}s")
+        time.sleep(0.0002)
+
+
+# ------------------------------------------------------------------- redundancy
+def _rereplicate(comm: Any, config: Config, placement: Any, rank_of: dict[int, int],
+                 plan: Plan, copies: list[Copy]) -> int:
+    """Each node's part goes to its partners again, unless they hold it verified."""
+    domains = domains_of(config.topology.domain, list(placement.hosts))
+    if config.model.path == "direct" or len(set(domains)) < 2:
+        return 0
+    pmap = partner_map(domains, config.peer.stride, config.peer.copies)
+    held = {(c.owner, c.holder) for c in copies if c.kind == "replica" and c.ckpt == plan.ckpt}
+    node, moved = placement.node, 0
+    entries = {(e["node"], e["path"]): _entry(e) for e in plan.manifest.files}
+    for owner in range(placement.nodes):
+        files = [entries[(owner, e.path)] for e in plan.manifest.node_files(owner)]
+        spool_copy = Copy(plan.ckpt, owner, "spool", owner, tuple(e.path for e in files))
+        for partner in pmap[owner]:
+            if (owner, partner) in held:
+                continue
+            if node == owner:
+                _send_files(comm, config, spool_copy, files, rank_of[partner])
+            elif node == partner:
+                root = config.node_paths(node).replicas
+                moved += _receive_replica(comm, config, root, plan, owner, files,
+                                          rank_of[owner])
+    return moved
+
+
+def _receive_replica(comm: Any, config: Config, root: Path, plan: Plan, owner: int,
+                     files: list[FileEntry], owner_rank: int) -> int:
+    partial = partial_dir(root, owner, plan.ckpt)
+    remove_tree(partial)
+    makedirs(partial)
+    _receive_files(comm, config, files, partial, owner_rank, owner)
+    part = next(n for n in plan.manifest.nodes if n["node"] == owner)
+    manifest = LocalManifest(run=plan.manifest.run, ckpt=plan.ckpt, seq=plan.seq, node=owner,
+                             host=part["host"], rank=part["rank"], files=files)
+    commit_replica(root, manifest, partial)
+    return manifest.bytes
+
+
+def _set_aside(spool: Path, plan: Plan, manifests: dict[str, GlobalManifest]) -> list[str]:
+    """Checkpoint directories newer than the recovered one (by sequence, or by name for
+    those no manifest knows) would be taken by the trainer's resume: move them aside."""
+    newer_seq = {c for c, m in manifests.items() if m.seq > plan.seq}
+    newer = [name for name in checkpoint_names(spool) if name in newer_seq or (
+        name not in manifests and natural_key(name) > natural_key(plan.ckpt))]
+    for ckpt in newer:
+        aside = spool / f".cachex-unrecoverable-{ckpt}"
+        remove_tree(aside)
+        os.rename(spool / ckpt, aside)
+    if newer:
+        fsync_dir(spool)
+    return newer
+
+
+def _entry(data: dict[str, Any]) -> FileEntry:
+    return FileEntry(data["path"], data["size"], data["mode"], data["checksum"])

@@ -1,0 +1,155 @@
+"""`cachex recover` after real losses: SIGKILLed agents and trainer, deleted node
+directories, an unreadable PFS, corrupted copies; then the trainer resumes unchanged."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+from harness import BIN, MPIEXEC, Cluster, files_of, finish, kill_tree
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+TRAIN = ["--shard-size", "256KiB", "--chunk-size", "64KiB", "--step-time", "0.02",
+         "--files-per-rank", "4", "--every", "4"]        # 8 ranks x 4 = 32 shards + .metadata
+
+
+def recover(c: Cluster, *args: str, nodes: int = 4) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(MPIEXEC), "-n", str(nodes), str(BIN / "cachex"), "recover",
+                           "--config", str(c.config), *args],
+                          capture_output=True, text=True, timeout=180)
+
+
+def lose_node(c: Cluster, node: int) -> None:
+    """Everything node-local is gone; a replacement node has an empty spool."""
+    shutil.rmtree(c.root / f"node{node}")
+    c.spool(node).mkdir(parents=True)
+
+
+def unreadable_pfs(c: Cluster) -> None:
+    os.rename(c.pfs, c.root / "pfs-gone")
+    c.pfs.write_text("the parallel file system is down")
+
+
+def reference_hash(tmp_path, steps: int) -> str:
+    ref = Cluster(tmp_path / "reference", nodes=4)
+    try:
+        out = finish(ref.trainer("--steps", str(steps), *TRAIN))
+    finally:
+        ref.close()
+    return out.strip().splitlines()[-1].split()[-1]
+
+
+def snapshot(c: Cluster, ckpt: str) -> dict[int, dict[str, bytes]]:
+    return {n: files_of(c.spool(n) / ckpt) for n in range(4)}
+
+
+def expected_after(before: dict[int, dict[str, bytes]]) -> dict[int, dict[str, bytes]]:
+    """Each node gets its own files back, plus the global `.metadata` of node 0."""
+    metadata = {".metadata": before[0][".metadata"]}
+    return {n: {**files, **metadata} for n, files in before.items()}
+
+
+def test_drill_coordinator_node_lost_and_pfs_down(cluster, tmp_path):
+    c = cluster()
+    c.start_agents()
+    trainer = c.trainer("--steps", "200", *TRAIN)
+    c.wait_level("step_00008", "replicated", "flushed", timeout=90)
+    kill_tree(trainer)                       # node 0's loss ends the trainer and the agents
+    kill_tree(c.agents)
+    levels = c.levels()
+    newest = max((ckpt for ckpt, level in levels.items()
+                  if level in ("replicated", "flushed")), key=lambda k: int(k[5:]))
+    before = snapshot(c, newest)
+    assert sum(len(files) for files in before.values()) == 33
+    lose_node(c, 0)
+    unreadable_pfs(c)
+
+    result = recover(c)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"recovered {newest}" in result.stdout, result.stdout
+    assert "replica on node 1" in result.stdout
+    for node, files in expected_after(before).items():
+        assert files_of(c.spool(node) / newest) == files
+    # redundancy is back: node 0's restored part is again on its partner, with a manifest
+    replica = c.root / "node1" / "nvme" / "t" / "replicas" / "node-00000"
+    assert (replica / f"{newest}.manifest.json").exists()
+    assert files_of(replica / newest) == before[0]
+
+    out = finish(c.trainer("--steps", "16", "--resume", *TRAIN))
+    assert f"resumed from {newest}" in out
+    assert out.strip().splitlines()[-1].split()[-1] == reference_hash(tmp_path, 16)
+
+
+def test_recovery_from_the_pfs_alone(cluster):
+    c = cluster()
+    c.start_agents()
+    finish(c.trainer("--steps", "8", *TRAIN))
+    c.wait_level("step_00008", "flushed")
+    assert c.stop() == 0
+    before = snapshot(c, "step_00008")
+    for node in range(4):
+        lose_node(c, node)
+    dry = recover(c, "--dry-run")
+    assert dry.returncode == 0 and "from the PFS bundle" in dry.stdout, dry.stdout + dry.stderr
+    assert not (c.spool(0) / "step_00008").exists()           # a dry run changes nothing
+    result = recover(c)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for node, files in expected_after(before).items():
+        assert files_of(c.spool(node) / "step_00008") == files
+
+
+def test_falls_back_to_an_older_checkpoint_and_says_why(cluster):
+    c = cluster()
+    c.start_agents()
+    finish(c.trainer("--steps", "8", *TRAIN))
+    c.wait_level("step_00008", "flushed")
+    assert c.stop() == 0
+    before = snapshot(c, "step_00004")
+    lose_node(c, 0)
+    lose_node(c, 1)                                  # node 0's partner: its replicas too
+    (c.pfs / "ckpt" / "step_00008" / "node-00000.h5").unlink()
+    result = recover(c)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "step_00008: not recoverable: node 0's files" in result.stdout, result.stdout
+    assert "recovered step_00004" in result.stdout
+    for node, files in expected_after(before).items():
+        assert files_of(c.spool(node) / "step_00004") == files
+    assert not (c.spool(2) / "step_00008").exists()          # moved aside for the resume
+    assert (c.spool(2) / ".cachex-unrecoverable-step_00008").is_dir()
+
+
+def test_a_corrupted_replica_is_skipped_for_a_good_copy(cluster):
+    c = cluster()
+    c.start_agents()
+    finish(c.trainer("--steps", "4", *TRAIN))
+    c.wait_level("step_00004", "flushed")
+    assert c.stop() == 0
+    before = snapshot(c, "step_00004")
+    lose_node(c, 0)
+    shard = c.root / "node1/nvme/t/replicas/node-00000/step_00004/__0_1.distcp"
+    data = bytearray(shard.read_bytes())
+    data[123] ^= 0x01
+    shard.write_bytes(bytes(data))
+    result = recover(c)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "node 0: 9 files of node 0 from the PFS bundle" in result.stdout, result.stdout
+    assert files_of(c.spool(0) / "step_00004") == before[0]
+    # the bad replica was replaced by a good one
+    assert shard.read_bytes() == before[0]["__0_1.distcp"]
+
+
+def test_recovery_on_another_node_count_is_refused(cluster):
+    c = cluster()
+    c.start_agents()
+    finish(c.trainer("--steps", "4", *TRAIN))
+    c.wait_level("step_00004", "flushed")
+    assert c.stop() == 0
+    result = recover(c, nodes=3)
+    assert result.returncode == 1
+    assert "written by 4 nodes, this recovery runs on 3" in result.stderr, result.stderr
+    assert result.stderr.count("error:") == 1 and "Traceback" not in result.stderr
+    status = json.loads(c.cachex("ls", "--json").stdout)
+    assert status["checkpoints"][-1]["id"] == "step_00004"
