@@ -212,12 +212,14 @@ def recover_command(cfg: configuration.Config, ckpt: str | None, exclude: tuple[
 def _recovery_summary(outcome: Any) -> str:
     from .status import human_size
     total = sum(outcome.bytes_by_kind.values())
-    rate = total / outcome.seconds if outcome.seconds else 0.0
+    rate = total / outcome.move_seconds if outcome.move_seconds else 0.0
     sources = ", ".join(f"{kind} {human_size(n)}" for kind, n in
-                        sorted(outcome.bytes_by_kind.items())) or "nothing to move"
-    lines = [f"recovered {outcome.plan.ckpt}: {len(outcome.plan.manifest.files)} files,"
-             f" {human_size(total)} moved ({sources}) in {outcome.seconds:.1f}s"
-             f" ({human_size(rate)}/s); re-replicated {human_size(outcome.replicated_bytes)}"]
+                        sorted(outcome.bytes_by_kind.items())) or "all in place"
+    lines = [f"recovered {outcome.plan.ckpt}: {len(outcome.plan.manifest.files)} files;"
+             f" moved {human_size(total)} ({sources}) in {outcome.move_seconds:.2f}s"
+             f" ({human_size(rate)}/s); verified every copy and planned in"
+             f" {outcome.plan_seconds:.2f}s; re-replicated"
+             f" {human_size(outcome.replicated_bytes)}; {outcome.seconds:.1f}s in all"]
     if outcome.moved_aside:
         lines.append(f"moved aside newer, unrecoverable: {', '.join(outcome.moved_aside)}")
     return "\n".join(lines)

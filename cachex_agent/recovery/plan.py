@@ -63,8 +63,8 @@ class Plan:
             where = ("its own " + move.source.kind if move.source.holder == move.target
                      else "the PFS bundle" if move.source.kind == "pfs"
                      else f"{move.source.kind} on node {move.source.holder}")
-            lines.append(f"  node {move.target}: {len(move.paths)} files of node"
-                         f" {move.owner} from {where}")
+            count = f"{len(move.paths)} file{'s' if len(move.paths) != 1 else ''}"
+            lines.append(f"  node {move.target}: {count} of node {move.owner} from {where}")
         return lines
 
 
@@ -139,4 +139,5 @@ def _global_source(copies: list[Copy], target: int, owner: int, paths: tuple[str
 def _what_exists(copies: list[Copy], owner: int) -> str:
     kinds = sorted({f"{c.kind} on node {c.holder}" if c.holder >= 0 else c.kind
                     for c in copies if c.owner == owner and c.kind != "journal"})
-    return "partial: " + ", ".join(kinds) if kinds else "no stage, replica or PFS copy"
+    return ("copies that do not cover its files: " + ", ".join(kinds) if kinds
+            else "no spool, stage, replica or PFS copy")

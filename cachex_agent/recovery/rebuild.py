@@ -48,7 +48,9 @@ class Outcome:
     plan: Plan
     bytes_by_kind: dict[str, int] = field(default_factory=dict)
     replicated_bytes: int = 0
-    seconds: float = 0.0
+    seconds: float = 0.0            # the whole recovery
+    plan_seconds: float = 0.0       # listing and verifying every copy, planning
+    move_seconds: float = 0.0       # bringing the files into the spools
     moved_aside: list[str] = field(default_factory=list)
 
 
@@ -61,19 +63,21 @@ def recover(config: Config, comm: Any, want: str | None = None,
     manifests = _shared_manifests(comm, config, paths, exclude)
     copies = _all_copies(comm, config, paths, node, manifests, exclude)
     plan = _plan(comm, config, manifests, copies, placement.nodes, want, exclude)
-    outcome = Outcome(plan)
+    outcome = Outcome(plan, plan_seconds=time.monotonic() - start)
     if dry_run:
         return outcome
     ranks = comm.allgather((node, placement.rank))
     rank_of = dict(ranks)
     moved = agree(comm, "restore", lambda: _restore(comm, config, node, rank_of, plan))
+    outcome.move_seconds = time.monotonic() - start - outcome.plan_seconds
     outcome.moved_aside = agree(comm, "set aside", lambda: _set_aside(paths.spool, plan,
                                                                     manifests))
     replicated = agree(comm, "re-replication", lambda: _rereplicate(
         comm, config, placement, rank_of, plan, copies))
     for part in comm.allgather(moved):
         for kind, count in part.items():
-            outcome.bytes_by_kind[kind] = outcome.bytes_by_kind.get(kind, 0) + count
+            if count:
+                outcome.bytes_by_kind[kind] = outcome.bytes_by_kind.get(kind, 0) + count
     outcome.replicated_bytes = comm.allreduce(replicated)
     outcome.seconds = time.monotonic() - start
     return outcome
