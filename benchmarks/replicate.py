@@ -31,7 +31,10 @@ fit, then the remainder as one last file. At 1 GiB: 16, 32, 64, 128, 256, 512 Mi
                                                 [--dir DIR] [--repeat 3] [--profile]
 
 Run it also with MPIR_CVAR_NOLOCAL=1 (no shared memory between the ranks: the closest one
-host gets to two nodes). --profile adds a breakdown of where the replicate runs spend time.
+host gets to two nodes). --profile adds the partner's pwrite/fsync split to every repeat and
+a breakdown of the last replicate run (owner read/Put/wait, writer pwrite/fsync/xxh3/idle,
+start-up, credit latency). A disk shared with other work is noisy (the same raw 1 GiB write
+took 2.1-3.3 s here): for decisions use a quiet machine and --repeat 5.
 """
 
 from __future__ import annotations
@@ -438,7 +441,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=1,
                         help="untimed rounds of all three first")
     parser.add_argument("--profile", action="store_true",
-                        help="break the last replicate run down (adds a little overhead)")
+                        help="pwrite/fsync per repeat and a breakdown of the last replicate run"
+                             " (adds a little overhead)")
     return parser.parse_args(argv)
 
 

@@ -55,7 +55,7 @@ class Coordinator:
         self.events = events
         self.send = send
         self.clock = clock
-        saved = journal.read("coordinator.json")
+        saved = journal.read("coordinator.json") or self._from_index()
         self.ckpts: dict[str, dict[str, Any]] = saved.get("ckpts", {})
         self.next_seq: int = saved.get("next_seq", 1)
         self.state = "running"
@@ -64,6 +64,19 @@ class Coordinator:
         self.drain_deadline = 0.0
         self.dirty = True
         self._last_status = 0.0
+
+    def _from_index(self) -> dict[str, Any]:
+        """A coordinator without a journal (its node was replaced) learns from the PFS
+        what was flushed, so it neither re-flushes nor reuses sequence numbers."""
+        try:
+            rows = read_index(self.pfs_run)["checkpoints"]
+        except (OSError, ValueError, KeyError):
+            return {}
+        ckpts = {row["id"]: _empty_record(row["id"], row["seq"], "flushed" if row["state"]
+                                          == "valid" else row["state"], bytes=row["bytes"],
+                                          times={"flushed": row["flushed_at"]})
+                 for row in rows}
+        return {"ckpts": ckpts, "next_seq": max((r["seq"] for r in rows), default=0) + 1}
 
     @property
     def nodes(self) -> int:
@@ -89,11 +102,11 @@ class Coordinator:
             return
         seq, self.next_seq = self.next_seq, self.next_seq + 1
         every = self.config.flush.every
-        record = {"id": ckpt, "seq": seq, "level": "written", "global_files": msg["global_files"],
-                  "flush": (seq - 1) % every == 0, "times": {"written": msg.get("t", self.clock())},
-                  "captured": {}, "replicated": {}, "flushed": {}, "errors": {},
-                  "progress": {},
-                  "deadline": self.clock() + self.config.commit.timeout + self.config.agent.timeout}
+        record = _empty_record(ckpt, seq, "written", global_files=msg["global_files"],
+                               flush=(seq - 1) % every == 0,
+                               times={"written": msg.get("t", self.clock())},
+                               deadline=self.clock() + self.config.commit.timeout
+                               + self.config.agent.timeout)
         self.ckpts[ckpt] = record
         self.events.emit("committed", ckpt=ckpt, seq=seq, marker_node=node)
         self._announce(record)
@@ -330,7 +343,15 @@ class Coordinator:
         self._last_status = self.clock()
 
 
+def _empty_record(ckpt: str, seq: int, level: str, **fields: Any) -> dict[str, Any]:
+    return {"id": ckpt, "seq": seq, "level": level, "global_files": [], "flush": True,
+            "times": {}, "captured": {}, "replicated": {}, "flushed": {}, "errors": {},
+            "progress": {}, **fields}
+
+
 def _record_bytes(record: dict[str, Any]) -> int:
+    if not record["captured"]:
+        return record.get("bytes", 0)           # adopted from the PFS index
     return sum(e["size"] for m in record["captured"].values() for e in m["files"])
 
 

@@ -9,8 +9,8 @@ from the PFS and compared byte for byte with the trainer's own files.
 
 from __future__ import annotations
 
-import filecmp
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -25,6 +25,7 @@ from .errors import OperationError
 from .recovery.catalog import require_global
 from .recovery.export import export
 from .recovery.verify import verify
+from .stage.rules import natural_key
 from .status import format_ls, load_status
 
 BIN = Path(sys.executable).parent
@@ -89,20 +90,16 @@ def stop_agents(cfg: configuration.Config, agents: subprocess.Popen[bytes],
         raise OperationError(f"agents did not drain within {timeout:.0f}s") from None
 
 
-def run_trainer(workdir: Path, ranks: int, ranks_per_node: int, steps: int, every: int,
-                shard_size: str, timeout: float, resume: bool = False) -> None:
-    command = [str(BIN / "mpiexec"), "-n", str(ranks), sys.executable, str(TRAINER),
-               "--spool", f"{workdir}/node{{node}}/spool", "--ranks-per-node",
-               str(ranks_per_node), "--steps", str(steps), "--every", str(every),
-               "--shard-size", shard_size, "--state-out", str(workdir / "state.json")]
-    subprocess.run(command + (["--resume"] if resume else []), check=True, timeout=timeout)
+def trainer_command(workdir: Path, ranks: int, ranks_per_node: int, steps: int, every: int,
+                    shard_size: str, *extra: str) -> list[str]:
+    return [str(BIN / "mpiexec"), "-n", str(ranks), sys.executable, str(TRAINER),
+            "--spool", f"{workdir}/node{{node}}/spool", "--ranks-per-node", str(ranks_per_node),
+            "--steps", str(steps), "--every", str(every), "--shard-size", shard_size,
+            "--files-per-rank", "4", *extra]
 
 
-def same_tree(left: Path, right: Path) -> bool:
-    names = sorted(p.relative_to(left) for p in left.rglob("*") if p.is_file())
-    if names != sorted(p.relative_to(right) for p in right.rglob("*") if p.is_file()):
-        return False
-    return all(filecmp.cmp(left / n, right / n, shallow=False) for n in names)
+def final_hash(output: str) -> str:
+    return output.strip().splitlines()[-1].split()[-1]
 
 
 def run_demo(workdir: str, nodes: int, ranks_per_node: int, steps: int, every: int,
@@ -111,22 +108,92 @@ def run_demo(workdir: str, nodes: int, ranks_per_node: int, steps: int, every: i
     _fresh(root)
     config_path = write_config(root, nodes)
     cfg = configuration.load(config_path)
-    log = root / "agents.log"
-    click.echo(f"demo: {nodes} agents (virtual nodes) + trainer on {nodes * ranks_per_node}"
-               f" ranks; files under {root}; agent log {log}")
-    agents = start_agents(config_path, nodes, log)
+    ranks = nodes * ranks_per_node
+    train = (ranks, ranks_per_node, steps, every, shard_size)
+    click.echo(f"demo: {nodes} agents (virtual nodes) + trainer on {ranks} ranks"
+               f" ({ranks * 4} shard files per checkpoint); files under {root}")
+    agents = start_agents(config_path, nodes, root / "agents.log")
     try:
         wait_for(lambda: agents_up(cfg), 60, "the agents to start")
-        start = time.monotonic()
-        run_trainer(root, nodes * ranks_per_node, ranks_per_node, steps, every, shard_size,
-                    timeout=600)
-        click.echo(f"demo: trainer finished in {time.monotonic() - start:.1f}s; draining agents")
+        lost = _lose_node_zero(cfg, root, agents, train)
+        _drill(cfg, config_path, root, lost, nodes)
+        agents = start_agents(config_path, nodes, root / "agents.log")
+        wait_for(lambda: agents_up(cfg), 60, "the agents to restart")
+        out = _run(trainer_command(root, *train, "--resume"))
+        click.echo(f"demo: the trainer resumed from {lost} and finished step {steps}")
         code = stop_agents(cfg, agents, cfg.flush.drain_timeout + 60)
     finally:
         if agents.poll() is None:
             os.killpg(agents.pid, signal.SIGKILL)
+    reference = final_hash(_run(trainer_command(root / "reference", *train)))
+    if final_hash(out) != reference:
+        raise OperationError("the resumed run ends in another state than an uninterrupted one")
+    click.echo(f"demo: final state equals an uninterrupted run's (sha256 {reference[:16]}...)")
     click.echo(format_ls(load_status(cfg)))
     _check(cfg, root, code)
+
+
+def _run(command: list[str]) -> str:
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
+    if result.returncode:
+        raise OperationError(f"{' '.join(command[:6])}...: exit {result.returncode}:"
+                             f" {result.stdout[-500:]}{result.stderr[-500:]}")
+    return result.stdout
+
+
+def _lose_node_zero(cfg: configuration.Config, root: Path, agents: subprocess.Popen[bytes],
+                    train: tuple[Any, ...]) -> str:
+    """Train until a checkpoint is replicated, then node 0 dies: trainer and agents."""
+    trainer = subprocess.Popen(trainer_command(root, *train[:2], 10**6, *train[3:]),
+                               stdout=subprocess.DEVNULL, start_new_session=True)
+    every = train[3]
+    target = f"step_{3 * every:05d}"
+    wait_for(lambda: _level(cfg, target) in ("replicated", "flushed"), 300,
+             f"{target} to be replicated")
+    for proc in (trainer, agents):
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    levels = {r["id"]: r["level"] for r in load_status(cfg)["checkpoints"]}
+    safe = [c for c, level in levels.items() if level in ("replicated", "flushed")]
+    newest = max(safe, key=natural_key)
+    click.echo(f"demo: node 0 lost (trainer and agents SIGKILLed) at {levels}")
+    return newest
+
+
+def _drill(cfg: configuration.Config, config_path: Path, root: Path, ckpt: str,
+           nodes: int) -> None:
+    before = {n: _files(cfg.node_paths(n).spool / ckpt) for n in range(nodes)}
+    shutil.rmtree(root / "node0")
+    shutil.rmtree(f"{STAGE}/node0", ignore_errors=True)
+    (root / "node0" / "spool").mkdir(parents=True)
+    pfs = cfg.node_paths(0).pfs
+    os.rename(pfs, pfs.with_name("pfs-unreachable"))
+    click.echo("demo: node 0's spool, stage and NVMe deleted; the PFS made unreachable;"
+               f" cachex recover on {nodes} nodes (node 0 a fresh replacement):")
+    try:
+        out = _run([str(BIN / "mpiexec"), "-n", str(nodes), str(BIN / "cachex"), "recover",
+                    "--config", str(config_path)])
+    finally:
+        os.rename(pfs.with_name("pfs-unreachable"), pfs)
+    click.echo("\n".join("  " + line for line in out.strip().splitlines()))
+    metadata = before[0][".metadata"]
+    for node, files in before.items():
+        if _files(cfg.node_paths(node).spool / ckpt) != {**files, ".metadata": metadata}:
+            raise OperationError(f"node {node}: recovered files of {ckpt} differ")
+    click.echo(f"demo: every shard and the metadata of {ckpt} are back, byte for byte")
+
+
+def _level(cfg: configuration.Config, ckpt: str) -> str | None:
+    try:
+        rows = load_status(cfg)["checkpoints"]
+    except OperationError:
+        return None
+    return next((r["level"] for r in rows if r["id"] == ckpt), None)
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.relative_to(directory).as_posix(): p.read_bytes()
+            for p in sorted(directory.rglob("*")) if p.is_file()}
 
 
 def _check(cfg: configuration.Config, root: Path, agents_code: int) -> None:
@@ -142,10 +209,11 @@ def _check(cfg: configuration.Config, root: Path, agents_code: int) -> None:
         raise OperationError(f"only {len(flushed)} checkpoints reached the PFS (expected >= 3)")
     newest = flushed[-1]
     exported = root / "export" / newest
-    export(require_global(cfg, newest), cfg.node_paths(0).pfs, exported, per_node=True)
-    for node in range(len(require_global(cfg, newest).nodes)):
+    manifest = require_global(cfg, newest)
+    export(manifest, cfg.node_paths(0).pfs, exported, per_node=True)
+    for node in range(len(manifest.nodes)):
         spool = cfg.node_paths(node).spool / newest
-        if not same_tree(spool, exported / f"node-{node:05d}"):
+        if _files(spool) != _files(exported / f"node-{node:05d}"):
             raise OperationError(f"export of {newest}, node {node}, differs from {spool}")
     click.echo(f"demo: {len(flushed)} checkpoints on the PFS, all verified; {newest} exported"
                f" to {exported} and identical to the trainer's files; agents exited with"
@@ -153,7 +221,6 @@ def _check(cfg: configuration.Config, root: Path, agents_code: int) -> None:
 
 
 def _fresh(root: Path) -> None:
-    import shutil
     if root.exists():
         if any(root.iterdir()) and not (root / MARK).exists():
             raise OperationError(f"{root}: exists and is not a cachex demo directory")

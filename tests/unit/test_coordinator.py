@@ -234,3 +234,16 @@ def test_final_flush_error_fails_the_checkpoint(world):
     coord.handle(1, {"type": "flush_error", "ckpt": "s1", "error": "checksum differs",
                      "final": True})
     assert coord.ckpts["s1"]["level"] == "failed"
+
+
+def test_a_coordinator_without_journal_adopts_the_pfs_index(world, tmp_path):
+    coord, _, _ = world()
+    commit_all(coord, "s1")
+    commit_all(coord, "s2")
+    fresh, sent, _ = world(journal_dir=tmp_path / "replacement-journal")
+    assert {k: r["level"] for k, r in fresh.ckpts.items()} == {"s1": "flushed", "s2": "flushed"}
+    assert fresh.next_seq == 3 and fresh.status()["checkpoints"][0]["bytes"] > 0
+    fresh.handle(0, {"type": "marker", "ckpt": "s2", "global_files": []})
+    assert not types(sent, "commit")            # already on the PFS: nothing to redo
+    fresh.handle(0, {"type": "marker", "ckpt": "s3", "global_files": []})
+    assert types(sent, "commit")[0][1]["seq"] == 3
