@@ -104,7 +104,7 @@ class Replicator:
                                     config.peer.slot)
         self.store = ReplicaStore(paths.replicas, self.window,
                                   {o: i for i, o in enumerate(incoming(self.node, pmap))},
-                                  config.keep.replica, post, events)
+                                  config.keep.replica, post, events, config.agent.timeout)
         self.buffer = np.empty(config.peer.slot, dtype=np.uint8)
         self.queues: dict[int, deque[Sender]] = {p: deque() for p in self.partners}
         self.dead: dict[int, str] = {}

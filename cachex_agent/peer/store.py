@@ -23,6 +23,7 @@ import logging
 import os
 import queue
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -93,10 +94,12 @@ class _Incoming:
 
 class ReplicaStore:
     def __init__(self, root: Path, window: ReceiveWindow, regions: dict[int, int], keep: int,
-                 post: Post, events: EventLog) -> None:
+                 post: Post, events: EventLog, idle: float = 60.0) -> None:
         self.root = makedirs(root)
         self.window, self.regions, self.keep = window, regions, keep
         self.post, self.events = post, events
+        self.idle = idle
+        self._open_streams: dict[int, float] = {}       # owner -> last heard
         self._tasks: queue.Queue[tuple[str, tuple[Any, ...]] | None] = queue.Queue()
         self._incoming: dict[tuple[int, str], _Incoming] = {}
         self._thread = threading.Thread(target=self._run, name="replica-writer", daemon=True)
@@ -104,18 +107,26 @@ class ReplicaStore:
 
     # ------------------------------------------------------------ main thread
     def begin(self, owner: int, manifest: dict[str, Any]) -> None:
+        self._open_streams[owner] = time.monotonic()
         self._tasks.put(("begin", (owner, LocalManifest.from_json(manifest))))
 
     def slot(self, owner: int, ckpt: str, slot: int, index: int, offset: int, length: int
              ) -> None:
         self.window.sync()      # the owner's Put is complete: make it visible here
+        self._open_streams[owner] = time.monotonic()
         self._tasks.put(("write", (owner, ckpt, slot, index, offset, length)))
 
     def end(self, owner: int, ckpt: str) -> None:
+        self._open_streams.pop(owner, None)
         self._tasks.put(("end", (owner, ckpt)))
 
     def busy(self) -> bool:
-        return self._tasks.unfinished_tasks > 0
+        """Work queued, or a stream open (more slots will come: keep the loop fast);
+        an owner silent for `idle` seconds no longer counts."""
+        now = time.monotonic()
+        self._open_streams = {o: t for o, t in self._open_streams.items()
+                              if now - t < self.idle}
+        return self._tasks.unfinished_tasks > 0 or bool(self._open_streams)
 
     def close(self, timeout: float = 10.0) -> None:
         self._tasks.put(None)
