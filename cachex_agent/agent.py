@@ -33,7 +33,7 @@ from .flush.flusher import Flusher
 from .fsutil import makedirs, remove_tree
 from .journal import Journal
 from .manifest import GlobalManifest, LocalManifest
-from .peer.globals import GlobalFiles
+from .peer.globals import GlobalFiles, global_dir, mirror_file
 from .peer.partners import domains_of
 from .peer.replicator import Replicator
 from .stage.capture import CaptureError, capture_copy, capture_reference, list_files
@@ -85,7 +85,7 @@ class Agent:
         self.placement = place_in(comm, config.topology.domain)
         self.rank, self.node = self.placement.rank, self.placement.node
         self.paths = agree(comm, "start-up", lambda: prepare_dirs(config, self.placement))
-        self.rule = make_rule(config.commit.rule, config.commit.settle)
+        self.rule = make_rule(config.commit.rule, config.commit.settle, config.commit.globals)
         self.journal = Journal(self.paths.journal)
         self.events = EventLog(self.paths.journal / "events.jsonl", run=config.run,
                                node=self.node, rank=self.rank, host=self.placement.host)
@@ -167,6 +167,7 @@ class Agent:
         for header in self.globals.poll():
             self.events.emit("global_file", ckpt=header["ckpt"], path=header["path"],
                              bytes=header["size"])
+            self._mirror(header["ckpt"])
         if self.coordinator:
             self.coordinator.tick()
         self._check_stop_files()
@@ -248,6 +249,7 @@ class Agent:
             self._on_finalized(msg)
         elif kind == "manifest":
             self.journal.save_global(GlobalManifest.from_json(msg["manifest"]))
+            self._mirror(msg["ckpt"])
         elif kind == "failed":
             self._on_failed(msg)
         elif kind == "drain":
@@ -293,6 +295,28 @@ class Agent:
             others = [r for r in self.ranks_by_node if r != self.rank]
             self.globals.share(manifest.ckpt, Path(entry["source"]), held, others)
             self.journal.update(manifest.ckpt, globals_shared=True)
+
+    def _mirror(self, ckpt: str) -> None:
+        """Once every node captured `ckpt` and its global files reached this journal, put
+        them into this node's spool too, so loaders that read only their own node's
+        directory (DCP's `load`) find them (`commit.mirror`)."""
+        manifest = self.journal.global_manifest(ckpt)
+        target = self.paths.spool / ckpt
+        if not self.config.commit.mirror or manifest is None or not target.is_dir():
+            return
+        held = global_dir(self.paths.journal, ckpt)
+        for entry in manifest.files:
+            path = entry["path"]
+            if path not in manifest.global_files or (target / path).exists():
+                continue
+            if not (held / path).is_file():
+                return                          # not arrived yet: the next call does it
+            try:
+                mirror_file(held / path, target / path, entry["checksum"], entry["mode"])
+            except (OSError, CachexError) as exc:
+                log.warning("mirror of %s/%s failed: %s", ckpt, path, describe(exc))
+                return
+            self.events.emit("mirrored", ckpt=ckpt, path=path)
 
     def _after_replicate(self, msg: dict[str, Any]) -> None:
         ckpt = msg["ckpt"]
@@ -357,6 +381,9 @@ class Agent:
         """Called by the watcher thread (and once at start-up)."""
         if ckpt in self._preexisting and not force:
             return
+        known = self.journal.get(ckpt)
+        if known is not None and known.get("state") != "failed" and not force:
+            return          # e.g. a mirrored `.metadata`: this checkpoint is under way
         self.inbox.put({"type": "marker", "ckpt": ckpt, "t": time.time(),
                         "global_files": self._global_files(ckpt)})
 

@@ -93,6 +93,17 @@ def _text(value: Any, key: str) -> str:
     return value
 
 
+def _names(value: Any, key: str) -> tuple[str, ...]:
+    """A list of relative file names; a string is split on commas (environment, flags)."""
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(isinstance(i, str) for i in items):
+        raise ConfigError(f"{key}: expected a list of file names, got {value!r}")
+    names = tuple(i.strip() for i in items if i.strip())
+    if any(n.startswith("/") or ".." in n.split("/") for n in names):
+        raise ConfigError(f"{key}: names must be relative to the checkpoint, got {value!r}")
+    return names
+
+
 def _size(value: Any, key: str) -> int:
     return parse_size(value, key)
 
@@ -128,6 +139,7 @@ class Commit:
     timeout: float = 600.0      # how long an agent waits for its own files after a commit
     scan: float = 5.0           # polling rescan period (inotify is the fast path)
     mirror: bool = True         # mirror global metadata files to every node's spool
+    globals: tuple[str, ...] = ()   # more coordinator-only files (DCP: "__0_0.distcp")
 
 
 @dataclass(frozen=True)
@@ -176,6 +188,7 @@ _PARSERS: dict[str, dict[str, Callable[[Any, str], Any]]] = {
         "rule": _choice("auto", "dcp", "deepspeed", "megatron", "hf", "orbax", "torch",
                         "quiescence", prefixes=("marker:",)),
         "settle": _duration, "timeout": _duration, "scan": _duration, "mirror": _bool,
+        "globals": _names,
     },
     "peer": {"copies": _int(1), "stride": _int(1), "slot": _buffer_size, "slots": _int(1)},
     "flush": {

@@ -9,14 +9,16 @@ pickling), received with `Irecv` and checked against the owner's checksum.
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 from mpi4py import MPI
 
-from ..checksum import hasher
-from ..fsutil import atomic_open, makedirs
+from ..checksum import copy_with_checksum, hasher
+from ..errors import OperationError
+from ..fsutil import atomic_open, fsync_dir, makedirs, temp_name
 from ..manifest import FileEntry
 
 log = logging.getLogger(__name__)
@@ -75,6 +77,20 @@ class GlobalFiles:
 
     def busy(self) -> bool:
         return bool(self._outgoing or self._incoming)
+
+
+def mirror_file(source: Path, target: Path, checksum: str, mode: int) -> None:
+    """Copy a kept global file into a spool, atomically, only if its checksum holds."""
+    temp = temp_name(target)
+    try:
+        _size, found = copy_with_checksum(source, temp)
+        if found != checksum:
+            raise OperationError(f"{source}: checksum differs from the manifest")
+        os.chmod(temp, mode & 0o7777)
+        os.replace(temp, target)
+        fsync_dir(target.parent)
+    finally:
+        temp.unlink(missing_ok=True)
 
 
 def _checksum(data: np.ndarray) -> str:

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from ..checksum import CHUNK, copy_with_checksum, hasher
+from ..checksum import CHUNK, hasher
 from ..collective import agree
 from ..config import Config
 from ..errors import OperationError
@@ -33,6 +33,7 @@ from ..flush.bundle import extract
 from ..flush.flusher import bundle_path
 from ..fsutil import fsync_dir, makedirs, remove_tree, temp_name
 from ..manifest import FileEntry, GlobalManifest, LocalManifest
+from ..peer.globals import mirror_file
 from ..peer.partners import domains_of, partner_map
 from ..peer.store import commit_replica, partial_dir
 from ..stage.rules import checkpoint_names, natural_key
@@ -212,9 +213,7 @@ def _receive_files(comm: Any, config: Config, files: list[FileEntry], spool: Pat
 
 def _copy_in(source: Path, target: Path, entry: FileEntry) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
-    temp = temp_name(target)
-    _size, checksum = copy_with_checksum(source, temp)
-    _finish_file(temp, target, entry, checksum)
+    mirror_file(source, target, entry.checksum, entry.mode)
 
 
 def _finish_file(temp: Path, target: Path, entry: FileEntry, checksum: str) -> None:

@@ -341,10 +341,11 @@ class AutoRule(CommitRule):
 
     name = "auto"
 
-    def __init__(self, settle: float, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, settle: float, clock: Callable[[], float] = time.monotonic,
+                 extra_global: Sequence[str] = ()) -> None:
         self.settle = float(settle)
         self._rules: dict[str, CommitRule] = {
-            "dcp": DcpRule(), "deepspeed": DeepSpeedRule(),
+            "dcp": DcpRule(extra_global), "deepspeed": DeepSpeedRule(),
             "quiescence": QuiescenceRule(settle, clock)}
         self._kind: dict[str, str] = {}
 
@@ -406,15 +407,16 @@ def detect_kind(ckpt_dir: Path, has_latest: bool) -> str:
     return "quiescence"
 
 
-def make_rule(spec: str, settle: float) -> CommitRule:
-    """Build the rule named by `commit.rule` (DESIGN.md section 11)."""
+def make_rule(spec: str, settle: float, extra_global: Sequence[str] = ()) -> CommitRule:
+    """Build the rule named by `commit.rule` (DESIGN.md section 11); `extra_global`
+    (`commit.globals`) names more coordinator-only files of a DCP checkpoint."""
     spec = str(spec).strip()
     if settle < 0:
         raise ConfigError(f"commit.settle: must be >= 0, got {settle!r}")
     if spec == "auto":
-        return AutoRule(settle)
+        return AutoRule(settle, extra_global=extra_global)
     if spec == "dcp":
-        return DcpRule()
+        return DcpRule(extra_global)
     if spec == "deepspeed":
         return DeepSpeedRule()
     if spec == "quiescence":

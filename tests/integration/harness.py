@@ -71,7 +71,7 @@ class Cluster:
     """N virtual nodes on this machine: spools, stage, cache and a PFS under `root`."""
 
     def __init__(self, root: Path, nodes: int = 4, extra: str = "", rule: str = "dcp",
-                 agent_timeout: str = "20s") -> None:
+                 agent_timeout: str = "20s", commit: str = "") -> None:
         self.root, self.nodes = root, nodes
         for node in range(nodes):
             (root / f"node{node}" / "spool").mkdir(parents=True, exist_ok=True)
@@ -79,6 +79,7 @@ class Cluster:
         self.config = root / "cachex.toml"
         self.config.write_text(virtual_nodes_config(root, "t", f'''[commit]
 rule = "{rule}"
+{commit}
 [agent]
 timeout = "{agent_timeout}"
 {extra}'''))

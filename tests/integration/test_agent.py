@@ -39,9 +39,12 @@ def test_checkpoints_flow_to_the_pfs_and_export_byte_for_byte(cluster, tmp_path)
 
     result = c.cachex("export", "step_00012", str(tmp_path / "out"), "--per-node")
     assert result.returncode == 0, result.stderr
+    metadata = (c.spool(0) / "step_00012" / ".metadata").read_bytes()
     for node in range(4):
-        assert files_of(tmp_path / "out" / f"node-{node:05d}") == files_of(
-            c.spool(node) / "step_00012")
+        spool = files_of(c.spool(node) / "step_00012")
+        if node:        # the global file, mirrored into every node's spool (commit.mirror)
+            assert spool.pop(".metadata") == metadata
+        assert files_of(tmp_path / "out" / f"node-{node:05d}") == spool
 
     # every node: captured before flushed, with timestamps, for every checkpoint
     for node in range(4):

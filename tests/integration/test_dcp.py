@@ -1,0 +1,61 @@
+"""The failure drill on a trainer nobody here wrote: PyTorch Distributed Checkpoint
+(torch 2.13, CPU, gloo), 4 ranks in 2 virtual nodes, each node saving to its own spool,
+resumed through DCP's own `load`."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+from harness import BIN, MPIEXEC, ROOT, files_of, kill_tree
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
+TRAINER = ROOT / "examples" / "dcp_trainer.py"
+
+
+def dcp_train(root, rendezvous, *args: str) -> str:
+    result = subprocess.run(
+        [str(MPIEXEC), "-n", "4", sys.executable, str(TRAINER), "--spool",
+         f"{root}/node{{node}}/spool", "--rendezvous", str(rendezvous), *args],
+        capture_output=True, text=True, timeout=240)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def final_hash(out: str) -> str:
+    return out.strip().splitlines()[-1].split()[-1]
+
+
+def test_dcp_drill(cluster, tmp_path):
+    c = cluster(nodes=2, commit='globals = ["__0_0.distcp"]')
+    c.start_agents()
+    dcp_train(c.root, tmp_path / "rdv-1", "--steps", "8", "--every", "4")
+    c.wait_level("step_00008", "flushed", timeout=120)
+    # DCP's load on node 1 needs node 0's .metadata and __0_0.distcp: mirrored
+    for name in (".metadata", "__0_0.distcp"):
+        assert (c.spool(1) / "step_00008" / name).read_bytes() == (
+            c.spool(0) / "step_00008" / name).read_bytes()
+    before = {n: files_of(c.spool(n) / "step_00008") for n in range(2)}
+    kill_tree(c.agents)                                 # node 0 is lost ...
+    shutil.rmtree(c.root / "node0")
+    c.spool(0).mkdir(parents=True)
+    os.rename(c.pfs, c.root / "pfs-gone")               # ... and the PFS is down
+    c.pfs.write_text("down")
+
+    result = subprocess.run([str(MPIEXEC), "-n", "2", str(BIN / "cachex"), "recover",
+                             "--config", str(c.config)], capture_output=True, text=True,
+                            timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "from replica on node 1" in result.stdout, result.stdout
+    for node in range(2):
+        assert files_of(c.spool(node) / "step_00008") == before[node]
+
+    resumed = dcp_train(c.root, tmp_path / "rdv-2", "--steps", "12", "--every", "4",
+                        "--resume")
+    assert "resumed from step_00008 with dcp.load" in resumed
+    reference = dcp_train(tmp_path / "reference", tmp_path / "rdv-3", "--steps", "12",
+                          "--every", "4")
+    assert final_hash(resumed) == final_hash(reference)
