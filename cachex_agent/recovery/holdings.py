@@ -23,20 +23,18 @@ from .verify import check_files
 
 
 def journal_manifests(paths: NodePaths) -> dict[str, GlobalManifest]:
-    found = {}
-    for path in sorted((paths.journal / "global").glob("*.json")):
-        try:
-            manifest = GlobalManifest.from_json(read_json(path))
-        except (OSError, ValueError, TypeError):
-            continue
-        found[manifest.ckpt] = manifest
-    return found
+    return _manifests(paths.journal / "global", "*.json")
 
 
 def pfs_manifests(pfs_run: Path) -> dict[str, GlobalManifest]:
+    return _manifests(pfs_run / "ckpt", "*/manifest.json")
+
+
+def _manifests(directory: Path, pattern: str) -> dict[str, GlobalManifest]:
+    """Every readable global manifest; an unreadable place (PFS down) gives none."""
     found = {}
     try:
-        candidates = sorted((pfs_run / "ckpt").glob("*/manifest.json"))
+        candidates = sorted(directory.glob(pattern))
     except OSError:
         return found
     for path in candidates:

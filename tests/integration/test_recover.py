@@ -16,6 +16,16 @@ TRAIN = ["--shard-size", "256KiB", "--chunk-size", "64KiB", "--step-time", "0.02
          "--files-per-rank", "4", "--every", "4"]        # 8 ranks x 4 = 32 shards + .metadata
 
 
+def trained(cluster, steps: int) -> Cluster:
+    """Agents and trainer ran `steps` steps; everything flushed; agents stopped."""
+    c = cluster()
+    c.start_agents()
+    finish(c.trainer("--steps", str(steps), *TRAIN))
+    c.wait_level(f"step_{steps:05d}", "flushed")
+    assert c.stop() == 0
+    return c
+
+
 def recover(c: Cluster, *args: str, nodes: int = 4) -> subprocess.CompletedProcess[str]:
     return subprocess.run([str(MPIEXEC), "-n", str(nodes), str(BIN / "cachex"), "recover",
                            "--config", str(c.config), *args],
@@ -84,11 +94,7 @@ def test_drill_coordinator_node_lost_and_pfs_down(cluster, tmp_path):
 
 
 def test_recovery_from_the_pfs_alone(cluster):
-    c = cluster()
-    c.start_agents()
-    finish(c.trainer("--steps", "8", *TRAIN))
-    c.wait_level("step_00008", "flushed")
-    assert c.stop() == 0
+    c = trained(cluster, 8)
     before = snapshot(c, "step_00008")
     for node in range(4):
         lose_node(c, node)
@@ -102,11 +108,7 @@ def test_recovery_from_the_pfs_alone(cluster):
 
 
 def test_falls_back_to_an_older_checkpoint_and_says_why(cluster):
-    c = cluster()
-    c.start_agents()
-    finish(c.trainer("--steps", "8", *TRAIN))
-    c.wait_level("step_00008", "flushed")
-    assert c.stop() == 0
+    c = trained(cluster, 8)
     before = snapshot(c, "step_00004")
     lose_node(c, 0)
     lose_node(c, 1)                                  # node 0's partner: its replicas too
@@ -122,11 +124,7 @@ def test_falls_back_to_an_older_checkpoint_and_says_why(cluster):
 
 
 def test_a_corrupted_replica_is_skipped_for_a_good_copy(cluster):
-    c = cluster()
-    c.start_agents()
-    finish(c.trainer("--steps", "4", *TRAIN))
-    c.wait_level("step_00004", "flushed")
-    assert c.stop() == 0
+    c = trained(cluster, 4)
     before = snapshot(c, "step_00004")
     lose_node(c, 0)
     shard = c.root / "node1/nvme/t/replicas/node-00000/step_00004/__0_1.distcp"
@@ -142,11 +140,7 @@ def test_a_corrupted_replica_is_skipped_for_a_good_copy(cluster):
 
 
 def test_recovery_on_another_node_count_is_refused(cluster):
-    c = cluster()
-    c.start_agents()
-    finish(c.trainer("--steps", "4", *TRAIN))
-    c.wait_level("step_00004", "flushed")
-    assert c.stop() == 0
+    c = trained(cluster, 4)
     result = recover(c, nodes=3)
     assert result.returncode == 1
     assert "written by 4 nodes, this recovery runs on 3" in result.stderr, result.stderr

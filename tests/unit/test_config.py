@@ -103,3 +103,14 @@ def test_unknown_template_field(tmp_path):
     cfg = load(write(tmp_path, '[paths]\nspool = "/s/{nod}"\npfs = "/p"\n'), environ={})
     with pytest.raises(ConfigError, match=r"paths\.spool.*\{nod\}"):
         cfg.node_paths(0)
+
+
+def test_commit_globals_list_and_env(tmp_path):
+    path = write(tmp_path, BASE + '[commit]\nglobals = ["__0_0.distcp", "extra/x"]\n')
+    assert load(path, environ={}).commit.globals == ("__0_0.distcp", "extra/x")
+    env = {"CACHEX_COMMIT_GLOBALS": "a, b"}
+    assert load(write(tmp_path, BASE), environ=env).commit.globals == ("a", "b")
+    with pytest.raises(ConfigError, match="commit.globals"):
+        load(write(tmp_path, BASE + '[commit]\nglobals = ["../escape"]\n'), environ={})
+    with pytest.raises(ConfigError, match="commit.globals"):
+        load(write(tmp_path, BASE + "[commit]\nglobals = 3\n"), environ={})
