@@ -7,6 +7,7 @@ failure on one rank fails the test on all of them instead of hanging the others.
 from __future__ import annotations
 
 import json
+import os
 import threading
 import time
 from pathlib import Path
@@ -51,7 +52,7 @@ def test_placement_by_rank_and_by_host():
 
 
 def write_config(root: Path, extra: str = "") -> Path:
-    path = root / "cachex.toml"
+    path = root / f"cachex-{os.getpid()}.toml"      # one per rank: no rank reads a torn one
     path.write_text(virtual_nodes_config(root, "m", f'''[commit]
 rule = "dcp"
 scan = "0.5s"

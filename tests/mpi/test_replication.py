@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import queue
+import sys
 import time
 from pathlib import Path
 
@@ -92,7 +93,13 @@ def run_replication(root: Path, cfg, sizes_of_rank, ckpts=("c1",)) -> dict:
         if barrier is not None and barrier.Test() and not replicator.busy():
             break
         time.sleep(0.0005)
-    replicator.close()
+    else:
+        queued = {p: [(s.manifest.ckpt, s.state, len(s.free)) for s in q]
+                  for p, q in replicator.queues.items()}
+        print(f"rank {comm.rank}: deadline hit; results {sorted(results)}, queues {queued},"
+              f" store busy {replicator.store.busy()}", file=sys.stderr, flush=True)
+    finished = comm.allreduce(len(results) == len(ckpts), op=MPI.LAND)
+    replicator.close(free=finished)         # freeing is collective: not with a rank stuck
     events.close()
     return results
 
@@ -153,7 +160,9 @@ def test_retention_keeps_the_newest_replicas(mpi_tmp_path):
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     cfg = config(mpi_tmp_path, '[peer]\nslot = "64KiB"\n[keep]\nreplica = 1\n')
-    run_replication(mpi_tmp_path, cfg, lambda rank: {"s": 1000}, ckpts=("c1", "c2", "c3"))
+    results = run_replication(mpi_tmp_path, cfg, lambda rank: {"s": 1000},
+                              ckpts=("c1", "c2", "c3"))
+    assert all_ok(comm, len(results) == 3 and all(r["ok"] for r in results.values())), results
     owner = (comm.rank - 1) % comm.size
     replicas = cfg.node_paths(comm.rank).replicas
     kept = sorted(p.name for p in (replicas / f"node-{owner:05d}").glob("*.manifest.json"))
