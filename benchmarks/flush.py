@@ -31,11 +31,12 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cachex_agent.checksum import file_checksum  # noqa: E402
+from sources import write_sources  # noqa: E402
+
 from cachex_agent.config import parse_size  # noqa: E402
 from cachex_agent.flush.bundle import CHUNK, bundle_name, write_bundle  # noqa: E402
 from cachex_agent.fsutil import fsync_dir  # noqa: E402
-from cachex_agent.manifest import FileEntry, LocalManifest  # noqa: E402
+from cachex_agent.manifest import LocalManifest  # noqa: E402
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
@@ -57,21 +58,9 @@ def file_sizes(total: int, smallest: int, largest: int) -> list[int]:
 
 
 def make_sources(root: Path, sizes: list[int]) -> LocalManifest:
-    rng = np.random.default_rng(1)
-    entries = []
-    for i, size in enumerate(sizes):
-        name = f"rank{i % 8}/shard_{i:03d}.bin"
-        path = root / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "wb") as handle:
-            left = size
-            while left:
-                n = min(left, 64 * MiB)
-                handle.write(rng.bytes(n))       # incompressible, like trained weights
-                left -= n
-        entries.append(FileEntry(name, size, 0o644, file_checksum(path)))
+    names = [(f"rank{i % 8}/shard_{i:03d}.bin", size) for i, size in enumerate(sizes)]
     return LocalManifest(run="bench", ckpt="step_00001", seq=1, node=0, host="bench",
-                         rank=0, files=entries)
+                         rank=0, files=write_sources(root, names))
 
 
 def raw_write(target: Path, manifest: LocalManifest, source: Path, chunk: int) -> None:

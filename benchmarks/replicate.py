@@ -54,7 +54,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from cachex_agent.checksum import file_checksum  # noqa: E402
+from sources import write_sources  # noqa: E402
+
 from cachex_agent.config import Config, load, parse_size  # noqa: E402
 from cachex_agent.events import EventLog  # noqa: E402
 from cachex_agent.fsutil import fsync_dir  # noqa: E402
@@ -88,20 +89,8 @@ def file_sizes(total: int, smallest: int = 16 * MiB) -> list[int]:
 
 
 def make_sources(root: Path, sizes: list[int]) -> list[FileEntry]:
-    rng = np.random.default_rng(1)
-    entries = []
-    for i, size in enumerate(sizes):
-        name = f"rank{i % 4}/shard_{i:03d}.bin" if size >= 16 * MiB else f"meta/{i:03d}.dat"
-        path = root / name
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "wb") as handle:
-            left = size
-            while left:
-                n = min(left, 64 * MiB)
-                handle.write(rng.bytes(n))       # incompressible, like trained weights
-                left -= n
-        entries.append(FileEntry(name, size, 0o644, file_checksum(path)))
-    return entries
+    return write_sources(root, [(f"rank{i % 4}/shard_{i:03d}.bin" if size >= 16 * MiB
+                                 else f"meta/{i:03d}.dat", size) for i, size in enumerate(sizes)])
 
 
 def write_config(root: Path, stage: Path, slot: int, slots: int) -> Path:
