@@ -96,6 +96,9 @@ class Agent:
         self.flusher = Flusher(self.paths.pfs, config.flush, self.events, self.inbox.put)
         self.stop_event = threading.Event()
         self.draining = False
+        self.drain_deadline = 0.0
+        self._drained_sent = False
+        self._stop_checked = 0.0
         self.exit_now = False
         self._requests: list[Any] = []
         self._signals = 0
@@ -372,7 +375,7 @@ class Agent:
         busy = self._queued or self.flusher.pending() or not self.inbox.empty() or replicating
         if busy and time.monotonic() < self.drain_deadline:
             return
-        if not getattr(self, "_drained_sent", False):
+        if not self._drained_sent:
             self._drained_sent = True
             self._to_coordinator({"type": "drained", "unflushed": self.flusher.pending()})
 
@@ -469,7 +472,7 @@ class Agent:
 
     def _check_stop_files(self) -> None:
         now = time.monotonic()
-        if now - getattr(self, "_stop_checked", 0.0) < 1.0:
+        if now - self._stop_checked < 1.0:
             return
         self._stop_checked = now
         files = [self.paths.journal / "stop"]
