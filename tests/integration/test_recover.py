@@ -151,3 +151,19 @@ def test_recovery_on_another_node_count_is_refused(cluster):
     assert result.stderr.count("error:") == 1 and "Traceback" not in result.stderr
     status = json.loads(c.cachex("ls", "--json").stdout)
     assert status["checkpoints"][-1]["id"] == "step_00004"
+
+
+def test_single_process_recovery_of_a_one_node_job(cluster):
+    c = cluster(nodes=1)
+    c.start_agents()
+    finish(c.trainer("--steps", "8", *TRAIN, ranks=2, ranks_per_node=2))
+    c.wait_level("step_00008", "flushed")
+    assert c.stop() == 0
+    before = files_of(c.spool(0) / "step_00008")
+    shutil.rmtree(c.spool(0))                       # the trainer's spool is gone
+    c.spool(0).mkdir()
+    result = subprocess.run([str(BIN / "cachex"), "recover", "--config", str(c.config)],
+                            capture_output=True, text=True, timeout=120)   # no mpiexec
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "9 files of node 0 from its own stage" in result.stdout, result.stdout
+    assert files_of(c.spool(0) / "step_00008") == before
