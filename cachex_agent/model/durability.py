@@ -1,0 +1,52 @@
+"""When a checkpoint is durable, and how much work a failure loses (DESIGN.md section 9).
+
+A level holds for the checkpoint when it holds on all N nodes: with per-node time
+distribution F, the checkpoint's is F_D(t) = F(t)^N, and its q-quantile is
+t_q = F^-1(q^(1/N)). With checkpoint period T and time to durability D (survival
+S(t) = 1 - F_D(t)), the expected work lost to a failure at a uniformly random time is
+
+    E[L] = T/2 + sum_{j>=1} integral_0^T prod_{i=0}^{j-1} S(u + iT) du
+
+which is T/2 + E[D] when D < T always.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import numpy as np
+
+Cdf = Callable[[np.ndarray], np.ndarray]
+Ppf = Callable[[float], float]
+
+
+def quantile_of_max(ppf: Ppf, q: float, nodes: int) -> float:
+    """The q-quantile of the largest of `nodes` independent durations."""
+    if not 0 < q < 1 or nodes < 1:
+        raise ValueError(f"need 0 < q < 1 and nodes >= 1, got q={q}, nodes={nodes}")
+    return float(ppf(q ** (1.0 / nodes)))
+
+
+def cdf_of_max(cdf: Cdf, t: np.ndarray, nodes: int) -> np.ndarray:
+    return np.asarray(cdf(np.asarray(t, dtype=float))) ** nodes
+
+
+def expected_lost_work(survival: Callable[[np.ndarray], np.ndarray], period: float,
+                       points: int = 2000, tol: float = 1e-9, max_terms: int = 10_000
+                       ) -> float:
+    """E[L] for a failure at a uniform time, checkpoints every `period` seconds.
+
+    Term j is the chance that the j most recent checkpoints are all still not durable,
+    integrated over the failure's phase u in [0, T) (trapezoid rule on `points`)."""
+    if period <= 0:
+        raise ValueError(f"period must be > 0, got {period}")
+    u = np.linspace(0.0, period, points)
+    product = np.ones_like(u)
+    total = period / 2.0
+    for i in range(max_terms):
+        product = product * np.asarray(survival(u + i * period))
+        term = float(np.trapezoid(product, u))
+        total += term
+        if term < tol * period:
+            break
+    return total
