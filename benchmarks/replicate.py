@@ -320,6 +320,7 @@ class Driver:
     def __init__(self, comm: Any, cfg: Config, trace: Trace | None) -> None:
         import queue
 
+        from cachex_agent.peer.partners import replication_map
         from cachex_agent.peer.replicator import Replicator
         from cachex_agent.topology import place_in
         self.comm, self.cfg, self.trace = comm, cfg, trace
@@ -334,8 +335,11 @@ class Driver:
                 if msg["type"] == "credit":
                     trace.mark("credit_post")
                 self.posts.put(msg)
-        self.replicator = Replicator(comm, place_in(comm, "rank"), list(range(comm.size)),
-                                     cfg, self.paths, self.events, self.send, post)
+        placement = place_in(comm, "rank")
+        self.replicator = Replicator(comm, placement.node,
+                                     replication_map(cfg, list(placement.hosts)),
+                                     list(range(comm.size)), cfg, self.paths, self.events,
+                                     self.send, post)
         if trace is not None:
             instrument(self.replicator, trace, comm.rank)
         self.result: dict[str, Any] | None = None

@@ -34,7 +34,7 @@ from .fsutil import makedirs, remove_tree
 from .journal import Journal
 from .manifest import GlobalManifest, LocalManifest
 from .peer.globals import GlobalFiles, global_dir, mirror_file
-from .peer.partners import domains_of
+from .peer.partners import replication_map
 from .peer.replicator import Replicator
 from .stage.capture import CaptureError, capture_copy, capture_reference, list_files
 from .stage.quiescence import wait_quiescent
@@ -116,12 +116,12 @@ class Agent:
 
     def _make_replicator(self) -> Replicator | None:
         """Collective (the window): every rank takes the same decision from the config."""
-        path = self.config.model.path
-        domains = len(set(domains_of(self.config.topology.domain, list(self.placement.hosts))))
-        if path == "direct" or (path == "auto" and domains < 2):
+        pmap = replication_map(self.config, list(self.placement.hosts))
+        if pmap is None:
             return None         # flush-only: asked for, or no other failure domain
-        return Replicator(self.comm, self.placement, self.ranks_by_node, self.config,
-                          self.paths, self.events, self._send_peer, self.inbox.put)
+        return Replicator(self.comm, self.placement.node, pmap, self.ranks_by_node,
+                          self.config, self.paths, self.events, self._send_peer,
+                          self.inbox.put)
 
     def _ranks_by_node(self) -> list[int]:
         pairs = self.comm.allgather((self.node, self.rank))

@@ -16,8 +16,6 @@ from .config import Config
 from .errors import OperationError
 from .fsutil import read_json
 
-LEVEL_ORDER = {"written": 1, "captured": 2, "replicated": 3, "flushed": 4}
-
 
 def status_sources(config: Config) -> list[Path]:
     node0 = config.node_paths(0)

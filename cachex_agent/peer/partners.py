@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from ..config import Config
 from ..errors import ConfigError
 
 
@@ -77,6 +78,17 @@ def partners(node: int, domains: list[str], stride: int = 1, copies: int = 1) ->
 
 def partner_map(domains: list[str], stride: int, copies: int) -> list[list[int]]:
     return [partners(node, domains, stride, copies) for node in range(len(domains))]
+
+
+def replication_map(config: Config, hosts_by_node: list[str]) -> list[list[int]] | None:
+    """Partners of every node, or None when the run is flush-only (`model.path = direct`,
+    or `auto` with a single failure domain). With `peer`, too few domains is an error."""
+    if config.model.path == "direct":
+        return None
+    domains = domains_of(config.topology.domain, hosts_by_node)
+    if config.model.path == "auto" and len(set(domains)) < 2:
+        return None
+    return partner_map(domains, config.peer.stride, config.peer.copies)
 
 
 def incoming(node: int, pmap: list[list[int]]) -> list[int]:

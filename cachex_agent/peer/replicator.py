@@ -29,8 +29,7 @@ import numpy as np
 from ..config import Config, NodePaths
 from ..events import EventLog
 from ..manifest import LocalManifest
-from ..topology import Placement
-from .partners import domains_of, incoming, partner_map
+from .partners import incoming
 from .store import ReplicaStore
 from .window import ReceiveWindow
 
@@ -88,12 +87,10 @@ class Sender:
 
 
 class Replicator:
-    def __init__(self, comm: Any, placement: Placement, ranks_by_node: list[int],
+    def __init__(self, comm: Any, node: int, pmap: list[list[int]], ranks_by_node: list[int],
                  config: Config, paths: NodePaths, events: EventLog, send: Send,
                  post: Post) -> None:
-        domains = domains_of(config.topology.domain, list(placement.hosts))
-        pmap = partner_map(domains, config.peer.stride, config.peer.copies)
-        self.node = placement.node
+        self.node = node
         self.partners = pmap[self.node]
         self.ranks = ranks_by_node
         self.regions = {p: incoming(p, pmap).index(self.node) for p in self.partners}

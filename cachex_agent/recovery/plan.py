@@ -16,7 +16,6 @@ from dataclasses import dataclass, field
 from ..errors import OperationError
 from ..manifest import GlobalManifest
 
-SOURCES = ("spool", "stage", "replica", "journal", "pfs")
 PREFERENCE = {"spool": 0, "stage": 1, "replica": 2, "pfs": 3}
 
 

@@ -34,7 +34,7 @@ from ..flush.flusher import bundle_path
 from ..fsutil import fsync_dir, makedirs, remove_tree, temp_name
 from ..manifest import FileEntry, GlobalManifest, LocalManifest
 from ..peer.globals import mirror_file
-from ..peer.partners import domains_of, partner_map
+from ..peer.partners import replication_map
 from ..peer.store import commit_replica, partial_dir
 from ..stage.rules import checkpoint_names, natural_key
 from ..topology import place_in
@@ -238,10 +238,9 @@ def _wait(request: Any, config: Config, peer: int, name: str | None = None) -> N
 def _rereplicate(comm: Any, config: Config, placement: Any, rank_of: dict[int, int],
                  plan: Plan, copies: list[Copy]) -> int:
     """Each node's part goes to its partners again, unless they hold it verified."""
-    domains = domains_of(config.topology.domain, list(placement.hosts))
-    if config.model.path == "direct" or len(set(domains)) < 2:
+    pmap = replication_map(config, list(placement.hosts))
+    if pmap is None:
         return 0
-    pmap = partner_map(domains, config.peer.stride, config.peer.copies)
     held = {(c.owner, c.holder) for c in copies if c.kind == "replica" and c.ckpt == plan.ckpt}
     node, moved = placement.node, 0
     entries = {(e["node"], e["path"]): _entry(e) for e in plan.manifest.files}

@@ -11,7 +11,7 @@ from ..errors import OperationError
 from ..flush.bundle import verify_bundle
 from ..flush.flusher import bundle_path
 from ..manifest import FileEntry
-from ..peer.partners import domains_of, partner_map
+from ..peer.partners import replication_map
 from ..peer.store import manifest_path, replica_dir
 from .catalog import global_manifest, local_manifests, node_count, stage_dir
 
@@ -60,12 +60,10 @@ def _stage(config: Config, ckpt: str, node: int, host: str | None,
 
 def _replicas(config: Config, ckpt: str, expected: dict[int, list[FileEntry]],
               hosts: dict[int, str], nodes: int) -> list[Finding]:
-    if config.model.path == "direct" or len(hosts) < nodes:
+    pmap = replication_map(config, [hosts[n] for n in range(nodes)]) \
+        if len(hosts) == nodes else None
+    if pmap is None:
         return []
-    domains = domains_of(config.topology.domain, [hosts[n] for n in range(nodes)])
-    if len(set(domains)) < 2:
-        return []
-    pmap = partner_map(domains, config.peer.stride, config.peer.copies)
     return [_replica(config, ckpt, owner, partner, hosts[partner], files)
             for owner, files in sorted(expected.items()) for partner in pmap[owner]]
 

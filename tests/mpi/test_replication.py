@@ -17,7 +17,7 @@ from cachex_agent.checksum import file_checksum
 from cachex_agent.config import load
 from cachex_agent.events import EventLog
 from cachex_agent.manifest import FileEntry, LocalManifest
-from cachex_agent.peer.partners import incoming, partner_map
+from cachex_agent.peer.partners import incoming, partner_map, replication_map
 from cachex_agent.peer.store import manifest_path, replica_dir
 from cachex_agent.topology import place_in
 
@@ -64,8 +64,9 @@ def run_replication(root: Path, cfg, sizes_of_rank, ckpts=("c1",)) -> dict:
     def send(rank, msg):
         requests.append(comm.isend(msg, dest=rank, tag=PEER))
     events = EventLog(paths.journal / "events.jsonl", node=comm.rank)
-    replicator = Replicator(comm, placement, list(range(comm.size)), cfg, paths, events,
-                            send, posts.put)
+    pmap = replication_map(cfg, list(placement.hosts))
+    replicator = Replicator(comm, placement.node, pmap, list(range(comm.size)), cfg, paths,
+                            events, send, posts.put)
     results = {}
     for seq, ckpt in enumerate(ckpts, 1):
         source = paths.stage / ckpt
