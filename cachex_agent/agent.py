@@ -105,10 +105,11 @@ class Agent:
         self._dead_agents: list[int] = []
         self.ranks_by_node = self._ranks_by_node()
         self.node_of_rank = {r: n for n, r in enumerate(self.ranks_by_node)}
-        self.coordinator = (Coordinator(config, self.ranks_by_node, self.journal,
-                                        self.paths.pfs, self.events, self._send)
-                            if self.rank == 0 else None)
         self.replicator = agree(comm, "peer set-up", self._make_replicator)
+        self.coordinator = (Coordinator(config, self.ranks_by_node, self.journal,
+                                        self.paths.pfs, self.events, self._send,
+                                        can_replicate=self.replicator is not None)
+                            if self.rank == 0 else None)
         self.globals = GlobalFiles(comm, self.paths.journal, self._send_peer)
         self.watcher = SpoolWatcher(self.paths.spool, self.rule, self._on_marker,
                                     scan=config.commit.scan)
@@ -265,7 +266,8 @@ class Agent:
         ckpt = msg["ckpt"]
         previous = self.announced.get(ckpt)
         flush = msg["flush"] or bool(previous and previous["flush"])
-        self.announced[ckpt] = {**msg, "flush": flush}
+        self.announced[ckpt] = {**msg, "flush": flush,
+                                "received": (previous or {}).get("received", time.time())}
         entry = self.journal.get(ckpt) or {}
         if ckpt in self._queued:
             return
@@ -284,7 +286,8 @@ class Agent:
         entry = self.journal.get(ckpt) or {}
         manifest = LocalManifest.from_json(msg["manifest"])
         self._share_globals(manifest, entry)
-        if self.replicator is not None and not entry.get("replicated"):
+        peer = self.announced.get(ckpt, {}).get("path", "peer") == "peer"
+        if self.replicator is not None and peer and not entry.get("replicated"):
             self.replicator.replicate(manifest, Path(entry["source"]))
         else:
             self._flush_if_wanted(manifest, entry)
@@ -327,7 +330,8 @@ class Agent:
         if msg["ok"]:
             self.journal.update(ckpt, replicated=True)
             self.events.emit("replicated", ckpt=ckpt, seq=entry.get("seq"),
-                             bytes=entry.get("bytes"), partners=msg["partners"])
+                             bytes=entry.get("bytes"), partners=msg["partners"],
+                             duration=msg.get("duration"))
         else:
             log.warning("replication of %s failed: %s", ckpt, msg["errors"])
             self.events.emit("replicate_failed", ckpt=ckpt, seq=entry.get("seq"),
@@ -433,9 +437,13 @@ class Agent:
         self.journal.save_manifest(manifest)
         self.journal.update(ckpt, seq=seq, state="captured", source=str(target), mode=mode,
                             bytes=manifest.bytes, global_files=task["global_files"])
+        duration = time.time() - start
         self.events.emit("captured", ckpt=ckpt, seq=seq, bytes=manifest.bytes,
-                         files=len(entries), mode=mode, duration=time.time() - start)
-        self.inbox.put({"type": "captured", "ckpt": ckpt, "manifest": manifest.to_json()})
+                         files=len(entries), mode=mode, duration=duration,
+                         write_start=self.watcher.first_seen(ckpt),
+                         committed_at=task.get("received"))
+        self.inbox.put({"type": "captured", "ckpt": ckpt, "manifest": manifest.to_json(),
+                        "duration": duration})
 
     def _retain_stage(self) -> None:
         """Keep the newest `keep.stage` captures; never one still needed by a flush."""

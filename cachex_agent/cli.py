@@ -265,13 +265,158 @@ def _wait_stopped(cfg: configuration.Config, timeout: float) -> None:
     raise OperationError(f"agents of run {cfg.run} did not stop within {timeout:.0f}s")
 
 
+# ------------------------------------------------------------------------ model
+def model_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """EVENTS... (files or directories), and a configuration that may be absent."""
+    @click.argument("events", nargs=-1, type=click.Path(exists=True, path_type=Path))
+    @click.option("--config", "config_path", envvar="CACHEX_CONFIG", metavar="FILE",
+                  type=click.Path(dir_okay=False), help="cachex.toml: its run's events and"
+                  " failure rates (default: $CACHEX_CONFIG)")
+    @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+                  help="override one key, e.g. --set model.node_rate=0.01")
+    @click.option("--model", "model_path", type=click.Path(dir_okay=False, path_type=Path),
+                  help="a model saved by `cachex model fit --save` instead of the events")
+    @functools.wraps(func)
+    def wrapper(events: tuple[Path, ...], config_path: str | None, sets: tuple[str, ...],
+                model_path: Path | None, **kwargs: Any) -> Any:
+        from .model.history import config_event_files, event_files, load_history
+        overrides = _overrides(sets)
+        path = config_path or ("cachex.toml" if Path("cachex.toml").exists() else None)
+        if path is None:        # the model needs no directories: only events and rates
+            overrides = {"paths.spool": "-", "paths.pfs": "-", **overrides}
+        cfg = configuration.load(path, overrides)
+        if events:
+            files = event_files(events)
+        elif path is not None:
+            files = config_event_files(cfg)
+        elif model_path is None:
+            raise ConfigError("give event files or directories (e.g. demo-run), or --config")
+        else:
+            files = []
+        if not files and model_path is None:
+            raise OperationError(f"no events.jsonl found in {', '.join(map(str, events))}"
+                                 if events else f"run {cfg.run}: no events.jsonl under"
+                                 f" paths.cache ({cfg.paths.cache})")
+        return func(cfg=cfg, history=load_history(files), model_path=model_path, **kwargs)
+    return wrapper
+
+
+def _system(history: Any, model_path: Path | None, criterion: str = "aic") -> Any:
+    from .model.predict import SystemModel, fit_system
+    return SystemModel.load(model_path) if model_path else fit_system(history, criterion)
+
+
+def _size_option(func: Callable[..., Any]) -> Callable[..., Any]:
+    func = click.option("--nodes", type=click.IntRange(1), help="node count (default: the"
+                        " most common in the events)")(func)
+    return click.option("--size", metavar="SIZE", help="checkpoint size, e.g. 64GiB"
+                        " (default: the median in the events)")(func)
+
+
+def _size_and_nodes(model: Any, size: str | None, nodes: int | None) -> tuple[float, int]:
+    value = configuration.parse_size(size, "--size") if size else model.size
+    count = nodes or model.nodes
+    if not value or not count:
+        raise ConfigError("--size and --nodes: not in the events; give them")
+    return float(value), int(count)
+
+
+@main_group.group("model")
+def model_group() -> None:
+    """The durability model: fit stage statistics, predict completion, plan the path."""
+
+
+@model_group.command("fit")
+@model_options
+@click.option("--criterion", type=click.Choice(["aic", "bic"]), default="aic", show_default=True)
+@click.option("--save", type=click.Path(dir_okay=False, path_type=Path),
+              help="write the fitted model (JSON) for predict/plan --model")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def model_fit_command(cfg: configuration.Config, history: Any, model_path: Path | None,
+                      criterion: str, save: Path | None, as_json: bool) -> None:
+    """Fit every stage's duration and bandwidth (log-normal, gamma, Weibull)."""
+    from .model.predict import fit_system
+    from .model.summary import fit_text
+    model = fit_system(history, criterion)
+    if save:
+        model.save(save)
+    click.echo(json.dumps(model.to_json(), indent=1) if as_json
+               else fit_text(model, history, criterion))
+
+
+@model_group.command("predict")
+@model_options
+@_size_option
+@click.option("--level", type=click.Choice(["captured", "replicated", "flushed"]),
+              default="flushed", show_default=True)
+@click.option("--path", "write_path", type=click.Choice(["peer", "direct"]), default="peer",
+              show_default=True)
+@click.option("--quantile", type=click.FloatRange(0, 1, min_open=True, max_open=True),
+              default=0.95, show_default=True)
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def model_predict_command(cfg: configuration.Config, history: Any, model_path: Path | None,
+                          size: str | None, nodes: int | None, level: str, write_path: str,
+                          quantile: float, as_json: bool) -> None:
+    """When a checkpoint of SIZE on NODES nodes reaches LEVEL (median and a quantile)."""
+    from .model.summary import predict_json, predict_text
+    model = _system(history, model_path)
+    prediction = model.predict(level, write_path, *_size_and_nodes(model, size, nodes))
+    click.echo(json.dumps(predict_json(prediction, quantile)) if as_json
+               else predict_text(prediction, quantile))
+
+
+@model_group.command("plan")
+@model_options
+@_size_option
+@click.option("--period", metavar="DURATION", help="checkpoint period (default: model.period,"
+              " else the observed one)")
+@click.option("--stall", metavar="DURATION", help="trainer blocking cost per checkpoint"
+              " (default: the observed write time)")
+@click.option("--every", type=click.IntRange(2), help="k of the path flushing every k-th")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def model_plan_command(cfg: configuration.Config, history: Any, model_path: Path | None,
+                       size: str | None, nodes: int | None, period: str | None,
+                       stall: str | None, every: int | None, as_json: bool) -> None:
+    """Expected lost work per path, the recommended path and checkpoint period."""
+    from .model.plan import Rates, make_plan
+    from .model.summary import plan_json, plan_text
+    model = _system(history, model_path)
+    size_value, count = _size_and_nodes(model, size, nodes)
+    every_t = (configuration.parse_duration(period, "--period") if period
+               else cfg.model.period or model.period)
+    if not every_t:
+        raise ConfigError("--period: no checkpoint period in the events; give one")
+    write = model.stages.get("write")
+    blocking = (configuration.parse_duration(stall, "--stall") if stall
+                else float(write.ppf(0.5 ** (1 / count), size_value / count, count))
+                if write else 0.0)
+    plan = make_plan(model, size_value, count, every_t, blocking, Rates.of(cfg.model), every)
+    click.echo(json.dumps(plan_json(plan), indent=1) if as_json else plan_text(plan))
+
+
+@main_group.command("report")
+@model_options
+@_size_option
+@click.option("--out", default="cachex-report", show_default=True,
+              type=click.Path(file_okay=False, path_type=Path), help="directory for the PNGs")
+def report_command(cfg: configuration.Config, history: Any, model_path: Path | None,
+                   size: str | None, nodes: int | None, out: Path) -> None:
+    """PNG figures: stage timeline, fitted distributions, P(durable by t) per level."""
+    from .model.report import write_report
+    model = _system(history, model_path)
+    size_value, count = _size_and_nodes(model, size, nodes)
+    makedirs(out)
+    for written in write_report(history, model, out, size_value, count):
+        click.echo(str(written))
+
+
 @main_group.command("demo")
 @click.option("--workdir", default="demo-run", type=click.Path(file_okay=False),
               help="where the demo's spools, stage, cache and PFS live")
 @click.option("--nodes", default=4, show_default=True, help="virtual nodes (agents)")
 @click.option("--ranks-per-node", default=2, show_default=True)
 @click.option("--steps", default=40, show_default=True)
-@click.option("--every", default=10, show_default=True, help="checkpoint period in steps")
+@click.option("--every", default=5, show_default=True, help="checkpoint period in steps")
 @click.option("--shard-size", default="8MiB", show_default=True)
 def demo_command(**options: Any) -> None:
     """Train the example model beside 4 agents on this machine, then verify."""

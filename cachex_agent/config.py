@@ -66,6 +66,17 @@ def _int(low: int) -> Callable[[Any, str], int]:
     return parse
 
 
+def _rate(value: Any, key: str) -> float:
+    """Failures per hour: a plain number."""
+    try:
+        number = float(value) if not isinstance(value, bool) else -1.0
+    except (TypeError, ValueError):
+        raise ConfigError(f"{key}: expected failures per hour (a number), got {value!r}") from None
+    if not 0 <= number < 1e6:
+        raise ConfigError(f"{key}: expected a rate >= 0 (failures per hour), got {value!r}")
+    return number
+
+
 def _choice(*options: str, prefixes: tuple[str, ...] = ()) -> Callable[[Any, str], str]:
     def parse(value: Any, key: str) -> str:
         text = str(value)
@@ -172,6 +183,12 @@ class Keep:
 @dataclass(frozen=True)
 class Model:
     path: str = "auto"
+    crash_rate: float = 0.05    # trainer crashes per hour (whole job)
+    node_rate: float = 0.001    # node losses per node-hour
+    job_rate: float = 0.01      # allocation losses per hour (preemption, system faults)
+    period: float = 0.0         # checkpoint period for `model plan`; 0 = the observed one
+    window: int = 32            # checkpoints the online path choice learns from
+    explore: int = 16           # after this many direct checkpoints, one goes peer
 
 
 @dataclass(frozen=True)
@@ -196,7 +213,9 @@ _PARSERS: dict[str, dict[str, Callable[[Any, str], Any]]] = {
         "retry_max": _duration, "drain_timeout": _duration, "verify": _bool, "nice": _int(0),
     },
     "keep": {"stage": _int(0), "replica": _int(0), "pfs": _int(0)},
-    "model": {"path": _choice("auto", "peer", "direct")},
+    "model": {"path": _choice("auto", "peer", "direct"), "crash_rate": _rate,
+              "node_rate": _rate, "job_rate": _rate, "period": _duration,
+              "window": _int(4), "explore": _int(0)},
     "agent": {"poll": _duration, "timeout": _duration,
               "log": _choice("debug", "info", "warning", "error")},
 }

@@ -36,6 +36,7 @@ from .flush.flusher import ckpt_dir
 from .fsutil import makedirs, read_json, remove_tree, write_json
 from .journal import Journal
 from .manifest import GlobalManifest, LocalManifest
+from .model.choose import PathChooser
 
 log = logging.getLogger(__name__)
 Send = Callable[[int, dict[str, Any]], None]
@@ -47,7 +48,7 @@ INDEX_FORMAT = "cachex-index"
 class Coordinator:
     def __init__(self, config: Config, ranks_by_node: list[int], journal: Journal,
                  pfs_run: Path, events: EventLog, send: Send,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time, can_replicate: bool = True) -> None:
         self.config = config
         self.ranks = ranks_by_node
         self.journal = journal
@@ -64,6 +65,7 @@ class Coordinator:
         self.drain_deadline = 0.0
         self.dirty = True
         self._last_status = 0.0
+        self.chooser = PathChooser(config, len(ranks_by_node), can_replicate)
 
     def _from_index(self) -> dict[str, Any]:
         """A coordinator without a journal (its node was replaced) learns from the PFS
@@ -102,25 +104,33 @@ class Coordinator:
             return
         seq, self.next_seq = self.next_seq, self.next_seq + 1
         every = self.config.flush.every
+        newest = self._newest(LEVELS[1:])         # its size stands for this one's
+        choice = self.chooser.choose(_record_bytes(newest) if newest else 0, self.clock())
+        direct = choice.path == "direct"        # the PFS is its only copy beyond memory
         record = _empty_record(ckpt, seq, "written", global_files=msg["global_files"],
-                               flush=(seq - 1) % every == 0,
+                               flush=direct or (seq - 1) % every == 0, path=choice.path,
                                times={"written": msg.get("t", self.clock())},
                                deadline=self.clock() + self.config.commit.timeout
                                + self.config.agent.timeout)
         self.ckpts[ckpt] = record
-        self.events.emit("committed", ckpt=ckpt, seq=seq, marker_node=node)
+        self.events.emit("committed", ckpt=ckpt, seq=seq, marker_node=node, nodes=self.nodes,
+                         path=choice.path, reason=choice.reason, loss=choice.loss)
+        log.info("checkpoint %s: path %s (%s)", ckpt, choice.path, choice.reason)
         self._announce(record)
         self._persist()
 
     def _announce(self, record: dict[str, Any]) -> None:
         self._broadcast({"type": "commit", "ckpt": record["id"], "seq": record["seq"],
-                         "global_files": record["global_files"], "flush": record["flush"]})
+                         "global_files": record["global_files"], "flush": record["flush"],
+                         "path": record.get("path", "peer")})
 
     def _on_captured(self, node: int, msg: dict[str, Any]) -> None:
         record = self.ckpts.get(msg["ckpt"])
         if record is None or record["level"] in ("failed", "purged"):
             return
         record["captured"][str(node)] = msg["manifest"]
+        self.chooser.observe("capture", node, _part_bytes(msg["manifest"]),
+                             msg.get("duration", 0.0))
         record["errors"].pop(str(node), None)
         self._advance(record)
 
@@ -131,6 +141,8 @@ class Coordinator:
             return
         if msg["ok"]:
             record.setdefault("replicated", {})[str(node)] = msg["partners"]
+            self.chooser.observe("replicate", node, _node_bytes(record, node),
+                                 msg.get("duration", 0.0))
         else:
             record["replication_failed"] = True
             record["errors"][str(node)] = "; ".join(msg["errors"].values())
@@ -160,6 +172,8 @@ class Coordinator:
         if record is None or record["level"] in ("failed", "purged", "flushed"):
             return
         record["flushed"][str(node)] = msg["bundle"]
+        if not msg.get("adopted"):
+            self.chooser.observe("flush", node, _node_bytes(record, node), msg.get("duration", 0.0))
         record["errors"].pop(str(node), None)
         record["progress"].pop(str(node), None)
         self._try_finalize(record)
@@ -222,7 +236,7 @@ class Coordinator:
         record["level"] = level
         record["times"][level] = self.clock()
         self.events.emit(f"level_{level}", ckpt=record["id"], seq=record["seq"],
-                         bytes=_record_bytes(record),
+                         bytes=_record_bytes(record), path=record.get("path", "peer"),
                          latency=record["times"][level] - record["times"]["written"])
         self._persist()
 
@@ -324,7 +338,8 @@ class Coordinator:
                 "nodes_captured": len(record["captured"]),
                 "nodes_replicated": len(record.get("replicated", {})),
                 "nodes_flushed": len(record["flushed"]),
-                "flush": record["flush"], "errors": record["errors"],
+                "flush": record["flush"], "path": record.get("path", "peer"),
+                "errors": record["errors"],
                 "progress": record["progress"], "reason": record.get("reason")})
         return {"format": "cachex-status", "version": 1, "run": self.config.run,
                 "updated": self.clock(), "state": self.state, "nodes": self.nodes,
@@ -349,10 +364,19 @@ def _empty_record(ckpt: str, seq: int, level: str, **fields: Any) -> dict[str, A
             "progress": {}, **fields}
 
 
+def _part_bytes(manifest: dict[str, Any]) -> int:
+    return sum(e["size"] for e in manifest["files"])
+
+
+def _node_bytes(record: dict[str, Any], node: int) -> int:
+    manifest = record["captured"].get(str(node))
+    return _part_bytes(manifest) if manifest else 0
+
+
 def _record_bytes(record: dict[str, Any]) -> int:
     if not record["captured"]:
         return record.get("bytes", 0)           # adopted from the PFS index
-    return sum(e["size"] for m in record["captured"].values() for e in m["files"])
+    return sum(_part_bytes(m) for m in record["captured"].values())
 
 
 def _index_state(level: str) -> str:

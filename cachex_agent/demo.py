@@ -12,8 +12,10 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
+import textwrap
 import time
 from pathlib import Path
 from typing import Any
@@ -22,6 +24,9 @@ import click
 
 from . import config as configuration
 from .errors import OperationError
+from .model.history import event_files, load_history
+from .model.predict import fit_system
+from .model.summary import fit_text
 from .recovery.catalog import require_global
 from .recovery.export import export
 from .recovery.verify import verify
@@ -52,6 +57,10 @@ domain = "rank"                            # every agent is its own virtual node
 
 [commit]
 rule = "dcp"
+
+[model]
+path = "peer"   # the drill rebuilds node 0 from its replica; here, where the "PFS" is
+                # this machine's own disk, `auto` would soon choose the direct path
 {extra}''')
     return path
 
@@ -131,6 +140,7 @@ def run_demo(workdir: str, nodes: int, ranks_per_node: int, steps: int, every: i
     click.echo(f"demo: final state equals an uninterrupted run's (sha256 {reference[:16]}...)")
     click.echo(format_ls(load_status(cfg)))
     _check(cfg, root, code)
+    _model(root)
 
 
 def _run(command: list[str]) -> str:
@@ -220,6 +230,21 @@ def _check(cfg: configuration.Config, root: Path, agents_code: int) -> None:
     click.echo(f"demo: {len(flushed)} checkpoints on the PFS, all verified; {newest} exported"
                f" to {exported} and identical to the trainer's files; agents exited with"
                f" {agents_code}")
+
+
+def _model(root: Path) -> None:
+    """The durability model fitted on this run's events: what `cachex model fit` says."""
+    history = load_history(event_files([root]))
+    model = fit_system(history)
+    click.echo(f"demo: the durability model, fitted on this run's events (cachex model fit"
+               f" {root}):")
+    click.echo(textwrap.indent(fit_text(model, history, "aic"), "  "))
+    observed = sorted(s.latency for s in history.level("flushed", "peer"))
+    if observed and model.size and model.nodes:
+        predicted = model.predict("flushed", "peer", model.size, model.nodes)
+        click.echo(f"demo: flushed after {statistics.median(observed):.2f} s (median of"
+                   f" {len(observed)}); the model predicts {predicted.quantile(0.5):.2f} s,"
+                   f" 95% by {predicted.quantile(0.95):.2f} s")
 
 
 def _fresh(root: Path) -> None:

@@ -59,9 +59,10 @@ def human_size(n: float) -> str:
 
 
 def format_ls(status: dict[str, Any]) -> str:
-    lines = [f"{'checkpoint':<24} {'level':<10} {'size':>10}"]
+    lines = [f"{'checkpoint':<24} {'level':<10} {'size':>10}  path"]
     for row in status["checkpoints"]:
-        lines.append(f"{row['id']:<24} {row['level']:<10} {human_size(row['bytes']):>10}")
+        lines.append(f"{row['id']:<24} {row['level']:<10} {human_size(row['bytes']):>10}"
+                     f"  {row.get('path', '-')}")
     return "\n".join(lines)
 
 

@@ -106,6 +106,7 @@ class Replicator:
         self.queues: dict[int, deque[Sender]] = {p: deque() for p in self.partners}
         self.dead: dict[int, str] = {}
         self.results: dict[str, dict[int, str | None]] = {}     # ckpt -> partner -> error
+        self.started: dict[str, float] = {}
 
     # ----------------------------------------------------------------- owner side
     def replicate(self, manifest: LocalManifest, source: Path) -> None:
@@ -113,6 +114,7 @@ class Replicator:
         if manifest.ckpt in self.results:
             return                      # already under way (a repeated announcement)
         self.results[manifest.ckpt] = {}
+        self.started[manifest.ckpt] = time.monotonic()
         self.events.emit("replicate_start", ckpt=manifest.ckpt, seq=manifest.seq,
                          bytes=manifest.bytes, partners=self.partners)
         for partner in self.partners:
@@ -198,8 +200,9 @@ class Replicator:
         results[partner] = error
         if len(results) == len(self.partners):
             errors = {str(p): e for p, e in results.items() if e}
+            duration = time.monotonic() - self.started.pop(manifest.ckpt, time.monotonic())
             self.post({"type": "replicated", "ckpt": manifest.ckpt, "ok": not errors,
-                       "errors": errors, "partners": self.partners})
+                       "errors": errors, "partners": self.partners, "duration": duration})
             del self.results[manifest.ckpt]
 
     # --------------------------------------------------------------- partner side

@@ -55,6 +55,7 @@ class SpoolWatcher:
         self.use_inotify = use_inotify
         self._lock = threading.RLock()      # rules keep state and are not thread-safe
         self._reported: set[str] = set()
+        self._first_seen: dict[str, float | None] | None = None    # None: not listed yet
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
         self._thread: threading.Thread | None = None
@@ -113,8 +114,24 @@ class SpoolWatcher:
 
     # -- evaluation ---------------------------------------------------------------
 
+    def first_seen(self, ckpt_id: str) -> float | None:
+        """When the checkpoint's directory appeared (None: it was there at start-up):
+        the start of the trainer's write, for the model's write stage."""
+        with self._lock:
+            return (self._first_seen or {}).get(ckpt_id)
+
+    def _note_directories(self) -> None:
+        try:
+            names = {e.name for e in os.scandir(self.spool) if e.is_dir()}
+        except OSError:
+            return
+        now = None if self._first_seen is None else time.time()
+        old = self._first_seen or {}
+        self._first_seen = {name: old[name] if name in old else now for name in names}
+
     def _evaluate(self) -> list[str]:
         with self._lock:
+            self._note_directories()
             try:
                 ids = self.rule.committed(self.spool)
             except Exception as exc:  # a dir deleted mid-scan, EACCES, a rule bug

@@ -71,7 +71,8 @@ class Cluster:
     """N virtual nodes on this machine: spools, stage, cache and a PFS under `root`."""
 
     def __init__(self, root: Path, nodes: int = 4, extra: str = "", rule: str = "dcp",
-                 agent_timeout: str = "20s", commit: str = "") -> None:
+                 agent_timeout: str = "20s", commit: str = "", model: str = 'path = "peer"'
+                 ) -> None:
         self.root, self.nodes = root, nodes
         for node in range(nodes):
             (root / f"node{node}" / "spool").mkdir(parents=True, exist_ok=True)
@@ -82,7 +83,7 @@ rule = "{rule}"
 {commit}
 [agent]
 timeout = "{agent_timeout}"
-{extra}'''))
+{extra}''', model=model))
         self.agents: subprocess.Popen[bytes] | None = None
         self.trainers: list[subprocess.Popen[bytes]] = []
 
@@ -101,10 +102,12 @@ timeout = "{agent_timeout}"
         return self.root / "pfs" / "t"
 
     # -------------------------------------------------------------- processes
-    def start_agents(self, *args: str) -> subprocess.Popen[bytes]:
+    def start_agents(self, *args: str, prefix: tuple[str, ...] = ()
+                     ) -> subprocess.Popen[bytes]:
+        """`prefix` wraps the launch (e.g. joining a cgroup first)."""
         log = (self.root / "agents.log").open("ab")
         self.agents = subprocess.Popen(
-            [str(MPIEXEC), "-n", str(self.nodes), str(BIN / "cachex-agent"), "--config",
+            [*prefix, str(MPIEXEC), "-n", str(self.nodes), str(BIN / "cachex-agent"), "--config",
              str(self.config), *args], stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True)
         wait_for(lambda: self._started(), 60, "agents to start")

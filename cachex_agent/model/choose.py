@@ -1,0 +1,91 @@
+"""The online path choice (`model.path = "auto"`): peer-then-PFS or direct-to-PFS, per
+checkpoint, whichever the model of the recent checkpoints says loses less work.
+
+The coordinator feeds it every node's stage durations as they are reported and asks it
+once per commit. Until every stage has samples the answer is the default path (peer);
+a run of `model.explore` direct checkpoints is followed by one peer checkpoint, so the
+replication estimate does not go stale while it is not used. The other path must be
+better by `MARGIN` to switch, so noise does not flip the choice at every checkpoint; the
+margin applies to the part of the expected loss the path changes (beyond T/2 per failure).
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from dataclasses import dataclass
+from itertools import pairwise
+
+from ..config import Config
+from .history import StageSample
+from .plan import Rates, evaluate
+from .predict import SystemModel
+from .stages import MIN_SAMPLES, fit_stage
+
+LEARNED = ("capture", "replicate", "flush")
+MARGIN = 0.10
+DEFAULT_PERIOD = 600.0
+SAMPLES = 2000          # Monte Carlo per decision: a few tens of milliseconds
+
+
+@dataclass(frozen=True)
+class Choice:
+    path: str
+    reason: str
+    loss: dict[str, float] | None = None    # expected seconds lost per hour, per path
+
+
+class PathChooser:
+    def __init__(self, config: Config, nodes: int, can_replicate: bool) -> None:
+        self.mode = config.model.path
+        self.rates = Rates.of(config.model)
+        self.explore = config.model.explore
+        self.nodes = nodes
+        self.can_replicate = can_replicate
+        depth = config.model.window * nodes
+        self.samples: dict[str, deque[StageSample]] = {s: deque(maxlen=depth) for s in LEARNED}
+        self.commits: deque[float] = deque(maxlen=config.model.window + 1)
+        self.current = "peer"
+        self.direct_run = 0
+
+    def observe(self, stage: str, node: int, nbytes: int, seconds: float) -> None:
+        if stage in self.samples and nbytes > 0 and seconds > 0:
+            self.samples[stage].append(StageSample("", "", node, self.nodes, stage, nbytes,
+                                                   seconds, 0.0, ""))
+
+    def choose(self, size: float, now: float) -> Choice:
+        self.commits.append(now)
+        choice = self._decide(size)
+        self.direct_run = self.direct_run + 1 if choice.path == "direct" else 0
+        self.current = choice.path
+        return choice
+
+    def _decide(self, size: float) -> Choice:
+        if self.mode != "auto":
+            return Choice(self.mode, f"model.path = {self.mode}")
+        if not self.can_replicate:
+            return Choice("direct", "no partner in another failure domain (flush-only)")
+        short = [s for s in LEARNED if len(self.samples[s]) < MIN_SAMPLES]
+        if short or size <= 0:
+            return Choice("peer", f"learning: too few samples of {', '.join(short) or 'size'}")
+        if self.explore and self.direct_run >= self.explore:
+            return Choice("peer", f"exploring: {self.direct_run} direct checkpoints in a row,"
+                                  " refreshing the replication estimate")
+        model = SystemModel({s: fit_stage(list(q), families=("lognormal",))
+                             for s, q in self.samples.items()}, {}, families=("lognormal",))
+        period = self.period()
+        plans = {p: evaluate(model, p, 1, size, self.nodes, period, self.rates, SAMPLES)
+                 for p in ("peer", "direct")}
+        other = "direct" if self.current == "peer" else "peer"
+        better = plans[other].excess < (1 - MARGIN) * plans[self.current].excess
+        pick = other if better else self.current
+        loss = {p: plan.loss for p, plan in plans.items()}
+        reason = (f"expected loss {loss['peer']:.3g} s/h peer vs {loss['direct']:.3g} s/h"
+                  f" direct; safe from node loss after {plans['peer'].lag['node']:.2f} s vs"
+                  f" {plans['direct'].lag['node']:.2f} s (period {period:.0f} s)")
+        return Choice(pick, reason, loss)
+
+    def period(self) -> float:
+        times = list(self.commits)
+        gaps = [b - a for a, b in pairwise(times) if b > a]
+        return statistics.median(gaps) if gaps else DEFAULT_PERIOD

@@ -1,0 +1,168 @@
+"""Stage and level observations, read from the agents' event files (events.jsonl).
+
+Every agent writes its own events; the coordinator's file also holds the checkpoint
+levels. From them:
+
+  stage samples  one per (checkpoint, node, stage): bytes of that node's part, seconds
+    write      the trainer's write: first sight of the checkpoint directory -> commit
+    capture    `capture_start` -> `captured` (the event's own duration)
+    replicate  `replicate_start` -> `replicated` on the owner
+    flush      `flush_start` -> `flushed` (bundles adopted after a restart are left out)
+  level samples  one per (checkpoint, level): the whole checkpoint's bytes and the
+    latency from commit to the level holding on every node (the coordinator's events)
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..config import Config, render
+from ..errors import OperationError
+from ..events import read_events
+
+STAGES = ("write", "capture", "replicate", "flush")
+LEVELS = ("captured", "replicated", "flushed")
+EVENTS_FILE = "events.jsonl"
+
+
+@dataclass(frozen=True)
+class StageSample:
+    run: str
+    ckpt: str
+    node: int
+    nodes: int
+    stage: str
+    bytes: int
+    seconds: float
+    end: float          # wall-clock time the stage ended (for timelines)
+    path: str
+
+
+@dataclass(frozen=True)
+class LevelSample:
+    run: str
+    ckpt: str
+    seq: int
+    nodes: int
+    level: str
+    bytes: int
+    latency: float      # seconds from commit to the level holding on every node
+    committed: float    # wall-clock time of the commit
+    path: str
+
+
+@dataclass
+class History:
+    stages: list[StageSample] = field(default_factory=list)
+    levels: list[LevelSample] = field(default_factory=list)
+    sources: list[Path] = field(default_factory=list)
+
+    def stage(self, name: str, path: str | None = None) -> list[StageSample]:
+        return [s for s in self.stages if s.stage == name and path in (None, s.path)]
+
+    def level(self, name: str, path: str | None = None) -> list[LevelSample]:
+        return [s for s in self.levels if s.level == name and path in (None, s.path)]
+
+    def of(self, run: str, ckpt: str) -> list[StageSample]:
+        return [s for s in self.stages if s.run == run and s.ckpt == ckpt]
+
+
+def event_files(paths: Iterable[Path]) -> list[Path]:
+    """Event files named directly, or found under directories (recursively)."""
+    found: list[Path] = []
+    for path in paths:
+        if path.is_file():
+            found.append(path)
+        elif path.is_dir():
+            found.extend(sorted(path.rglob(EVENTS_FILE)))
+        else:
+            raise OperationError(f"{path}: no such file or directory")
+    return found
+
+
+def config_event_files(config: Config) -> list[Path]:
+    """Every node's event file of the configured run: the cache template, any node."""
+    values = {"node": "*", "rank": "*", "host": "*", "run": config.run, "job": "*"}
+    pattern = Path(render(config.paths.cache, values, "paths.cache")) / config.run / "journal"
+    root = Path(pattern.anchor)
+    return sorted(root.glob(str(pattern.relative_to(root) / EVENTS_FILE)))
+
+
+def load_history(files: Iterable[Path]) -> History:
+    history = History()
+    paths: dict[tuple[str, str], str] = {}          # (run, ckpt) -> path
+    per_file = []
+    for path in files:
+        records = read_events(path)
+        history.sources.append(path)
+        per_file.append(records)
+        for rec in records:
+            if rec.get("event") == "committed":
+                paths[(rec.get("run", ""), rec["ckpt"])] = rec.get("path", "peer")
+    for records in per_file:
+        history.stages.extend(_stage_samples(records, paths))
+        history.levels.extend(_level_samples(records, paths))
+    return history
+
+
+def _stage_samples(records: list[dict[str, Any]], paths: dict[tuple[str, str], str]
+                   ) -> list[StageSample]:
+    nodes = 1
+    starts: dict[tuple[str, str, str], float] = {}
+    parts: dict[tuple[str, str], int] = {}
+    out: list[StageSample] = []
+
+    def sample(rec: dict[str, Any], stage: str, seconds: float, nbytes: int) -> None:
+        run, ckpt = rec.get("run", ""), rec["ckpt"]
+        if seconds > 0 and nbytes > 0:
+            out.append(StageSample(run, ckpt, int(rec.get("node", 0)), nodes, stage, nbytes,
+                                   seconds, rec["t"], paths.get((run, ckpt), "peer")))
+
+    for rec in records:
+        kind = rec.get("event")
+        if kind == "agent_start":
+            nodes = int(rec.get("nodes", 1))
+            continue
+        if "ckpt" not in rec:
+            continue
+        key = (rec.get("run", ""), rec["ckpt"])
+        if kind in ("replicate_start", "flush_start"):
+            starts[(*key, kind)] = rec["t"]
+        elif kind == "captured":
+            parts[key] = int(rec.get("bytes", 0))
+            sample(rec, "capture", float(rec.get("duration", 0.0)), parts[key])
+            if rec.get("write_start") and rec.get("committed_at"):
+                sample(rec, "write", rec["committed_at"] - rec["write_start"], parts[key])
+        elif kind == "replicated" and (*key, "replicate_start") in starts:
+            sample(rec, "replicate", rec["t"] - starts.pop((*key, "replicate_start")),
+                   int(rec.get("bytes") or parts.get(key, 0)))
+        elif kind == "flushed" and not rec.get("adopted"):
+            starts.pop((*key, "flush_start"), None)
+            sample(rec, "flush", float(rec.get("duration", 0.0)), int(rec.get("bytes", 0)))
+    return out
+
+
+def _level_samples(records: list[dict[str, Any]], paths: dict[tuple[str, str], str]
+                   ) -> list[LevelSample]:
+    committed: dict[tuple[str, str], dict[str, Any]] = {}
+    seen: dict[tuple[str, str], set[str]] = defaultdict(set)
+    out: list[LevelSample] = []
+    for rec in records:
+        kind = rec.get("event", "")
+        if kind == "committed":
+            committed[(rec.get("run", ""), rec["ckpt"])] = rec
+        elif kind.startswith("level_") and kind[6:] in LEVELS:
+            key = (rec.get("run", ""), rec["ckpt"])
+            commit = committed.get(key)
+            if commit is None or kind in seen[key] or not rec.get("bytes"):
+                continue        # a level whose commit is in an older file: no reference
+            seen[key].add(kind)
+            out.append(LevelSample(key[0], key[1], int(rec.get("seq", 0)),
+                                   int(commit.get("nodes", 1)), kind[6:], int(rec["bytes"]),
+                                   float(rec["latency"]), float(commit["t"]),
+                                   rec.get("path") or paths.get(key, "peer")))
+    return out
