@@ -129,7 +129,7 @@ class Coordinator:
         if record is None or record["level"] in ("failed", "purged"):
             return
         record["captured"][str(node)] = msg["manifest"]
-        self.chooser.observe("capture", node, _part_bytes(msg["manifest"]),
+        self.chooser.observe("capture", msg["ckpt"], node, _part_bytes(msg["manifest"]),
                              msg.get("duration", 0.0))
         record["errors"].pop(str(node), None)
         self._advance(record)
@@ -141,7 +141,7 @@ class Coordinator:
             return
         if msg["ok"]:
             record.setdefault("replicated", {})[str(node)] = msg["partners"]
-            self.chooser.observe("replicate", node, _node_bytes(record, node),
+            self.chooser.observe("replicate", record["id"], node, _node_bytes(record, node),
                                  msg.get("duration", 0.0))
         else:
             record["replication_failed"] = True
@@ -173,7 +173,8 @@ class Coordinator:
             return
         record["flushed"][str(node)] = msg["bundle"]
         if not msg.get("adopted"):
-            self.chooser.observe("flush", node, _node_bytes(record, node), msg.get("duration", 0.0))
+            self.chooser.observe("flush", record["id"], node, _node_bytes(record, node),
+                                 msg.get("duration", 0.0))
         record["errors"].pop(str(node), None)
         record["progress"].pop(str(node), None)
         self._try_finalize(record)

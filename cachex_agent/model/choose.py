@@ -48,9 +48,9 @@ class PathChooser:
         self.current = "peer"
         self.direct_run = 0
 
-    def observe(self, stage: str, node: int, nbytes: int, seconds: float) -> None:
+    def observe(self, stage: str, ckpt: str, node: int, nbytes: int, seconds: float) -> None:
         if stage in self.samples and nbytes > 0 and seconds > 0:
-            self.samples[stage].append(StageSample("", "", node, self.nodes, stage, nbytes,
+            self.samples[stage].append(StageSample("", ckpt, node, self.nodes, stage, nbytes,
                                                    seconds, 0.0, ""))
 
     def choose(self, size: float, now: float) -> Choice:
@@ -72,7 +72,7 @@ class PathChooser:
             return Choice("peer", f"exploring: {self.direct_run} direct checkpoints in a row,"
                                   " refreshing the replication estimate")
         model = SystemModel({s: fit_stage(list(q), families=("lognormal",))
-                             for s, q in self.samples.items()}, {}, families=("lognormal",))
+                             for s, q in self.samples.items()}, {})
         period = self.period()
         plans = {p: evaluate(model, p, 1, size, self.nodes, period, self.rates, SAMPLES)
                  for p in ("peer", "direct")}

@@ -8,6 +8,9 @@ levels. From them:
     capture    `capture_start` -> `captured` (the event's own duration)
     replicate  `replicate_start` -> `replicated` on the owner
     flush      `flush_start` -> `flushed` (bundles adopted after a restart are left out)
+  node levels    one per (checkpoint, node, level), as stage samples named "<level>:<path>"
+    (e.g. "flushed:peer"): from the commit to this node's part holding the level, its
+    stages and any wait between them together
   level samples  one per (checkpoint, level): the whole checkpoint's bytes and the
     latency from commit to the level holding on every node (the coordinator's events)
 """
@@ -95,6 +98,7 @@ def config_event_files(config: Config) -> list[Path]:
 def load_history(files: Iterable[Path]) -> History:
     history = History()
     paths: dict[tuple[str, str], str] = {}          # (run, ckpt) -> path
+    commits: dict[tuple[str, str], float] = {}
     per_file = []
     for path in files:
         records = read_events(path)
@@ -103,10 +107,34 @@ def load_history(files: Iterable[Path]) -> History:
         for rec in records:
             if rec.get("event") == "committed":
                 paths[(rec.get("run", ""), rec["ckpt"])] = rec.get("path", "peer")
+                commits[(rec.get("run", ""), rec["ckpt"])] = rec["t"]
     for records in per_file:
         history.stages.extend(_stage_samples(records, paths))
+        history.stages.extend(_node_levels(records, paths, commits))
         history.levels.extend(_level_samples(records, paths))
     return history
+
+
+def _node_levels(records: list[dict[str, Any]], paths: dict[tuple[str, str], str],
+                 commits: dict[tuple[str, str], float]) -> list[StageSample]:
+    """When this node's part reached each level, counted from the commit."""
+    nodes, parts, out = 1, {}, []
+    for rec in records:
+        kind = rec.get("event")
+        if kind == "agent_start":
+            nodes = int(rec.get("nodes", 1))
+        key = (rec.get("run", ""), rec.get("ckpt", ""))
+        if kind == "captured":
+            parts[key] = int(rec.get("bytes", 0))
+        if kind not in LEVELS or key not in commits or rec.get("adopted"):
+            continue
+        path = paths[key]
+        seconds = rec["t"] - commits[key]
+        if seconds > 0 and parts.get(key):
+            out.append(StageSample(key[0], key[1], int(rec.get("node", 0)), nodes,
+                                   f"{kind}:{path}", parts[key], seconds, rec["t"],
+                                   path))
+    return out
 
 
 def _stage_samples(records: list[dict[str, Any]], paths: dict[tuple[str, str], str]
@@ -136,7 +164,8 @@ def _stage_samples(records: list[dict[str, Any]], paths: dict[tuple[str, str], s
             parts[key] = int(rec.get("bytes", 0))
             sample(rec, "capture", float(rec.get("duration", 0.0)), parts[key])
             if rec.get("write_start") and rec.get("committed_at"):
-                sample(rec, "write", rec["committed_at"] - rec["write_start"], parts[key])
+                sample({**rec, "t": rec["committed_at"]}, "write",
+                       rec["committed_at"] - rec["write_start"], parts[key])
         elif kind == "replicated" and (*key, "replicate_start") in starts:
             sample(rec, "replicate", rec["t"] - starts.pop((*key, "replicate_start")),
                    int(rec.get("bytes") or parts.get(key, 0)))

@@ -6,15 +6,23 @@ A node's part reaches level L after the stages of L on its path (section 4):
     replicated  capture, replicate           (peer path only)
     flushed     capture, replicate, flush    (peer)  /  capture, flush  (direct)
 
-Its time is the sum of those stage times (Monte Carlo from the stage fits, refitted so
-the far tail is analytic; one stage is used as is). The checkpoint holds L when all N
-nodes do, plus the coordinator's own share c_L (messages, global manifest, index):
-F_L(t) = F_node(t - c_L)^N and t_q = c_L + F_node^-1(q^(1/N)).
+When the events hold that level on that path, the node's time to it is fitted as one
+stage ("flushed:peer": stages and the waits between them, as they correlate); when not
+(the path not taken yet), it is the sum of the stage times. The checkpoint holds L when
+all N nodes do,
+plus the coordinator's own share c_L (messages, global manifest, index). Given what the
+nodes of one checkpoint share (the common part of each stage's bandwidth), the nodes are
+independent: F_L(t) = E[F_node(t - c_L | common)^N]. Monte Carlo draws the common part
+per simulated checkpoint; the node's sum of log-normal stage times is log-normal by
+moment matching (Fenton-Wilkinson), and its maximum over N nodes is drawn exactly as
+F^-1(U^(1/N)), so N may be in the thousands. One stage with no common part is closed
+form: t_q = c_L + F_node^-1(q^(1/N)).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import statistics
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -23,9 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from scipy import special
 
 from ..errors import OperationError
-from .distributions import FAMILIES, fit
+from .distributions import FAMILIES
 from .history import LEVELS, STAGES, History
 from .stages import StageModel, fit_stage
 
@@ -56,16 +65,23 @@ class Prediction:
     size: float
     nodes: int
     shift: float                            # fixed costs: stage overheads + c_L
-    node_cdf: Callable[[np.ndarray], np.ndarray]   # of the variable part of one node
-    node_ppf: Callable[[np.ndarray], np.ndarray]
+    node_cdf: Callable[[np.ndarray], np.ndarray] | None = None  # variable part of a node
+    node_ppf: Callable[[np.ndarray], np.ndarray] | None = None
+    simulated: np.ndarray | None = None     # sorted completion times, when not closed form
 
     def cdf(self, t: np.ndarray | float) -> np.ndarray:
         """P(the level holds for the whole checkpoint by t) = F_node(t - shift)^N."""
-        over = np.asarray(t, dtype=float) - self.shift
+        t = np.asarray(t, dtype=float)
+        if self.simulated is not None:
+            return np.searchsorted(self.simulated, t, side="right") / self.simulated.size
+        over = t - self.shift
         return np.where(over > 0, self.node_cdf(np.maximum(over, 1e-300)), 0.0) ** self.nodes
 
     def ppf(self, q: float | np.ndarray) -> np.ndarray:
-        return self.shift + self.node_ppf(np.asarray(q, dtype=float) ** (1.0 / self.nodes))
+        q = np.asarray(q, dtype=float)
+        if self.simulated is not None:
+            return np.quantile(self.simulated, q)
+        return self.shift + self.node_ppf(q ** (1.0 / self.nodes))
 
     def quantile(self, q: float) -> float:
         return float(self.ppf(q))
@@ -82,7 +98,6 @@ class SystemModel:
     size: float | None = None               # median checkpoint bytes seen
     nodes: int | None = None                # most common node count seen
     counts: dict[str, int] = field(default_factory=dict)
-    families: tuple[str, ...] = FAMILIES    # for the refit of sums of stages
 
     def stage(self, name: str) -> StageModel:
         model = self.stages.get(name)
@@ -95,18 +110,17 @@ class SystemModel:
                 samples: int = MONTE_CARLO, seed: int = 1) -> Prediction:
         if size <= 0 or nodes < 1:
             raise OperationError(f"need size > 0 and nodes >= 1, got {size}, {nodes}")
-        models = [self.stage(s) for s in level_stages(level, path)]
+        whole = self.stages.get(f"{level}:{path}")
+        models = [whole] if whole else [self.stage(s) for s in level_stages(level, path)]
         part = size / nodes
-        shift = sum(m.overhead for m in models) + self.overheads.get(level, 0.0)
-        if len(models) == 1:
+        shift = sum(m.fixed(nodes) for m in models) + self.overheads.get(level, 0.0)
+        if len(models) == 1 and models[0].log_params[2] == 0.0:
             only = models[0]
             return Prediction(level, path, size, nodes, shift,
-                              lambda y: only.cdf(y + only.overhead, part, nodes),
-                              lambda q: only.ppf(q, part, nodes) - only.overhead)
-        rng = np.random.default_rng(seed)
-        variable = sum(m.sample(rng, samples, part, nodes) - m.overhead for m in models)
-        tail = min((fit(variable, f) for f in self.families), key=lambda f: f.aic)
-        return Prediction(level, path, size, nodes, shift, tail.cdf, tail.ppf)
+                              lambda y: only.cdf(y + only.fixed(nodes), part, nodes),
+                              lambda q: only.ppf(q, part, nodes) - only.fixed(nodes))
+        times = shift + _slowest_node(models, part, nodes, samples, seed)
+        return Prediction(level, path, size, nodes, shift, simulated=np.sort(times))
 
     def durability(self, level: str, path: str, size: float, nodes: int,
                    samples: int = MONTE_CARLO, seed: int = 2) -> np.ndarray:
@@ -147,13 +161,30 @@ class SystemModel:
             raise OperationError(f"{path}: not a valid model file ({exc})") from None
 
 
+def _slowest_node(models: list[StageModel], part: float, nodes: int, samples: int,
+                  seed: int) -> np.ndarray:
+    """Variable part of the slowest node's time, one draw per simulated checkpoint."""
+    rng = np.random.default_rng(seed)
+    mean = np.zeros(samples)
+    var = np.zeros(samples)
+    for model in models:
+        mu, sigma, common = model.log_params
+        # log of the node's variable time s*N^g/B, B = exp(mu + common part + node part)
+        loc = math.log(model.scale(part, nodes)) - mu - common * rng.standard_normal(samples)
+        mean += np.exp(loc + sigma * sigma / 2)
+        var += np.expm1(sigma * sigma) * np.exp(2 * loc + sigma * sigma)
+    s2 = np.log1p(var / (mean * mean))
+    u = rng.uniform(size=samples) ** (1.0 / nodes)
+    return np.exp(np.log(mean) - s2 / 2 + np.sqrt(s2) * special.ndtri(u))
+
+
 def fit_system(history: History, criterion: str = "aic",
                families: Sequence[str] = FAMILIES) -> SystemModel:
     if not history.stages:
         sources = ", ".join(str(s) for s in history.sources) or "no event files"
         raise OperationError(f"no stage samples to fit in {sources}")
     stages = {}
-    for name in STAGES:
+    for name in (*STAGES, *(f"{level}:{path}" for level in LEVELS for path in PATHS)):
         model = fit_stage(history.stage(name), criterion, families)
         if model is not None:
             stages[name] = model
@@ -172,7 +203,9 @@ def _overheads(history: History) -> dict[str, float]:
         residuals = []
         for sample in history.level(level):
             nodes = by_ckpt.get((sample.run, sample.ckpt), {})
-            wanted = level_stages(level, sample.path)
+            whole = f"{level}:{sample.path}"
+            wanted = (whole,) if all(whole in n for n in nodes.values()) else level_stages(
+                level, sample.path)
             if len(nodes) < sample.nodes or not all(set(wanted) <= set(n) for n in
                                                     nodes.values()):
                 continue

@@ -1,19 +1,25 @@
 """Per-stage models: how long a node's part of `s` bytes takes on `N` nodes.
 
-    t = a + s * N**gamma / B,    B ~ a fitted distribution (log-normal, gamma, Weibull)
+    t = a * N**gamma_fixed + s * N**gamma / B,    B ~ fitted (log-normal, gamma, Weibull)
 
 `a` is the fixed cost of the stage (file creation, fsync of metadata, messages), B the
 effective bandwidth, and `gamma` how much the nodes share the resource behind the stage
 (0: each node has its own, as a node-local NVMe; 1: one device shared by all, as a
-saturated PFS). `a` and `gamma` come from least squares of t on s * N**gamma; with a
-single part size and node count `a` is 0. `gamma` needs samples from at least two node
-counts; with one, it is 0 (a node count never seen is assumed not to change per-node
-bandwidth).
+saturated PFS); `gamma_fixed` the same for the fixed cost (0 on separate nodes; more
+where the agents share cores, as the virtual nodes of one machine do). Least squares of t
+on (N**gamma_fixed, s * N**gamma) over a grid of both exponents; with a single part size
+and node count `a` is 0. The exponents need samples from at least two node counts; with
+one, they are 0 (a node count never seen is assumed not to change per-node bandwidth).
+
+The spread of log B splits in two: a part common to every node of a checkpoint (the
+PFS busy for everyone, the job's own other I/O) and a part of each node. Only the
+second makes the slowest of N nodes slower than one; predictions use both (predict.py).
 """
 
 from __future__ import annotations
 
 import math
+from collections import defaultdict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +42,24 @@ class StageModel:
     durations: tuple[Fit, ...]  # of the raw durations, best first (for the report)
     n: int
     ks: float                   # Kolmogorov-Smirnov distance of the chosen bandwidth fit
+    mu: float = math.nan        # mean of log B
+    sigma_node: float = math.nan    # spread of log B among the nodes of one checkpoint
+    sigma_common: float = 0.0       # spread of log B shared by a checkpoint's nodes
+    gamma_fixed: float = 0.0
+
+    def fixed(self, nodes: int) -> float:
+        return self.overhead * nodes ** self.gamma_fixed
+
+    @property
+    def log_params(self) -> tuple[float, float, float]:
+        """(mu, sigma_node, sigma_common) of log B; a model without them (hand-made or
+        from an older file) takes its log-normal fit, every node independent."""
+        if not math.isnan(self.mu):
+            return self.mu, self.sigma_node, self.sigma_common
+        lognormal = next((f for f in self.fits if f.family == "lognormal"), None)
+        if lognormal is None:
+            raise OperationError(f"stage {self.stage}: no log-normal fit in the model")
+        return lognormal.params[0], lognormal.params[1], 0.0
 
     @property
     def bandwidth(self) -> Fit:
@@ -46,10 +70,10 @@ class StageModel:
 
     def ppf(self, q: float | np.ndarray, size: float, nodes: int) -> float | np.ndarray:
         """Quantile of one node's time (slow bandwidth = long time)."""
-        return self.overhead + self.scale(size, nodes) / self.bandwidth.ppf(1.0 - np.asarray(q))
+        return self.fixed(nodes) + self.scale(size, nodes) / self.bandwidth.ppf(1.0 - np.asarray(q))
 
     def cdf(self, t: np.ndarray, size: float, nodes: int) -> np.ndarray:
-        over = np.asarray(t, dtype=float) - self.overhead
+        over = np.asarray(t, dtype=float) - self.fixed(nodes)
         out = np.zeros_like(over)
         positive = over > 0
         out[positive] = self.bandwidth.frozen.sf(self.scale(size, nodes) / over[positive])
@@ -58,11 +82,12 @@ class StageModel:
     def sample(self, rng: np.random.Generator, count: int, size: float, nodes: int
                ) -> np.ndarray:
         bandwidth = self.bandwidth.frozen.rvs(size=count, random_state=rng)
-        return self.overhead + self.scale(size, nodes) / np.maximum(bandwidth, 1e-300)
+        return self.fixed(nodes) + self.scale(size, nodes) / np.maximum(bandwidth, 1e-300)
 
     def to_json(self) -> dict[str, Any]:
         return {"stage": self.stage, "overhead": self.overhead, "gamma": self.gamma,
-                "n": self.n, "ks": self.ks,
+                "n": self.n, "ks": self.ks, "log_params": list(self.log_params),
+                "gamma_fixed": self.gamma_fixed,
                 "fits": [_fit_json(f) for f in self.fits],
                 "durations": [_fit_json(f) for f in self.durations]}
 
@@ -71,7 +96,8 @@ class StageModel:
         return cls(data["stage"], float(data["overhead"]), float(data["gamma"]),
                    tuple(_fit_from(f) for f in data["fits"]),
                    tuple(_fit_from(f) for f in data["durations"]), int(data["n"]),
-                   float(data["ks"]))
+                   float(data["ks"]), *map(float, data["log_params"]),
+                   float(data.get("gamma_fixed", 0.0)))
 
 
 def fit_stage(samples: Sequence[StageSample], criterion: str = "aic",
@@ -82,12 +108,30 @@ def fit_stage(samples: Sequence[StageSample], criterion: str = "aic",
     size = np.array([s.bytes for s in samples], dtype=float)
     seconds = np.array([s.seconds for s in samples], dtype=float)
     nodes = np.array([s.nodes for s in samples], dtype=float)
-    overhead, gamma = _overhead_and_gamma(size, seconds, nodes)
-    bandwidth = size * nodes ** gamma / (seconds - overhead)
+    overhead, gamma_fixed, gamma = _overhead_and_gamma(size, seconds, nodes)
+    bandwidth = size * nodes ** gamma / (seconds - overhead * nodes ** gamma_fixed)
     fits = _ranked(bandwidth, criterion, families)
     durations = _ranked(seconds, criterion, families)
+    logs = np.log(bandwidth)
+    sigma_node, sigma_common = _split_spread(logs, [(s.run, s.ckpt) for s in samples])
     return StageModel(samples[0].stage, overhead, gamma, tuple(fits), tuple(durations),
-                      len(samples), fits[0].ks(bandwidth))
+                      len(samples), fits[0].ks(bandwidth), float(logs.mean()), sigma_node,
+                      sigma_common, gamma_fixed)
+
+
+def _split_spread(logs: np.ndarray, keys: list[tuple[str, str]]) -> tuple[float, float]:
+    """Within-checkpoint (pooled) and between-checkpoint standard deviations of log B.
+    Without two nodes of one checkpoint, all of it counts as the nodes' own."""
+    groups: dict[tuple[str, str], list[float]] = defaultdict(list)
+    for value, key in zip(logs, keys, strict=True):
+        groups[key].append(value)
+    within = [np.asarray(g) - np.mean(g) for g in groups.values() if len(g) > 1]
+    dof = sum(len(w) - 1 for w in within)
+    total = float(np.var(logs))
+    if dof < 2:
+        return math.sqrt(total), 0.0
+    node = sum(float(np.sum(w * w)) for w in within) / dof
+    return math.sqrt(node), math.sqrt(max(total - node, 0.0))
 
 
 def _ranked(data: np.ndarray, criterion: str, families: Sequence[str]) -> list[Fit]:
@@ -97,24 +141,26 @@ def _ranked(data: np.ndarray, criterion: str, families: Sequence[str]) -> list[F
 
 
 def _overhead_and_gamma(size: np.ndarray, seconds: np.ndarray, nodes: np.ndarray
-                        ) -> tuple[float, float]:
-    """Least squares of t = a + b * s * N**gamma over a grid of gamma; `a` kept within
-    [0, 0.9 min t] so that every sample keeps a positive bandwidth."""
+                        ) -> tuple[float, float, float]:
+    """(a, gamma_fixed, gamma): least squares of t = a N^gf + b s N^g over a grid of the
+    exponents, `a` kept within [0, 0.9 min t / N^gf] so every sample keeps a positive
+    bandwidth."""
     varied_n = np.ptp(np.log(nodes)) > 1e-9
     varied_s = np.ptp(np.log(size)) > math.log(1.5)
-    best = (math.inf, 0.0, 0.0)
-    for gamma in np.linspace(0.0, 1.0, 11) if varied_n else (0.0,):
-        x = size * nodes ** gamma
-        if varied_s or varied_n:
-            slope, a = np.polyfit(x, seconds, 1)
-            a = float(min(max(a, 0.0), 0.9 * seconds.min())) if slope > 0 else 0.0
-        else:
+    grid = np.linspace(0.0, 1.0, 11) if varied_n else np.zeros(1)
+    best = (math.inf, 0.0, 0.0, 0.0)
+    for gamma_fixed in grid if varied_s or varied_n else (0.0,):
+        for gamma in grid:
+            fixed, x = nodes ** gamma_fixed, size * nodes ** gamma
             a = 0.0
-        b = float(np.sum((seconds - a) * x) / np.sum(x * x))
-        sse = float(np.sum((seconds - a - b * x) ** 2))
-        if sse < best[0] - 1e-15:
-            best = (sse, a, float(gamma))
-    return best[1], best[2]
+            if varied_s or varied_n:
+                a = float(np.linalg.lstsq(np.column_stack([fixed, x]), seconds, rcond=None)[0][0])
+                a = min(max(a, 0.0), 0.9 * float(np.min(seconds / fixed)))
+            b = float(np.sum((seconds - a * fixed) * x) / np.sum(x * x))
+            sse = float(np.sum((seconds - a * fixed - b * x) ** 2))
+            if sse < best[0] - 1e-15:
+                best = (sse, a, float(gamma_fixed), float(gamma))
+    return best[1], best[2], best[3]
 
 
 def _fit_json(f: Fit) -> dict[str, Any]:
