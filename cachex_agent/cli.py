@@ -390,7 +390,8 @@ def model_plan_command(cfg: configuration.Config, history: Any, model_path: Path
     blocking = (configuration.parse_duration(stall, "--stall") if stall
                 else float(write.ppf(0.5 ** (1 / count), size_value / count, count))
                 if write else 0.0)
-    plan = make_plan(model, size_value, count, every_t, blocking, Rates.of(cfg.model), every)
+    plan = make_plan(model, size_value, count, every_t, blocking, Rates.of(cfg.model), every,
+                     cfg.flush.concurrency)
     click.echo(json.dumps(plan_json(plan), indent=1) if as_json else plan_text(plan))
 
 

@@ -106,7 +106,7 @@ def durabilities(model: SystemModel, path: str, size: float, nodes: int, samples
 
 
 def make_plan(model: SystemModel, size: float, nodes: int, period: float, stall: float,
-              rates: Rates, every: int | None = None) -> Plan:
+              rates: Rates, every: int | None = None, concurrency: int = 1) -> Plan:
     paths = [evaluate(model, p, 1, size, nodes, period, rates) for p in ("peer", "direct")
              if p != "peer" or "replicate" in model.stages]
     if "replicate" in model.stages:
@@ -118,17 +118,20 @@ def make_plan(model: SystemModel, size: float, nodes: int, period: float, stall:
     young = math.sqrt(2 * stall / total) if stall > 0 and total > 0 else None
     daly = (math.sqrt(2 * stall / total) - stall
             if young is not None and stall < 2 / total else None)
-    optimum, waste = _optimum(model, best, size, nodes, stall, rates, period)
+    optimum, waste = _optimum(model, best, size, nodes, stall, rates, period, concurrency)
     return Plan(size, nodes, period, stall, rates.per_hour(nodes), paths, young, daly,
                 optimum, waste)
 
 
 def _optimum(model: SystemModel, best: PathPlan, size: float, nodes: int, stall: float,
-             rates: Rates, period: float) -> tuple[float, float]:
-    """The period minimizing C/T + loss(T): D enters through E[L_c] exactly."""
+             rates: Rates, period: float, concurrency: int) -> tuple[float, float]:
+    """The period minimizing C/T + loss(T): D enters through E[L_c] exactly. Not shorter
+    than the flush can keep up with: E[L] assumes checkpoints do not queue behind each
+    other, and flushes `concurrency` at a time would."""
     lags = durabilities(model, best.path, size, nodes, 4000)
     per_hour = rates.per_hour(nodes)
-    low = max(stall, float(np.median(lags["crash"])), 1.0)
+    keep_up = float(np.median(lags["job"])) / (concurrency * best.every)
+    low = max(stall, float(np.median(lags["crash"])), keep_up, 1.0)
     best_t, best_w = period, math.inf
     for t in np.geomspace(low, 7 * 24 * HOUR, 120):
         loss = sum(per_hour[c] * expected_lost_work(

@@ -126,7 +126,7 @@ class SystemModel:
                    samples: int = MONTE_CARLO, seed: int = 2) -> np.ndarray:
         """Samples of D: from the start of the trainer's write to the level holding."""
         rng = np.random.default_rng(seed)
-        done = self.predict(level, path, size, nodes).sample(rng, samples)
+        done = self.predict(level, path, size, nodes, samples).sample(rng, samples)
         write = self.stages.get("write")
         if write is not None:
             u = rng.uniform(1e-9, 1 - 1e-9, size=samples) ** (1.0 / nodes)
