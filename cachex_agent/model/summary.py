@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
+
 from ..status import human_size
+from .distributions import best_fit
 from .history import LEVELS, STAGES, History
 from .plan import Plan
 from .predict import Prediction, SystemModel
@@ -15,27 +18,33 @@ MIB = 1024.0 ** 2
 def fit_text(model: SystemModel, history: History, criterion: str) -> str:
     lines = [f"{len(history.sources)} event files; {len(history.stages)} stage samples,"
              f" {len(history.levels)} level samples",
-             f"{'stage':10} {'n':>4} {'fixed s':>8} {'gamma':>5} {'median MiB/s':>12}"
+             f"{'stage':16} {'n':>4} {'fixed s':>8} {'gamma':>5} {'median MiB/s':>12}"
              f"  best ({criterion.upper()})  KS     families ({criterion.upper()})"]
-    for name in STAGES:
+    for name in (*STAGES, *(n for n in model.stages if n not in STAGES)):
         m = model.stages.get(name)
         if m is None:
-            lines.append(f"{name:10} {model.counts.get(name, 0):>4}  (too few samples)")
+            lines.append(f"{name:16} {model.counts.get(name, 0):>4}  (too few samples)")
             continue
         ranking = ", ".join(f"{f.family} {getattr(f, criterion):.1f}" for f in m.fits)
-        lines.append(f"{name:10} {m.n:>4} {m.overhead:>8.3f} {m.gamma:>5.2f}"
+        lines.append(f"{name:16} {m.n:>4} {m.overhead:>8.3f} {m.gamma:>5.2f}"
                      f" {float(m.bandwidth.ppf(0.5)) / MIB:>12.1f}  {m.bandwidth.family:10}"
                      f"  {m.ks:.3f}  {ranking}")
     lines.append("duration fits (seconds), best first: " + "; ".join(
         f"{name} {m.durations[0].family} median {float(m.durations[0].ppf(0.5)):.3f}"
         for name, m in model.stages.items()))
+    lines.append("(<level>:<path> rows: each node's time from the commit to its part holding"
+                 " the level)")
     for level in LEVELS:
         samples = history.level(level)
         if samples:
             lat = sorted(s.latency for s in samples)
+            fitted = ""
+            if len(lat) >= 3 and lat[0] > 0:
+                best = best_fit(lat, criterion)[0]
+                fitted = f"; fit {best.family}, KS {best.ks(np.asarray(lat)):.3f}"
             lines.append(f"level {level:10} {len(lat):>4} checkpoints, latency median"
-                         f" {lat[len(lat) // 2]:.3f} s, max {lat[-1]:.3f} s; coordinator"
-                         f" share {model.overheads.get(level, 0.0):.3f} s")
+                         f" {lat[len(lat) // 2]:.3f} s, max {lat[-1]:.3f} s{fitted};"
+                         f" coordinator share {model.overheads.get(level, 0.0):.3f} s")
     return "\n".join(lines)
 
 
