@@ -1,0 +1,250 @@
+"""How well the durability model predicts completion times: MAPE on held-out checkpoints.
+
+Workloads on this machine: checkpoints of several sizes on 2 and 4 virtual nodes (agents
+under mpiexec, failure domain `rank`, the peer path), in two scenarios:
+
+  quiet      the PFS is a loop-device ext4 of its own, nothing else writes to it
+  contended  the same PFS throttled (cgroup v1 blkio) and shared with background writers
+             of heavy-tailed files (benchmarks/contention.py)
+
+Each checkpoint is written (DCP layout: one file per rank, `.metadata` last on node 0),
+then the next waits until it is flushed, so completion times are not queueing behind each
+other. Per scenario the model is fitted on the first half of every workload's checkpoints
+(events of those only) and predicts the median completion time of each level for the
+second half; the script prints the MAPE per level, per checkpoint and per workload
+(observed median vs predicted median), against the published 7.1%.
+
+    python benchmarks/predict.py [--sizes 24MiB,64MiB,160MiB] [--nodes 2,4] [--count 10]
+                                 [--scenarios quiet,contended] [--keep DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from contention import Contention, ThrottledPFS  # noqa: E402
+
+from cachex_agent import config as configuration  # noqa: E402
+from cachex_agent.model.history import History, config_event_files, load_history  # noqa: E402
+from cachex_agent.model.predict import fit_system  # noqa: E402
+from cachex_agent.status import load_status  # noqa: E402
+
+MiB = 1024 * 1024
+BIN = Path(sys.executable).parent
+LEVELS = ("captured", "replicated", "flushed")
+
+
+def write_config(root: Path, pfs: Path, run: str) -> Path:
+    path = root / f"{run}.toml"
+    path.write_text(f'''run = "{run}"
+[paths]
+spool = "{root}/{run}/node{{node}}/spool"
+stage = "/dev/shm/cachex-predict/node{{node}}"
+cache = "{root}/{run}/node{{node}}/nvme"
+pfs = "{pfs}"
+[topology]
+domain = "rank"
+[commit]
+rule = "dcp"
+[model]
+path = "peer"
+[keep]
+replica = 1
+pfs = 2
+[agent]
+poll = "0.01s"
+''')
+    return path
+
+
+def start_agents(config: Path, nodes: int, pfs: ThrottledPFS, log: Path) -> subprocess.Popen:
+    command = [str(BIN / "mpiexec"), "-n", str(nodes), str(BIN / "cachex-agent"),
+               "--config", str(config), "-q"]
+    return subprocess.Popen(pfs.popen_args_prefix() + command, stdout=log.open("ab"),
+                            stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait(predicate, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"predict.py: timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+def level_of(cfg: configuration.Config, ckpt: str) -> str | None:
+    try:
+        rows = load_status(cfg)["checkpoints"]
+    except Exception:       # status not written yet
+        return None
+    return next((r["level"] for r in rows if r["id"] == ckpt), None)
+
+
+def write_checkpoint(cfg: configuration.Config, nodes: int, ckpt: str, size: int,
+                     buffer: np.ndarray) -> None:
+    """One shard per node (as DCP with one rank per node), `.metadata` last on node 0."""
+    part = size // nodes
+    for node in range(nodes):
+        directory = cfg.node_paths(node).spool / ckpt
+        directory.mkdir(parents=True)
+        with open(directory / f"__{node}_0.distcp", "wb") as handle:
+            for start in range(0, part, len(buffer)):
+                handle.write(memoryview(buffer)[: min(len(buffer), part - start)])
+    metadata = cfg.node_paths(0).spool / ckpt / ".metadata"
+    metadata.with_suffix(".tmp").write_text(json.dumps({"size": size}))
+    os.rename(metadata.with_suffix(".tmp"), metadata)
+
+
+def prune_spool(cfg: configuration.Config, nodes: int, keep: str) -> None:
+    for node in range(nodes):
+        spool = cfg.node_paths(node).spool
+        for child in spool.iterdir():
+            if child.name != keep:
+                shutil.rmtree(child, ignore_errors=True)
+
+
+def run_workloads(root: Path, pfs: ThrottledPFS, scenario: str, nodes: int,
+                  sizes: list[int], count: int, rng: np.random.Generator) -> Path:
+    run = f"{scenario}-n{nodes}"
+    config = write_config(root, pfs.path, run)
+    cfg = configuration.load(config)
+    for node in range(nodes):
+        cfg.node_paths(node).spool.mkdir(parents=True, exist_ok=True)
+    agents = start_agents(config, nodes, pfs, root / f"{run}.log")
+    buffer = np.frombuffer(rng.bytes(8 * MiB), dtype=np.uint8)
+    order = [s for s in sizes for _ in range(count)]
+    rng.shuffle(order)
+    try:
+        wait(lambda: load_status_ok(cfg), 60, "the agents to start")
+        for i, size in enumerate(order):
+            ckpt = f"step_{i + 1:05d}"
+            write_checkpoint(cfg, nodes, ckpt, size, buffer)
+            wait(lambda c=ckpt: level_of(cfg, c) in ("flushed", "failed"), 300,
+                 f"{run} {ckpt} to be flushed")
+            prune_spool(cfg, nodes, ckpt)
+            print(f"  {run}: {ckpt} {size // MiB} MiB {level_of(cfg, ckpt)}", flush=True,
+                  end="\r")
+        (cfg.node_paths(0).pfs / "control").mkdir(parents=True, exist_ok=True)
+        (cfg.node_paths(0).pfs / "control" / "stop").write_text("")
+        agents.wait(timeout=120)
+    finally:
+        if agents.poll() is None:
+            os.killpg(agents.pid, signal.SIGKILL)
+            agents.wait()
+    print()
+    return config
+
+
+def load_status_ok(cfg: configuration.Config) -> bool:
+    try:
+        load_status(cfg)
+        return True
+    except Exception:
+        return False
+
+
+def split(history: History) -> tuple[History, list]:
+    """Per (run, size) workload, the first half of the checkpoints fits, the rest tests."""
+    workloads: dict[tuple[str, int], list] = defaultdict(list)
+    for sample in history.level("flushed"):
+        workloads[(sample.run, sample.bytes)].append(sample)
+    fit_keys = set()
+    for samples in workloads.values():
+        samples.sort(key=lambda s: s.committed)
+        fit_keys |= {(s.run, s.ckpt) for s in samples[: len(samples) // 2]}
+    fit = History([s for s in history.stages if (s.run, s.ckpt) in fit_keys],
+                  [s for s in history.levels if (s.run, s.ckpt) in fit_keys], history.sources)
+    tests = [s for s in history.levels if (s.run, s.ckpt) not in fit_keys]
+    return fit, tests
+
+
+def evaluate(history: History) -> dict[str, dict[str, float]]:
+    fit, tests = split(history)
+    model = fit_system(fit)
+    errors: dict[str, list[float]] = defaultdict(list)
+    groups: dict[tuple[str, str, int], list[tuple[float, float]]] = defaultdict(list)
+    cache: dict[tuple[str, int, int], float] = {}
+    for sample in tests:
+        key = (sample.level, sample.bytes, sample.nodes)
+        if key not in cache:
+            cache[key] = model.predict(sample.level, sample.path, sample.bytes,
+                                       sample.nodes).quantile(0.5)
+        predicted = cache[key]
+        errors[sample.level].append(abs(predicted - sample.latency) / sample.latency)
+        groups[(sample.level, sample.run, sample.bytes)].append((predicted, sample.latency))
+    out = {}
+    for level in LEVELS:
+        per_workload = [abs(p[0][0] - statistics.median(o for _, o in p)) /
+                        statistics.median(o for _, o in p)
+                        for (lv, _r, _b), p in groups.items() if lv == level]
+        out[level] = {"checkpoint": 100 * statistics.mean(errors[level]),
+                      "workload": 100 * statistics.mean(per_workload),
+                      "n": len(errors[level])}
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="24MiB,64MiB,160MiB")
+    parser.add_argument("--nodes", default="2,4")
+    parser.add_argument("--count", type=int, default=10)
+    parser.add_argument("--scenarios", default="quiet,contended")
+    parser.add_argument("--throttle", default="150MiB", help="contended PFS write bandwidth")
+    parser.add_argument("--keep", help="keep the work directory here")
+    args = parser.parse_args()
+    sizes = [configuration.parse_size(s) for s in args.sizes.split(",")]
+    node_counts = [int(n) for n in args.nodes.split(",")]
+    root = Path(args.keep or tempfile.mkdtemp(prefix="cachex-predict-"))
+    root.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(5)
+    results = {}
+    started = time.monotonic()
+    try:
+        for scenario in args.scenarios.split(","):
+            contended = scenario == "contended"
+            throttle = configuration.parse_size(args.throttle) if contended else None
+            with ThrottledPFS(root / f"pfs-{scenario}", write_bps=throttle) as pfs:
+                writers = Contention(pfs, writers=2) if contended else None
+                if writers:
+                    writers.start()
+                try:
+                    configs = [run_workloads(root, pfs, scenario, n, sizes, args.count, rng)
+                               for n in node_counts]
+                finally:
+                    if writers:
+                        writers.stop()
+                files = [f for c in configs for f in config_event_files(configuration.load(c))]
+                results[scenario] = evaluate(load_history(files))
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree("/dev/shm/cachex-predict", ignore_errors=True)
+    print(f"\nfit on the first half of each workload, predicted the median of the rest"
+          f" ({time.monotonic() - started:.0f} s; sizes {args.sizes}, nodes {args.nodes},"
+          f" {args.count} checkpoints each)")
+    print(f"{'scenario':10} {'level':11} {'n':>4} {'MAPE/ckpt':>10} {'MAPE/workload':>14}")
+    for scenario, levels in results.items():
+        for level, r in levels.items():
+            print(f"{scenario:10} {level:11} {r['n']:>4} {r['checkpoint']:>9.1f}%"
+                  f" {r['workload']:>13.1f}%")
+    print("published: 7.1% MAPE of completion-time predictions")
+
+
+if __name__ == "__main__":
+    main()
