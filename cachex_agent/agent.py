@@ -152,6 +152,7 @@ class Agent:
                 busy = self.replicator is not None and self.replicator.busy()
                 time.sleep(0.001 if busy else self.config.agent.poll)
         finally:
+            self._exit_watchdog()
             self.watcher.stop()
             self.stop_event.set()
             self.captures.put(None)
@@ -162,6 +163,18 @@ class Agent:
                 self.replicator.close(free=not self._dead_agents)
             self.events.close()
         return 0
+
+    def _exit_watchdog(self) -> None:
+        """Leaving waits on the other agents (the window's free and MPI's finalize are
+        collective): if one of them is gone or stuck, end anyway after a bound."""
+        bound = 2 * self.config.agent.timeout
+
+        def leave() -> None:
+            log.error("exit not complete after %.0fs (another agent gone?): leaving", bound)
+            os._exit(1)
+        timer = threading.Timer(bound, leave)
+        timer.daemon = True
+        timer.start()
 
     def _step(self) -> None:
         self._drain_inbox()

@@ -3,10 +3,13 @@ tmpfs, a real stopped partner (SIGSTOP)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import time
 
+import psutil
 import pytest
 from harness import Cluster, files_of, finish, wait_for
 
@@ -128,3 +131,30 @@ def test_global_metadata_reaches_every_journal(cluster):
         gm = json.loads((c.journal(node) / "global" / "step_00004.json").read_text())
         assert gm["global_files"] == [".metadata"] and len(gm["nodes"]) == 4
     assert c.stop() == 0
+
+
+@pytest.mark.timeout(120)
+def test_an_agent_leaves_within_a_bound_when_another_hangs(cluster):
+    """Leaving frees the window (collective): with node 1 stopped it would wait forever;
+    the exit watchdog ends node 0's agent 2 x agent.timeout after it starts to leave."""
+    c = cluster(nodes=2, agent_timeout="3s", extra='[flush]\ndrain_timeout = "2s"')
+    c.start_agents()
+    pids = [[e for e in c.events(n) if e["event"] == "agent_start"][-1]["pid"] for n in (0, 1)]
+    os.kill(pids[1], signal.SIGSTOP)
+    try:
+        (c.journal(0) / "stop").write_text("")
+        wait_for(lambda: any(e["event"] == "agent_exit" for e in c.events(0)), 30,
+                 "node 0's agent to start leaving")
+        left = time.monotonic()
+        wait_for(lambda: not _running(pids[0]), 30, "node 0's agent to end")
+        assert time.monotonic() - left < 2 * 3 + 5
+    finally:
+        with contextlib.suppress(ProcessLookupError):    # mpiexec may have ended it
+            os.kill(pids[1], signal.SIGCONT)
+
+
+def _running(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
