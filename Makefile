@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 NP     ?= 4
 
-.PHONY: venv test test-unit test-mpi test-integration lint demo bench clean
+.PHONY: venv test test-unit test-mpi test-integration test-slurm lint demo bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -29,7 +29,12 @@ test-mpi: venv
 test-integration: venv
 	$(PY) -m pytest -q tests/integration
 
-test: lint test-unit test-mpi test-integration
+# The job templates through real sbatch/srun: needs a running Slurm
+# (scripts/ci/setup-slurm.sh, as root, makes a one-node one here; .ci/run calls it).
+test-slurm: venv
+	$(PY) -m pytest -q tests/slurm
+
+test: lint test-unit test-mpi test-integration test-slurm
 
 demo: venv
 	$(VENV)/bin/cachex demo --workdir demo-run

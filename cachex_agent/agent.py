@@ -99,6 +99,7 @@ class Agent:
         self.drain_deadline = 0.0
         self._drained_sent = False
         self._stop_checked = 0.0
+        self._born = time.time()
         self.exit_now = False
         self._requests: list[Any] = []
         self._signals = 0
@@ -500,8 +501,12 @@ class Agent:
         if self.coordinator:
             files.append(self.paths.pfs / "control" / "stop")
         for path in files:
-            if path.exists():
-                path.unlink(missing_ok=True)
+            try:
+                requested = path.stat().st_mtime
+            except FileNotFoundError:
+                continue
+            path.unlink(missing_ok=True)
+            if requested >= self._born - 1.0:   # not a request left for agents gone since
                 self.inbox.put({"type": "stop", "file": str(path)})
         if self.draining and now > self.drain_deadline + 2 * self.config.agent.timeout:
             log.error("no exit from the coordinator after the drain; leaving")

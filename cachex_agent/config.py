@@ -345,7 +345,7 @@ def _from_environ(environ: Mapping[str, str]) -> dict[str, Any]:
             continue
         section = next((s for s in _PARSERS if rest.startswith(s + "_")), None)
         if section is None:
-            raise ConfigError(f"{var}: unknown configuration variable")
+            continue        # not ours (a job script's CACHEX_ROOT); CACHEX_FLUSH_X still fails
         found[_check_key(f"{section}.{rest[len(section) + 1:]}", var)] = value
     return found
 

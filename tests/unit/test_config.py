@@ -78,6 +78,8 @@ def test_bad_values_name_the_key(tmp_path, text, key):
 def test_unknown_env_variable_is_rejected(tmp_path):
     with pytest.raises(ConfigError, match="CACHEX_FLUSH_SPEED"):
         load(write(tmp_path, BASE), environ={"CACHEX_FLUSH_SPEED": "1"})
+    # a variable naming no section is a job script's own, not a typo of ours
+    assert load(write(tmp_path, BASE), environ={"CACHEX_ROOT": "/x"}).flush.every == 1
 
 
 def test_missing_and_malformed_file(tmp_path):

@@ -1,0 +1,606 @@
+# shellcheck shell=bash
+# cachex-job.sh: the job logic shared by scripts/slurm/*.sbatch and scripts/pbs/*.pbs.
+#
+# A template sets its site variables (see the README section "Running under Slurm and
+# PBS"), sources this file and calls `cx_main`. What happens:
+#
+#   1. the node set: the first NODES hosts of the allocation (sorted like cachex numbers
+#      nodes), the others are spares; or VNODES virtual nodes on one host (local tests);
+#   2. the cachex configuration: $CACHEX_CONFIG if it names a file, else one written from
+#      the variables (RUN_NAME, SPOOL, STAGE, CACHE, PFS, FAILURE_DOMAIN, ...);
+#   3. RESUME=auto and the run has a flushed checkpoint (an earlier job): `cachex recover`;
+#   4. the agent step (one agent per node, in the background), the training step;
+#   5. training fails: the nodes still up are found, lost ones replaced by spares (the
+#      node count never changes: recovery refuses that), the agent step stopped
+#      (`cachex stop`, a bounded wait, then killed), `cachex recover` on the node set
+#      (one rank per node), the agent step restarted, training relaunched with
+#      RESUME_ARGS; at most MAX_RELAUNCHES times;
+#   6. HALT_MARGIN seconds before the job's end: no more relaunches; a running trainer
+#      gets SIGTERM (then SIGKILL after TRAIN_STOP_GRACE); then the final drain;
+#   7. the final drain: `cachex stop`, wait for the agent step, and the newest
+#      checkpoint must be at level `flushed` (on the PFS).
+#
+# Exit status: 0 when training finished (or halted before the walltime, HALT_EXIT) and
+# the newest checkpoint reached the PFS; 1 on a failure (one line says which); 2 for a
+# bad variable. Every wait is bounded.
+#
+# The scheduler part is small: cx_<slurm|pbs>_{hosts,alive,launcher,signal,job_end}.
+
+CX_STEP_AGENTS=cachex-agents
+CX_STEP_RECOVER=cachex-recover
+CX_STEP_PREPARE=cachex-prepare
+CX_STEP_TRAIN=train
+
+# ---------------------------------------------------------------- defaults
+: "${RUN_NAME:=${SLURM_JOB_NAME:-${PBS_JOBNAME:-cachex}}}"
+: "${FAILURE_DOMAIN:=node}"
+: "${COMMIT_RULE:=auto}"
+: "${CONFIG_EXTRA:=}"
+: "${RANKS_PER_NODE:=1}"
+: "${SPARES:=0}"
+: "${VNODES:=}"
+: "${RESUME_ARGS=--resume}"
+: "${RESUME:=auto}"
+: "${HALT_MARGIN:=600}"
+: "${HALT_EXIT:=0}"
+: "${MAX_RELAUNCHES:=3}"
+: "${MAX_AGENT_RESTARTS:=3}"
+: "${AGENT_START_TIMEOUT:=300}"
+: "${AGENT_STOP_TIMEOUT:=120}"
+: "${DRAIN_TIMEOUT:=900}"
+: "${RECOVER_TIMEOUT:=1800}"
+: "${TRAIN_STOP_GRACE:=60}"
+: "${POLL:=2}"
+: "${NODE_DIRS:=}"
+: "${SRUN_MPI:=pmi2}"
+: "${SRUN_AGENT_FLAGS:=}"
+: "${SRUN_TRAIN_FLAGS:=}"
+: "${MPIEXEC:=mpiexec}"
+: "${MPIEXEC_FLAVOR:=hydra}"
+: "${MPIEXEC_AGENT_FLAGS:=}"
+: "${MPIEXEC_TRAIN_FLAGS:=}"
+: "${CX_PLAN:=0}"
+
+CX_AGENTS_PID=
+CX_TRAIN_PID=
+CX_AGENTS_T0=0
+CX_HALT_AT=
+CX_HALTED=0
+CX_SET=()
+CX_SPARE=()
+CX_STOP_FILES=()
+
+# ---------------------------------------------------------------- helpers
+cx_log() { printf '%s cachex-job: %s\n' "$(date +%H:%M:%S)" "$*"; }
+
+cx_die() {      # MESSAGE [STATUS]: one line on stderr, then exit
+    printf '%s cachex-job: error: %s\n' "$(date +%H:%M:%S)" "$1" >&2
+    exit "${2:-1}"
+}
+
+cx_join() { local IFS=$1; shift; echo "$*"; }
+
+cx_virtual() { [[ -n $VNODES ]]; }
+
+cx_nodes() { if cx_virtual; then echo "$VNODES"; else echo "${#CX_SET[@]}"; fi; }
+
+cx_now() { date +%s; }
+
+cx_alive_pid() { [[ -n ${1:-} ]] && kill -0 "$1" 2>/dev/null; }
+
+cx_wait_pid() {     # PID SECONDS: reap PID within SECONDS, its status in CX_RC; 1 on timeout
+    local pid=$1 deadline=$(($(cx_now) + $2))
+    CX_RC=0
+    while cx_alive_pid "$pid"; do
+        (($(cx_now) < deadline)) || return 1
+        sleep 0.5
+    done
+    wait "$pid" 2>/dev/null || CX_RC=$?
+}
+
+cx_descendants() {  # PID: every descendant process id, deepest first
+    local child
+    for child in $(ps -o pid= --ppid "$1" 2>/dev/null); do
+        cx_descendants "$child"
+        echo "$child"
+    done
+}
+
+cx_kill_tree() {    # PID: SIGKILL a launcher and every process it started
+    local pids
+    pids=$(cx_descendants "$1")
+    # shellcheck disable=SC2086  # one word per pid
+    kill -KILL "$1" $pids 2>/dev/null || true
+}
+
+cx_words() {        # NAME STRING: NAME=(words of STRING, shell quoting honoured)
+    eval "$1=( $2 )"
+}
+
+cx_bin() { echo "$CX_BIN/$1"; }
+
+cx_python() {
+    if [[ -x $CX_BIN/python ]]; then echo "$CX_BIN/python"; else echo python3; fi
+}
+
+# ---------------------------------------------------------------- checks and set-up
+cx_check() {
+    local var
+    for var in CX_SCHEDULER CX_BIN TRAIN_CMD RUN_NAME; do
+        [[ -n ${!var:-} ]] || cx_die "$var is not set (see the variables at the top of the template)" 2
+    done
+    [[ $CX_SCHEDULER == slurm || $CX_SCHEDULER == pbs ]] \
+        || cx_die "CX_SCHEDULER=$CX_SCHEDULER: expected slurm or pbs" 2
+    [[ $CX_PLAN == 1 || -x $CX_BIN/cachex-agent ]] \
+        || cx_die "CX_BIN=$CX_BIN: no cachex-agent there (make venv, or pip install cachex-agent)" 2
+    for var in SPARES RANKS_PER_NODE HALT_MARGIN MAX_RELAUNCHES MAX_AGENT_RESTARTS \
+               AGENT_START_TIMEOUT AGENT_STOP_TIMEOUT DRAIN_TIMEOUT RECOVER_TIMEOUT \
+               TRAIN_STOP_GRACE; do
+        [[ ${!var} =~ ^[0-9]+$ ]] || cx_die "$var=${!var}: expected a whole number" 2
+    done
+    [[ $POLL =~ ^[0-9]*\.?[0-9]+$ ]] || cx_die "POLL=$POLL: expected seconds" 2
+    [[ -z $VNODES || $VNODES =~ ^[1-9][0-9]*$ ]] || cx_die "VNODES=$VNODES: expected a number > 0" 2
+    [[ $RESUME =~ ^(auto|yes|no)$ ]] || cx_die "RESUME=$RESUME: expected auto, yes or no" 2
+}
+
+cx_job_id() { echo "${SLURM_JOB_ID:-${PBS_JOBID:-local}}"; }
+
+cx_init_nodes() {   # CX_SET: the NODES first hosts (C-sorted, as cachex numbers nodes)
+    local -a hosts
+    mapfile -t hosts < <("cx_${CX_SCHEDULER}_hosts" | LC_ALL=C sort -u)
+    ((${#hosts[@]} > 0)) || cx_die "no hosts in the allocation"
+    if cx_virtual; then
+        CX_SET=("${hosts[0]}")
+        CX_SPARE=()
+        cx_log "node set: $VNODES virtual nodes on ${hosts[0]}"
+        return
+    fi
+    local nodes=${NODES:-$((${#hosts[@]} - SPARES))}
+    [[ $nodes =~ ^[0-9]+$ ]] && ((nodes >= 1)) \
+        || cx_die "NODES=$nodes: the allocation has ${#hosts[@]} hosts, SPARES=$SPARES" 2
+    ((nodes <= ${#hosts[@]})) \
+        || cx_die "NODES=$nodes but the allocation has only ${#hosts[@]} hosts" 2
+    CX_SET=("${hosts[@]:0:nodes}")
+    CX_SPARE=("${hosts[@]:nodes}")
+    cx_log "node set: ${#CX_SET[@]} nodes ($(cx_join , "${CX_SET[@]}")); spares: ${CX_SPARE[*]:-none}"
+}
+
+cx_toml() { local s=${1//\\/\\\\}; echo "\"${s//\"/\\\"}\""; }
+
+cx_init_config() {
+    if [[ -n ${CACHEX_CONFIG:-} && -f ${CACHEX_CONFIG:-} ]]; then
+        cx_log "configuration: $CACHEX_CONFIG"
+        export CACHEX_CONFIG
+        return
+    fi
+    local var
+    for var in SPOOL STAGE CACHE PFS; do
+        [[ -n ${!var:-} ]] || cx_die "$var is not set and CACHEX_CONFIG names no file" 2
+    done
+    local out=${CONFIG_OUT:-$PFS/cachex-$RUN_NAME.toml}
+    [[ $CX_PLAN == 1 ]] || {
+        mkdir -p "$PFS" "$(dirname "$out")" || cx_die "cannot create $PFS (PFS)"
+        cat >"$out.tmp.$$" <<EOF
+# written by cachex-job.sh for job $(cx_job_id)
+run = $(cx_toml "$RUN_NAME")
+[paths]
+spool = $(cx_toml "$SPOOL")
+stage = $(cx_toml "$STAGE")
+cache = $(cx_toml "$CACHE")
+pfs = $(cx_toml "$PFS")
+[topology]
+domain = $(cx_toml "$FAILURE_DOMAIN")
+[commit]
+rule = $(cx_toml "$COMMIT_RULE")
+$CONFIG_EXTRA
+EOF
+        mv "$out.tmp.$$" "$out"
+    }
+    export CACHEX_CONFIG=$out
+    cx_log "configuration: $out (written from the template's variables)"
+}
+
+cx_init_halt() {
+    local end=${JOB_END:-}
+    [[ -n $end ]] || end=$("cx_${CX_SCHEDULER}_job_end" 2>/dev/null || true)
+    if [[ $end =~ ^[0-9]+$ ]]; then
+        CX_HALT_AT=$((end - HALT_MARGIN))
+        (($(cx_now) < CX_HALT_AT)) \
+            || cx_die "HALT_MARGIN=${HALT_MARGIN}s leaves no time to train: the job ends at $(date -d "@$end" +%H:%M:%S)" 2
+        cx_log "job ends at $(date -d "@$end" +%H:%M:%S); halt at $(date -d "@$CX_HALT_AT" +%H:%M:%S) (HALT_MARGIN=${HALT_MARGIN}s)"
+    else
+        CX_HALT_AT=
+        cx_log "no job end time known: no halt before the walltime"
+    fi
+}
+
+cx_past_halt() { [[ -n $CX_HALT_AT ]] && (($(cx_now) >= CX_HALT_AT)); }
+
+# ---------------------------------------------------------------- commands
+# The commands each step runs, whatever the launcher (the same under Slurm and PBS).
+cx_cmd() {          # KIND [resume]: prints the command, one word per line
+    case $1 in
+        agents) printf '%s\n' "$(cx_bin cachex-agent)" --config "$CACHEX_CONFIG" ;;
+        recover) printf '%s\n' "$(cx_bin cachex)" recover --config "$CACHEX_CONFIG" ;;
+        stop) printf '%s\n' "$(cx_bin cachex)" stop --config "$CACHEX_CONFIG" --timeout "$2" ;;
+        prepare) printf '%s\n' mkdir -p "${CX_NODE_DIRS[@]}" ;;
+        train)
+            local -a words resume=()
+            cx_words words "$TRAIN_CMD"
+            [[ ${2:-} == resume ]] && cx_words resume "$RESUME_ARGS"
+            printf '%s\n' "${words[@]}" "${resume[@]}"
+            ;;
+    esac
+}
+
+cx_step() {         # KIND PPN [ARG]: CX_ARGV=(launcher + command) of a step
+    local kind=$1 ppn=$2 name
+    case $kind in
+        agents) name=$CX_STEP_AGENTS ;; recover) name=$CX_STEP_RECOVER ;;
+        prepare) name=$CX_STEP_PREPARE ;; train) name=$CX_STEP_TRAIN ;;
+    esac
+    "cx_${CX_SCHEDULER}_launcher" "$name" "$kind" "$ppn"
+    local -a cmd
+    mapfile -t cmd < <(cx_cmd "$kind" "${3:-}")
+    CX_ARGV=("${CX_LAUNCH[@]}" "${cmd[@]}")
+}
+
+cx_status() {       # `cachex status --json` of the run into CX_ST_*; "-" when unknown
+    local line
+    line=$(timeout 60 "$(cx_bin cachex)" status --json --config "$CACHEX_CONFIG" 2>/dev/null \
+        | "$(cx_python)" -c '
+import json, sys
+s = json.load(sys.stdin)
+rows = sorted(s.get("checkpoints") or [], key=lambda r: r.get("seq", 0))
+live = [r for r in rows if r.get("level") in ("written", "captured", "replicated", "flushed")]
+newest = live[-1] if live else {"id": "-", "level": "-"}
+usable = sum(r["level"] != "written" for r in live)
+flushed = sum(r["level"] == "flushed" for r in live)
+print(s.get("state") or "-", int(s.get("updated") or 0), newest["id"], newest["level"],
+      usable, flushed)
+' 2>/dev/null) || true
+    read -r CX_ST_STATE CX_ST_UPDATED CX_ST_NEWEST CX_ST_LEVEL CX_ST_USABLE CX_ST_FLUSHED \
+        <<<"${line:-- 0 - - 0 0}"
+}
+
+# ---------------------------------------------------------------- agents
+cx_agents_start() {     # the agent step, in the background
+    if [[ ${#CX_NODE_DIRS[@]} -gt 0 ]]; then
+        cx_step prepare 1
+        "${CX_ARGV[@]}" </dev/null || cx_die "could not create ${CX_NODE_DIRS[*]} on the nodes"
+    fi
+    cx_step agents 1
+    cx_log "agents: ${CX_ARGV[*]}"
+    CX_AGENTS_T0=$(cx_now)
+    "${CX_ARGV[@]}" </dev/null &
+    CX_AGENTS_PID=$!
+}
+
+cx_agents_wait_ready() {    # bounded: the coordinator reports `running` since the start
+    local deadline=$(($(cx_now) + AGENT_START_TIMEOUT))
+    while :; do
+        cx_status
+        if [[ $CX_ST_STATE == running ]] && ((CX_ST_UPDATED >= CX_AGENTS_T0 - 1)); then
+            cx_log "agents running on $(cx_nodes) nodes"
+            return
+        fi
+        if ! cx_alive_pid "$CX_AGENTS_PID"; then
+            cx_wait_pid "$CX_AGENTS_PID" 5 || CX_RC='?'
+            CX_AGENTS_PID=
+            cx_die "the agent step exited with status $CX_RC before it was running (see its messages above)"
+        fi
+        (($(cx_now) < deadline)) \
+            || cx_die "the agents did not report running within ${AGENT_START_TIMEOUT}s (AGENT_START_TIMEOUT)"
+        sleep 1
+    done
+}
+
+cx_agents_stop() {      # SECONDS: drain and stop; returns the agent step's status
+    local timeout=$1 rc out line
+    [[ -n $CX_AGENTS_PID ]] || return 0
+    if cx_alive_pid "$CX_AGENTS_PID"; then
+        cx_log "stopping the agents: cachex stop --timeout $timeout"
+        local -a cmd files
+        mapfile -t cmd < <(cx_cmd stop "$timeout")
+        out=$(timeout $((timeout + 30)) "${cmd[@]}" 2>&1) || cx_log "cachex stop: ${out##*$'\n'}"
+        while IFS= read -r line; do
+            [[ $line =~ ^stop\ requested\ \((.*)\)$ ]] || continue
+            mapfile -t files < <(sed 's/, /\n/g' <<<"${BASH_REMATCH[1]}")
+            CX_STOP_FILES+=("${files[@]}")
+        done <<<"$out"
+    fi
+    if cx_wait_pid "$CX_AGENTS_PID" 30; then
+        rc=$CX_RC
+    else
+        cx_log "the agent step is still running: killing it"
+        "cx_${CX_SCHEDULER}_signal" "$CX_STEP_AGENTS" "$CX_AGENTS_PID" KILL
+        if cx_wait_pid "$CX_AGENTS_PID" 30; then rc=$CX_RC; else cx_kill_tree "$CX_AGENTS_PID"; rc=137; fi
+    fi
+    CX_AGENTS_PID=
+    # A stop request that no agent read (they had died) would stop the next agents.
+    ((${#CX_STOP_FILES[@]} == 0)) || rm -f "${CX_STOP_FILES[@]}"
+    CX_STOP_FILES=()
+    cx_log "agent step ended with status $rc"
+    return "$rc"
+}
+
+cx_agents_watch() {     # during training: an agent step that died is restarted
+    [[ -n $CX_AGENTS_PID ]] || return 0
+    cx_alive_pid "$CX_AGENTS_PID" && return 0
+    cx_wait_pid "$CX_AGENTS_PID" 5 || CX_RC='?'
+    CX_AGENTS_PID=
+    if ((CX_AGENT_RESTARTS >= MAX_AGENT_RESTARTS)); then
+        cx_log "the agent step exited ($CX_RC); not restarted (MAX_AGENT_RESTARTS=$MAX_AGENT_RESTARTS)"
+        return 0
+    fi
+    CX_AGENT_RESTARTS=$((CX_AGENT_RESTARTS + 1))
+    cx_log "the agent step exited ($CX_RC) while training runs: restarting it"
+    ((${#CX_STOP_FILES[@]} == 0)) || rm -f "${CX_STOP_FILES[@]}"
+    cx_agents_start
+}
+
+# ---------------------------------------------------------------- training
+cx_train() {        # [resume]: runs the training step; returns its status
+    cx_step train "$RANKS_PER_NODE" "${1:-}"
+    cx_log "training: ${CX_ARGV[*]}"
+    export MASTER_ADDR=${CX_SET[0]}
+    "${CX_ARGV[@]}" </dev/null &
+    CX_TRAIN_PID=$!
+    while cx_alive_pid "$CX_TRAIN_PID"; do
+        if cx_past_halt; then
+            cx_halt_training
+            break
+        fi
+        cx_agents_watch
+        sleep "$POLL"
+    done
+    local rc=0
+    if ((CX_HALTED)); then rc=$CX_RC; else wait "$CX_TRAIN_PID" 2>/dev/null || rc=$?; fi
+    CX_TRAIN_PID=
+    return "$rc"
+}
+
+cx_halt_training() {
+    CX_HALTED=1
+    cx_log "halt: the job ends in $((CX_HALT_AT + HALT_MARGIN - $(cx_now)))s; SIGTERM to the training step"
+    "cx_${CX_SCHEDULER}_signal" "$CX_STEP_TRAIN" "$CX_TRAIN_PID" TERM
+    if ! cx_wait_pid "$CX_TRAIN_PID" "$TRAIN_STOP_GRACE"; then
+        cx_log "training still running after ${TRAIN_STOP_GRACE}s: SIGKILL"
+        "cx_${CX_SCHEDULER}_signal" "$CX_STEP_TRAIN" "$CX_TRAIN_PID" KILL
+        cx_wait_pid "$CX_TRAIN_PID" 30 || cx_kill_tree "$CX_TRAIN_PID"
+    fi
+}
+
+# ---------------------------------------------------------------- recovery
+cx_replace_lost() {     # keep the node count: lost nodes out, spares in
+    cx_virtual && return 0
+    local -A up=()
+    local h
+    while read -r h; do [[ -n $h ]] && up[$h]=1; done \
+        < <("cx_${CX_SCHEDULER}_alive" "${CX_SET[@]}" "${CX_SPARE[@]}")
+    local -a keep=() lost=() spares=()
+    for h in "${CX_SET[@]}"; do
+        if [[ -n ${up[$h]:-} ]]; then keep+=("$h"); else lost+=("$h"); fi
+    done
+    for h in "${CX_SPARE[@]}"; do
+        if [[ -n ${up[$h]:-} ]]; then spares+=("$h"); fi
+    done
+    if ((${#lost[@]} == 0)); then
+        cx_log "every node of the set is up"
+        return 0
+    fi
+    ((${#lost[@]} <= ${#spares[@]})) || cx_finish failed \
+        "lost ${#lost[@]} nodes (${lost[*]}), only ${#spares[@]} spares left: recovery needs ${#CX_SET[@]} nodes"
+    mapfile -t CX_SET < <(printf '%s\n' "${keep[@]}" "${spares[@]:0:${#lost[@]}}" | LC_ALL=C sort)
+    CX_SPARE=("${spares[@]:${#lost[@]}}")
+    cx_log "lost ${lost[*]}; replaced by spares; node set now $(cx_join , "${CX_SET[@]}")"
+}
+
+cx_recover() {
+    cx_step recover 1
+    cx_log "recover: ${CX_ARGV[*]}"
+    local rc=0
+    timeout --kill-after=30 "$RECOVER_TIMEOUT" "${CX_ARGV[@]}" </dev/null || rc=$?
+    ((rc == 0)) || cx_log "cachex recover ended with status $rc"
+    return "$rc"
+}
+
+cx_relaunch_prepare() {     # after a failed training step; sets CX_RESUME
+    cx_replace_lost
+    cx_agents_stop "$AGENT_STOP_TIMEOUT" || true
+    cx_status
+    if ((CX_ST_USABLE == 0)); then
+        cx_log "no checkpoint of run $RUN_NAME captured yet: relaunching from the start"
+        CX_RESUME=
+    elif cx_recover; then
+        CX_RESUME=resume
+    else
+        cx_finish failed "cachex recover failed after the training failure (its message is above)"
+    fi
+    CX_AGENT_RESTARTS=0
+    cx_agents_start
+    cx_agents_wait_ready
+}
+
+# ---------------------------------------------------------------- the end
+cx_finish() {       # MODE [MESSAGE] (done | halt | failed): final drain, verdict, exit
+    local mode=$1 rc=0
+    cx_log "final drain: the newest checkpoint goes to the PFS (DRAIN_TIMEOUT=${DRAIN_TIMEOUT}s)"
+    cx_agents_stop "$DRAIN_TIMEOUT" || rc=$?
+    cx_status
+    "$(cx_bin cachex)" ls --config "$CACHEX_CONFIG" 2>&1 | sed 's/^/    /' || true
+    [[ $mode == failed ]] && cx_die "$2; newest checkpoint $CX_ST_NEWEST at level $CX_ST_LEVEL"
+    if [[ $CX_ST_NEWEST != - && $CX_ST_LEVEL != flushed ]]; then
+        cx_die "the newest checkpoint $CX_ST_NEWEST is at level $CX_ST_LEVEL, not flushed to the PFS"
+    fi
+    ((rc == 0)) || cx_die "the agent step ended with status $rc during the final drain"
+    if [[ $mode == "done" ]]; then
+        cx_log "training finished; newest checkpoint $CX_ST_NEWEST is on the PFS"
+        exit 0
+    fi
+    cx_log "halted before the walltime; newest checkpoint $CX_ST_NEWEST is on the PFS; resubmit to continue (RESUME=auto)"
+    exit "$HALT_EXIT"
+}
+
+cx_on_exit() {      # the batch shell ends: leave no launcher behind
+    local pid
+    for pid in $CX_TRAIN_PID $CX_AGENTS_PID; do
+        cx_alive_pid "$pid" && cx_kill_tree "$pid"
+    done
+    return 0
+}
+
+# ---------------------------------------------------------------- plan (dry run)
+cx_plan() {         # CX_PLAN=1: print every step's command line, launch nothing
+    local kind
+    for kind in prepare agents recover train train-resume stop; do
+        case $kind in
+            train-resume) cx_step train "$RANKS_PER_NODE" resume ;;
+            train) cx_step train "$RANKS_PER_NODE" ;;
+            stop) mapfile -t CX_ARGV < <(cx_cmd stop "$DRAIN_TIMEOUT") ;;
+            prepare) ((${#CX_NODE_DIRS[@]} > 0)) || continue; cx_step prepare 1 ;;
+            *) cx_step "$kind" 1 ;;
+        esac
+        printf 'plan %s:' "$kind"
+        printf ' %q' "${CX_ARGV[@]}"
+        printf '\n'
+    done
+}
+
+# ---------------------------------------------------------------- main
+cx_main() {
+    cx_check
+    cx_words CX_NODE_DIRS "$NODE_DIRS"
+    cx_init_nodes
+    cx_init_config
+    if [[ $CX_PLAN == 1 ]]; then cx_plan; return 0; fi
+    cx_init_halt
+    trap cx_on_exit EXIT
+    trap 'cx_log "SIGTERM: the job is ending"; exit 143' TERM
+    CX_AGENT_RESTARTS=0
+    CX_RESUME=
+    cx_status
+    if [[ $RESUME == yes ]] || [[ $RESUME == auto && $CX_ST_FLUSHED -gt 0 ]]; then
+        cx_log "run $RUN_NAME has a checkpoint on the PFS: recovering it before training"
+        cx_recover || cx_die "cachex recover failed at the start; RESUME=no starts over"
+        CX_RESUME=resume
+    fi
+    cx_agents_start
+    cx_agents_wait_ready
+    local launches=0 rc
+    while :; do
+        cx_past_halt && cx_finish halt
+        rc=0
+        cx_train "$CX_RESUME" || rc=$?
+        ((rc == 0)) && ((CX_HALTED == 0)) && cx_finish "done"
+        ((CX_HALTED == 1)) && cx_finish halt
+        cx_log "training step failed with status $rc (launch $((launches + 1)))"
+        ((launches < MAX_RELAUNCHES)) \
+            || cx_finish failed "training failed $((launches + 1)) times (MAX_RELAUNCHES=$MAX_RELAUNCHES)"
+        cx_past_halt && cx_finish halt
+        launches=$((launches + 1))
+        cx_relaunch_prepare
+    done
+}
+
+# ================================================================= Slurm
+cx_slurm_hosts() { scontrol show hostnames "${SLURM_JOB_NODELIST:?not inside a Slurm job}"; }
+
+cx_slurm_alive() {  # HOST...: those still in the job and not down, drained or failing
+    local -A in_job=()
+    local h state
+    while read -r h; do in_job[$h]=1; done \
+        < <(scontrol show hostnames "$(squeue -h -j "$SLURM_JOB_ID" -o %N)" 2>/dev/null)
+    while read -r h state; do
+        [[ -n ${in_job[$h]:-} ]] || continue
+        [[ $state =~ (down|drain|fail|\*|maint|reboot|power|unknown) ]] && continue
+        echo "$h"
+    done < <(sinfo -h -N -n "$(cx_join , "$@")" -o '%N %T' 2>/dev/null)
+}
+
+cx_slurm_launcher() {   # NAME KIND PPN: CX_LAUNCH=(srun ...)
+    local name=$1 kind=$2 ppn=$3 flags
+    CX_LAUNCH=(srun --job-name="$name" --mpi="$SRUN_MPI" --kill-on-bad-exit=1)
+    if cx_virtual; then
+        # One slurmd: every virtual node's tasks on it; steps share its CPUs.
+        CX_LAUNCH+=(--nodes=1 --ntasks=$((VNODES * ppn)) --overcommit --overlap)
+    else
+        CX_LAUNCH+=(--nodes="${#CX_SET[@]}" --ntasks-per-node="$ppn"
+                    --nodelist="$(cx_join , "${CX_SET[@]}")")
+        # The agents and recovery share the training nodes: they must not wait for CPUs.
+        [[ $kind == train ]] || CX_LAUNCH+=(--overlap)
+    fi
+    if [[ $kind == train ]]; then flags=$SRUN_TRAIN_FLAGS; else flags=$SRUN_AGENT_FLAGS; fi
+    local -a extra
+    cx_words extra "$flags"
+    CX_LAUNCH+=("${extra[@]}")
+}
+
+cx_slurm_signal() {     # STEPNAME PID SIGNAL: to every task of the step(s) of that name
+    local name=$1 pid=$2 sig=$3 id sent=0
+    for id in $(squeue -h --steps -j "$SLURM_JOB_ID" -o '%i %j' 2>/dev/null \
+                | awk -v n="$name" '$2 == n {print $1}'); do
+        scancel --signal="$sig" "$id" 2>/dev/null && sent=1
+    done
+    ((sent)) || kill -"$sig" "$pid" 2>/dev/null || true
+}
+
+cx_slurm_job_end() {    # epoch seconds of the job's end time (nothing when unlimited)
+    local end
+    end=$(squeue -h -j "$SLURM_JOB_ID" -o %e 2>/dev/null)
+    [[ $end =~ ^[0-9]{4}- ]] && date -d "$end" +%s
+}
+
+# ================================================================= PBS
+cx_pbs_hosts() { awk '{print $1}' "${PBS_NODEFILE:?not inside a PBS job}"; }
+
+cx_pbs_alive() {        # HOST...: not down/offline per pbsnodes (all, when it cannot tell)
+    local h state
+    for h in "$@"; do
+        state=$(pbsnodes -v "$h" 2>/dev/null | awk -F' = ' '$1 ~ /^ *state$/ {print $2; exit}')
+        [[ $state =~ (down|offline|unknown|stale|unresolvable) ]] || echo "$h"
+    done
+}
+
+cx_pbs_launcher() {     # NAME KIND PPN: CX_LAUNCH=(mpiexec ...)
+    local name=$1 kind=$2 ppn=$3 n hostfile flags
+    hostfile=$CX_RUNDIR/hosts
+    mkdir -p "$CX_RUNDIR"
+    printf '%s\n' "${CX_SET[@]}" >"$hostfile"
+    n=$(($(cx_nodes) * ppn))
+    if cx_virtual; then
+        CX_LAUNCH=("$MPIEXEC" -n "$n")
+        [[ $MPIEXEC_FLAVOR == openmpi ]] && CX_LAUNCH+=(--oversubscribe)
+    else
+        case $MPIEXEC_FLAVOR in
+            hydra) CX_LAUNCH=("$MPIEXEC" -f "$hostfile" -n "$n" -ppn "$ppn") ;;
+            pals) CX_LAUNCH=("$MPIEXEC" --hostfile "$hostfile" -n "$n" --ppn "$ppn") ;;
+            openmpi) CX_LAUNCH=("$MPIEXEC" --hostfile "$hostfile" -n "$n" --map-by "ppr:$ppn:node") ;;
+            *) cx_die "MPIEXEC_FLAVOR=$MPIEXEC_FLAVOR: expected hydra, pals or openmpi" 2 ;;
+        esac
+    fi
+    : "$name"   # mpiexec has no step names: signals go to the launcher's process tree
+    if [[ $kind == train ]]; then flags=$MPIEXEC_TRAIN_FLAGS; else flags=$MPIEXEC_AGENT_FLAGS; fi
+    local -a extra
+    cx_words extra "$flags"
+    CX_LAUNCH+=("${extra[@]}")
+}
+
+cx_pbs_signal() {       # STEPNAME PID SIGNAL
+    if [[ $3 == KILL ]]; then cx_kill_tree "$2"; else kill -"$3" "$2" 2>/dev/null || true; fi
+}
+
+cx_pbs_job_end() {      # start (stime) + Resource_List.walltime, from qstat -f
+    local info wall stime h m s
+    info=$(qstat -f "$PBS_JOBID" 2>/dev/null) || return 0
+    wall=$(awk -F' = ' '$1 ~ /Resource_List.walltime$/ {print $2; exit}' <<<"$info")
+    stime=$(awk -F' = ' '$1 ~ /^ *stime$/ {print $2; exit}' <<<"$info")
+    [[ $wall =~ ^([0-9]+):([0-9]+):([0-9]+)$ ]] || return 0
+    h=${BASH_REMATCH[1]} m=${BASH_REMATCH[2]} s=${BASH_REMATCH[3]}
+    local start
+    start=$(date -d "$stime" +%s 2>/dev/null || echo "$CX_T0")
+    echo $((start + 10#$h * 3600 + 10#$m * 60 + 10#$s))
+}
+
+CX_T0=$(date +%s)
+: "${CX_RUNDIR:=${TMPDIR:-/tmp}/cachex-job-${SLURM_JOB_ID:-${PBS_JOBID:-$$}}}"

@@ -1,0 +1,115 @@
+"""scripts/pbs/cachex.pbs run for real on this machine, without a PBS server: bash runs
+the job script as PBS would (PBS_NODEFILE of this host, PBS_JOBID), its steps go through
+the venv's mpiexec (hydra) with 2 virtual nodes. The trainer's ranks are SIGKILLed
+mid-run: the loop stops the agents, runs `cachex recover`, restarts them and relaunches
+the trainer, which ends in the state of an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import socket
+import subprocess
+from pathlib import Path
+
+import psutil
+import pytest
+from slurm_harness import BIN, ROOT, SCRIPTS, TRAINER, VNODES, levels_of, trainer_words, wait_for
+
+pytestmark = pytest.mark.timeout(300)
+PBS = SCRIPTS / "pbs" / "cachex.pbs"
+
+
+def trainer_ranks(workdir: Path) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        # `python trainer.py ...`: the ranks, not the mpiexec that launched them
+        if cmdline[1:2] == [str(TRAINER)] and any(str(workdir) in w for w in cmdline):
+            found.append(proc)
+    return found
+
+
+def kill_job(job: subprocess.Popen[bytes]) -> None:
+    try:
+        tree = psutil.Process(job.pid).children(recursive=True)
+    except psutil.NoSuchProcess:
+        tree = []
+    for proc in tree:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    os.killpg(job.pid, signal.SIGKILL)
+    job.wait(10)
+
+
+def pbs_env(tmp_path: Path, train_cmd: str, **variables: str) -> dict[str, str]:
+    """What PBS would give the job script, and the template's variables for 2 virtual
+    nodes under `tmp_path/w`."""
+    work = tmp_path / "w"
+    for node in range(VNODES):
+        (work / f"node{node}" / "spool").mkdir(parents=True)
+    nodefile = tmp_path / "nodefile"
+    nodefile.write_text(f"{socket.gethostname()}\n" * 4)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("CACHEX_", "PBS_"))}
+    env.update(PBS_NODEFILE=str(nodefile), PBS_JOBID="1.pbs-test", PBS_O_WORKDIR=str(work),
+               CX_ROOT=str(ROOT), CX_BIN=str(BIN), VNODES=str(VNODES), RANKS_PER_NODE="2",
+               RUN_NAME="t", SPOOL=f"{work}/node{{node}}/spool",
+               STAGE=f"{work}/node{{node}}/shm", CACHE=f"{work}/node{{node}}/nvme",
+               PFS=f"{work}/pfs", FAILURE_DOMAIN="rank", COMMIT_RULE="dcp", NODE_DIRS="",
+               CONFIG_OUT=str(work / "cachex.toml"), CONFIG_EXTRA='[agent]\ntimeout = "20s"',
+               TRAIN_CMD=train_cmd, CX_RUNDIR=str(tmp_path / "run"), AGENT_STOP_TIMEOUT="30",
+               DRAIN_TIMEOUT="120", TRAIN_STOP_GRACE="10", POLL="1", **variables)
+    return env
+
+
+def test_pbs_template_recovers_killed_ranks_and_relaunches(tmp_path, reference):
+    work = tmp_path / "w"
+    config = work / "cachex.toml"
+    words = trainer_words("--spool", f"{work}/node{{node}}/spool", "--every", "10",
+                          "--step-time", "0.1", "--state-out", str(work / "state.json"))
+    env = pbs_env(tmp_path, shlex.join(words))
+    log = tmp_path / "job.out"
+    with log.open("wb") as out:
+        job = subprocess.Popen(["bash", str(PBS)], stdout=out, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    try:
+        wait_for(lambda: any(level in ("replicated", "flushed")
+                             for level in levels_of(config).values()), 180,
+                 "a replicated checkpoint", poll=0.3)
+        ranks = trainer_ranks(work)
+        assert len(ranks) == VNODES * 2, ranks
+        for rank in ranks:
+            rank.kill()
+        code = job.wait(240)
+    finally:
+        if job.poll() is None:
+            kill_job(job)
+    text = log.read_text()
+    assert code == 0, text[-4000:]
+    assert re.search(r"training step failed with status \d+ \(launch 1\)", text), text
+    recovered = re.search(r"^recovered (step_\d+):", text, re.M)
+    assert recovered, text
+    assert f"resumed from {recovered.group(1)}" in text
+    assert text.count(f"training: {BIN / 'mpiexec'} -n 4 ") == 2, text
+    assert json.loads((work / "state.json").read_text()) == reference
+    assert levels_of(config)["step_00060"] == "flushed"
+
+
+def test_a_trainer_that_keeps_failing_ends_the_job_after_max_relaunches(tmp_path):
+    env = pbs_env(tmp_path, "bash -c 'echo trainer crashed; exit 3'", MAX_RELAUNCHES="1")
+    result = subprocess.run(["bash", str(PBS)], capture_output=True, text=True, env=env,
+                            stdin=subprocess.DEVNULL, timeout=180)
+    out = result.stdout
+    assert result.returncode == 1, out + result.stderr
+    assert out.splitlines().count("trainer crashed") == 2 * 4    # 2 launches x 4 ranks
+    assert "no checkpoint of run t captured yet: relaunching from the start" in out
+    assert "recover:" not in out                      # nothing to recover from
+    assert "final drain" in out and out.count("agents running on 2 nodes") == 2
+    errors = [line for line in result.stderr.splitlines() if "cachex-job: error:" in line]
+    assert len(errors) == 1 and errors[0].endswith(
+        "training failed 2 times (MAX_RELAUNCHES=1); newest checkpoint - at level -"), errors
