@@ -48,6 +48,19 @@ PEER_TAG = 8      # replication protocol (peer/replicator.py)
 MEMORY_RESERVE = 1 << 30    # capture by reference when the copy would leave less than this
 
 
+def exit_watchdog(bound: float) -> threading.Timer:
+    """End the process if leaving takes longer than `bound` seconds: the collective
+    calls of leaving (window free, MPI finalize) wait on every agent, and one may be gone
+    or stuck. Cancel it once out."""
+    def leave() -> None:
+        log.error("exit not complete after %.0fs (another agent gone?): leaving", bound)
+        os._exit(1)
+    timer = threading.Timer(bound, leave)
+    timer.daemon = True
+    timer.start()
+    return timer
+
+
 def probe_writable(directory: Path, key: str) -> None:
     """Root passes every permission check, so try a real write."""
     probe = directory / f".cachex-probe-{threading.get_native_id()}"
@@ -153,7 +166,8 @@ class Agent:
                 busy = self.replicator is not None and self.replicator.busy()
                 time.sleep(0.001 if busy else self.config.agent.poll)
         finally:
-            self._exit_watchdog()
+            # leaving waits on the other agents (the window's free is collective)
+            watchdog = exit_watchdog(2 * self.config.agent.timeout)
             self.watcher.stop()
             self.stop_event.set()
             self.captures.put(None)
@@ -163,19 +177,8 @@ class Agent:
             if self.replicator is not None:
                 self.replicator.close(free=not self._dead_agents)
             self.events.close()
+            watchdog.cancel()
         return 0
-
-    def _exit_watchdog(self) -> None:
-        """Leaving waits on the other agents (the window's free and MPI's finalize are
-        collective): if one of them is gone or stuck, end anyway after a bound."""
-        bound = 2 * self.config.agent.timeout
-
-        def leave() -> None:
-            log.error("exit not complete after %.0fs (another agent gone?): leaving", bound)
-            os._exit(1)
-        timer = threading.Timer(bound, leave)
-        timer.daemon = True
-        timer.start()
 
     def _step(self) -> None:
         self._drain_inbox()

@@ -78,7 +78,7 @@ def agent_command(cfg: configuration.Config, verbose: int, quiet: bool) -> None:
     """
     from mpi4py import MPI  # only the agent needs MPI: `cachex status` must not
 
-    from .agent import Agent
+    from .agent import Agent, exit_watchdog
     comm = MPI.COMM_WORLD
     level = "debug" if verbose else "warning" if quiet else cfg.agent.log
     _setup_logging(level, f"{comm.Get_rank()}@{socket.gethostname()}")
@@ -89,10 +89,12 @@ def agent_command(cfg: configuration.Config, verbose: int, quiet: bool) -> None:
             click.echo(f"cachex-agent: error: {exc}", err=True)
         sys.exit(exc.exit_code)
     try:
-        sys.exit(agent.run())
+        code = agent.run()
     except Exception:
         logging.getLogger("cachex").exception("agent failed; aborting the agent job")
         comm.Abort(1)       # never leave other agents waiting on a dead one
+    exit_watchdog(2 * cfg.agent.timeout)    # MPI finalize, at exit, waits on every agent
+    sys.exit(code)
 
 
 def agent_main() -> None:
