@@ -241,11 +241,19 @@ class SpoolWatcher:
         """Watch every directory under the spool; drop watches of directories gone.
 
         inotify_add_watch on an already watched directory returns its existing
-        descriptor, so re-walking is idempotent and also fixes paths after renames.
+        descriptor, so re-walking is idempotent and also fixes paths after renames. A
+        directory made inside one between its listing and its watch raises no event: walk
+        again while walks find new directories.
         """
+        for _ in range(4):
+            if not self._sync_once():
+                return
+
+    def _sync_once(self) -> bool:
+        """One walk; True if it added watches."""
         inotify = self._inotify
         if inotify is None:
-            return
+            return False
         mask = self._mask()
         current: dict[int, Path] = {}
         for top, _dirs, _files in os.walk(self.spool):
@@ -261,14 +269,16 @@ class SpoolWatcher:
                                 top, exc, self.spool, self.scan)
                     self._inotify_broken = True
                     self._close_inotify()
-                    return
+                    return False
                 log.debug("cannot watch %s: %s", top, exc)
         for wd in set(self._wds) - set(current):
             try:
                 inotify.rm_watch(wd)
             except OSError:
                 pass    # already gone with its directory
+        added = bool(set(current) - set(self._wds))
         self._wds = current
+        return added
 
     def _wait_for_events(self, timeout: float) -> bool:
         """Block until file system events, a wake-up or `timeout`; True if events came."""
