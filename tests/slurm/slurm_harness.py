@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness import wait_for  # noqa: F401  (the tests import it from here)
 
 ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -62,17 +63,6 @@ def require_slurm() -> str:
         said = (answer.stdout + answer.stderr).strip() or "nothing"
         pytest.fail(f"no usable Slurm node (sinfo says: {said}): {SETUP}", pytrace=False)
     return run(["sinfo", "--version"]).stdout.strip()
-
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str,
-             poll: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(poll)
-    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
 def status_of(config: Path) -> dict[str, Any]:
