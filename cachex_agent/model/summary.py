@@ -80,7 +80,7 @@ def plan_text(plan: Plan) -> str:
     for p in plan.paths:
         lag = "/".join(f"{p.lag[c]:.2f}" for c in ("crash", "node", "job"))
         lost = "/".join(f"{p.lost[c]:.0f}" for c in ("crash", "node", "job"))
-        lines.append(f"{p.name:24} {lag:>36} {lost:>24} {p.loss:>9.1f}"
+        lines.append(f"{p.name:24} {lag:>36} {lost:>24} {p.loss:>9.3g}"
                      f" {p.waste(plan.stall, plan.period):>7.2%}")
     lines.append(f"recommended path: {plan.best.name}")
     young = f"{plan.young:.0f} s" if plan.young else "n/a (no blocking cost)"
