@@ -70,6 +70,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from contention import Contention, ThrottledPFS, parse_size, unavailable  # noqa: E402
 
+from cachex_agent.fsutil import fsync_dir  # noqa: E402
+
 MiB = 1 << 20
 BIN = Path(sys.executable).parent
 MODES = ("direct", "agent", "none")
@@ -129,14 +131,6 @@ def write_file(path: Path, data: memoryview) -> None:
         done = 0
         while done < len(data):
             done += os.write(fd, data[done:])
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
         os.fsync(fd)
     finally:
         os.close(fd)

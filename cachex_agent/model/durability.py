@@ -17,14 +17,16 @@ from collections.abc import Callable
 import numpy as np
 
 Cdf = Callable[[np.ndarray], np.ndarray]
-Ppf = Callable[[float], float]
+Ppf = Callable[[np.ndarray], np.ndarray]
 
 
-def quantile_of_max(ppf: Ppf, q: float, nodes: int) -> float:
-    """The q-quantile of the largest of `nodes` independent durations."""
-    if not 0 < q < 1 or nodes < 1:
+def quantile_of_max(ppf: Ppf, q: float | np.ndarray, nodes: int) -> float | np.ndarray:
+    """The q-quantile (or quantiles) of the largest of `nodes` independent durations."""
+    probabilities = np.asarray(q, dtype=float)
+    if np.any((probabilities <= 0) | (probabilities >= 1)) or nodes < 1:
         raise ValueError(f"need 0 < q < 1 and nodes >= 1, got q={q}, nodes={nodes}")
-    return float(ppf(q ** (1.0 / nodes)))
+    out = np.asarray(ppf(probabilities ** (1.0 / nodes)), dtype=float)
+    return float(out) if out.ndim == 0 else out
 
 
 def cdf_of_max(cdf: Cdf, t: np.ndarray, nodes: int) -> np.ndarray:

@@ -35,6 +35,7 @@ from scipy import special
 
 from ..errors import OperationError
 from .distributions import FAMILIES
+from .durability import cdf_of_max, quantile_of_max
 from .history import LEVELS, STAGES, History
 from .stages import StageModel, fit_stage
 
@@ -74,14 +75,16 @@ class Prediction:
         t = np.asarray(t, dtype=float)
         if self.simulated is not None:
             return np.searchsorted(self.simulated, t, side="right") / self.simulated.size
-        over = t - self.shift
-        return np.where(over > 0, self.node_cdf(np.maximum(over, 1e-300)), 0.0) ** self.nodes
+        return cdf_of_max(self._node_cdf, t - self.shift, self.nodes)
+
+    def _node_cdf(self, over: np.ndarray) -> np.ndarray:
+        return np.where(over > 0, self.node_cdf(np.maximum(over, 1e-300)), 0.0)
 
     def ppf(self, q: float | np.ndarray) -> np.ndarray:
         q = np.asarray(q, dtype=float)
         if self.simulated is not None:
             return np.quantile(self.simulated, q)
-        return self.shift + self.node_ppf(q ** (1.0 / self.nodes))
+        return self.shift + quantile_of_max(self.node_ppf, q, self.nodes)
 
     def quantile(self, q: float) -> float:
         return float(self.ppf(q))

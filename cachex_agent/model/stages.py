@@ -79,11 +79,6 @@ class StageModel:
         out[positive] = self.bandwidth.frozen.sf(self.scale(size, nodes) / over[positive])
         return out
 
-    def sample(self, rng: np.random.Generator, count: int, size: float, nodes: int
-               ) -> np.ndarray:
-        bandwidth = self.bandwidth.frozen.rvs(size=count, random_state=rng)
-        return self.fixed(nodes) + self.scale(size, nodes) / np.maximum(bandwidth, 1e-300)
-
     def to_json(self) -> dict[str, Any]:
         return {"stage": self.stage, "overhead": self.overhead, "gamma": self.gamma,
                 "n": self.n, "ks": self.ks, "log_params": list(self.log_params),
