@@ -58,6 +58,8 @@ class Coordinator:
         self.clock = clock
         saved = journal.read("coordinator.json") or self._from_index()
         self.ckpts: dict[str, dict[str, Any]] = saved.get("ckpts", {})
+        for record in self.ckpts.values():
+            record.setdefault("path", "peer")   # journals from before the path choice
         self.next_seq: int = saved.get("next_seq", 1)
         self.state = "running"
         self.drained: set[int] = set()
@@ -122,7 +124,7 @@ class Coordinator:
     def _announce(self, record: dict[str, Any]) -> None:
         self._broadcast({"type": "commit", "ckpt": record["id"], "seq": record["seq"],
                          "global_files": record["global_files"], "flush": record["flush"],
-                         "path": record.get("path", "peer")})
+                         "path": record["path"]})
 
     def _on_captured(self, node: int, msg: dict[str, Any]) -> None:
         record = self.ckpts.get(msg["ckpt"])
@@ -237,7 +239,7 @@ class Coordinator:
         record["level"] = level
         record["times"][level] = self.clock()
         self.events.emit(f"level_{level}", ckpt=record["id"], seq=record["seq"],
-                         bytes=_record_bytes(record), path=record.get("path", "peer"),
+                         bytes=_record_bytes(record), path=record["path"],
                          latency=record["times"][level] - record["times"]["written"])
         self._persist()
 
@@ -339,7 +341,7 @@ class Coordinator:
                 "nodes_captured": len(record["captured"]),
                 "nodes_replicated": len(record.get("replicated", {})),
                 "nodes_flushed": len(record["flushed"]),
-                "flush": record["flush"], "path": record.get("path", "peer"),
+                "flush": record["flush"], "path": record["path"],
                 "errors": record["errors"],
                 "progress": record["progress"], "reason": record.get("reason")})
         return {"format": "cachex-status", "version": 1, "run": self.config.run,
@@ -361,8 +363,8 @@ class Coordinator:
 
 def _empty_record(ckpt: str, seq: int, level: str, **fields: Any) -> dict[str, Any]:
     return {"id": ckpt, "seq": seq, "level": level, "global_files": [], "flush": True,
-            "times": {}, "captured": {}, "replicated": {}, "flushed": {}, "errors": {},
-            "progress": {}, **fields}
+            "path": "peer", "times": {}, "captured": {}, "replicated": {}, "flushed": {},
+            "errors": {}, "progress": {}, **fields}
 
 
 def _part_bytes(manifest: dict[str, Any]) -> int:
