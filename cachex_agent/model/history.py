@@ -109,38 +109,16 @@ def load_history(files: Iterable[Path]) -> History:
                 paths[(rec.get("run", ""), rec["ckpt"])] = rec.get("path", "peer")
                 commits[(rec.get("run", ""), rec["ckpt"])] = rec["t"]
     for records in per_file:
-        history.stages.extend(_stage_samples(records, paths))
-        history.stages.extend(_node_levels(records, paths, commits))
+        history.stages.extend(_stage_samples(records, paths, commits))
         history.levels.extend(_level_samples(records, paths))
     return history
 
 
-def _node_levels(records: list[dict[str, Any]], paths: dict[tuple[str, str], str],
-                 commits: dict[tuple[str, str], float]) -> list[StageSample]:
-    """When this node's part reached each level, counted from the commit."""
-    nodes, parts, out = 1, {}, []
-    for rec in records:
-        kind = rec.get("event")
-        if kind == "agent_start":
-            nodes = int(rec.get("nodes", 1))
-        key = (rec.get("run", ""), rec.get("ckpt", ""))
-        if kind == "captured":
-            parts[key] = int(rec.get("bytes", 0))
-        if kind not in LEVELS or key not in commits or rec.get("adopted"):
-            continue
-        path = paths[key]
-        seconds = rec["t"] - commits[key]
-        if seconds > 0 and parts.get(key):
-            out.append(StageSample(key[0], key[1], int(rec.get("node", 0)), nodes,
-                                   f"{kind}:{path}", parts[key], seconds, rec["t"],
-                                   path))
-    return out
-
-
-def _stage_samples(records: list[dict[str, Any]], paths: dict[tuple[str, str], str]
-                   ) -> list[StageSample]:
+def _stage_samples(records: list[dict[str, Any]], paths: dict[tuple[str, str], str],
+                   commits: dict[tuple[str, str], float]) -> list[StageSample]:
+    """One file's stage samples, and its node's level times counted from the commit."""
     nodes = 1
-    starts: dict[tuple[str, str, str], float] = {}
+    replicating: dict[tuple[str, str], float] = {}
     parts: dict[tuple[str, str], int] = {}
     out: list[StageSample] = []
 
@@ -158,20 +136,21 @@ def _stage_samples(records: list[dict[str, Any]], paths: dict[tuple[str, str], s
         if "ckpt" not in rec:
             continue
         key = (rec.get("run", ""), rec["ckpt"])
-        if kind in ("replicate_start", "flush_start"):
-            starts[(*key, kind)] = rec["t"]
+        if kind == "replicate_start":
+            replicating[key] = rec["t"]
         elif kind == "captured":
             parts[key] = int(rec.get("bytes", 0))
             sample(rec, "capture", float(rec.get("duration", 0.0)), parts[key])
             if rec.get("write_start") and rec.get("committed_at"):
                 sample({**rec, "t": rec["committed_at"]}, "write",
                        rec["committed_at"] - rec["write_start"], parts[key])
-        elif kind == "replicated" and (*key, "replicate_start") in starts:
-            sample(rec, "replicate", rec["t"] - starts.pop((*key, "replicate_start")),
+        elif kind == "replicated" and key in replicating:
+            sample(rec, "replicate", rec["t"] - replicating.pop(key),
                    int(rec.get("bytes") or parts.get(key, 0)))
         elif kind == "flushed" and not rec.get("adopted"):
-            starts.pop((*key, "flush_start"), None)
             sample(rec, "flush", float(rec.get("duration", 0.0)), int(rec.get("bytes", 0)))
+        if kind in LEVELS and key in commits and not rec.get("adopted"):
+            sample(rec, f"{kind}:{paths[key]}", rec["t"] - commits[key], parts.get(key, 0))
     return out
 
 
