@@ -25,7 +25,7 @@ import psutil
 from mpi4py import MPI
 
 from .collective import agree
-from .config import Config
+from .config import Config, check_paths
 from .coordinator import Coordinator
 from .errors import CachexError, ConfigError, describe
 from .events import EventLog
@@ -74,6 +74,7 @@ def probe_writable(directory: Path, key: str) -> None:
 def prepare_dirs(config: Config, placement: Placement) -> Any:
     """Check and create this node's directories; ConfigError names the key and path."""
     paths = config.node_paths(placement.node, placement.rank, placement.host)
+    check_paths(paths)      # `load` checked node 0's; {node} or {host} may differ here
     if not paths.spool.is_dir():
         if not paths.spool.parent.is_dir():
             raise ConfigError(f"paths.spool: {paths.spool}: no such directory")

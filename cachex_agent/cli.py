@@ -21,6 +21,7 @@ import click
 from . import config as configuration
 from .errors import CachexError, ConfigError, OperationError
 from .fsutil import makedirs, write_json
+from .topology import agents_on_host, launch_rank
 
 
 def _overrides(values: tuple[str, ...]) -> dict[str, str]:
@@ -52,11 +53,13 @@ def config_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _run_guarded(func: Callable[[], Any]) -> None:
+def _run_guarded(func: Callable[[], Any], prog: str = "cachex", report: bool = True) -> None:
+    """`report=False`: exit with the code, silently (another process says it)."""
     try:
         func()
     except CachexError as exc:
-        click.echo(f"cachex: error: {exc}", err=True)
+        if report:
+            click.echo(f"{prog}: error: {exc}", err=True)
         sys.exit(exc.exit_code)
 
 
@@ -76,13 +79,17 @@ def agent_command(cfg: configuration.Config, verbose: int, quiet: bool) -> None:
     Watches the spool, captures committed checkpoints into the stage and flushes them to
     the PFS; runs until `cachex stop` or SIGTERM, then drains.
     """
+    short_of_memory = _memory_error(cfg)
     from mpi4py import MPI  # only the agent needs MPI: `cachex status` must not
 
     from .agent import Agent, exit_watchdog
+    from .collective import agree
     comm = MPI.COMM_WORLD
     level = "debug" if verbose else "warning" if quiet else cfg.agent.log
     _setup_logging(level, f"{comm.Get_rank()}@{socket.gethostname()}")
     try:
+        # before the window and the directories: every agent refuses together
+        agree(comm, "memory check", lambda: _raise_if(short_of_memory))
         agent = Agent(cfg, comm)
     except CachexError as exc:
         if comm.Get_rank() == 0:        # every rank raised the same agreed error
@@ -97,8 +104,25 @@ def agent_command(cfg: configuration.Config, verbose: int, quiet: bool) -> None:
     sys.exit(code)
 
 
+def _memory_error(cfg: configuration.Config) -> ConfigError | None:
+    """Measured before MPI allocates anything. Raised only inside a collective step, once
+    MPI is up: an agent that left before MPI_Init would leave the others waiting in it
+    for good, and hosts (or the moment each agent looks) differ."""
+    try:
+        configuration.check_memory(cfg, agents_on_host())
+    except ConfigError as exc:
+        return exc
+    return None
+
+
+def _raise_if(error: Exception | None) -> None:
+    if error is not None:
+        raise error
+
+
 def agent_main() -> None:
-    _run_guarded(lambda: _click_main(agent_command))
+    # A configuration error is the same in every agent (same file): rank 0 says it.
+    _run_guarded(lambda: _click_main(agent_command), "cachex-agent", report=launch_rank() == 0)
 
 
 def _click_main(command: click.Command) -> None:

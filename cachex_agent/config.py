@@ -4,10 +4,16 @@ Precedence (lowest first): built-in defaults < `cachex.toml` (or `--config`, or
 `$CACHEX_CONFIG`) < `CACHEX_<SECTION>_<KEY>` environment variables < `--set
 section.key=value` flags. Unknown keys and bad values raise `ConfigError` naming the key.
 The key names are a contract (DESIGN.md section 11): scripts and tests use them.
+
+Every number has a finite range (README, Configuration): a value past it is a typo or
+an overflow, and is refused here, before the agent starts MPI, rather than crashing a
+thread or an allocation later. `check_paths` refuses overlapping directories and
+`check_memory` an agent whose up-front buffers do not fit in the node's memory.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 import socket
@@ -17,7 +23,16 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from .errors import ConfigError
+
+KiB, MiB, GiB, TiB = 1024, 1024**2, 1024**3, 1024**4
+MAX_BUFFER = GiB            # peer.slot, flush.chunk: past 1GiB nothing gets faster, memory goes
+MAX_BANDWIDTH = TiB         # per node per second: beyond any network or file system
+MAX_DURATION = 720 * 3600.0     # 30 days: longer than any job
+MAX_COUNT = 1_000_000
+MEMORY_RESERVE = GiB        # what the agent's up-front buffers must leave to the trainer and OS
 
 _SIZE_UNITS = {
     "": 1, "b": 1,
@@ -41,27 +56,57 @@ def parse_duration(value: Any, key: str = "duration") -> float:
 
 def _parse_with_units(value: Any, units: Mapping[str, float], key: str, what: str) -> float:
     if isinstance(value, bool):
-        raise ConfigError(f"{key}: expected {what}, got {value!r}")
+        raise ConfigError(f"{key}: expected {what}, got {_shown(value)}")
     if isinstance(value, (int, float)):
         number, unit = float(value), ""
     else:
         match = _NUMBER_UNIT.match(str(value))
         if not match:
-            raise ConfigError(f"{key}: expected {what}, got {value!r}")
+            raise ConfigError(f"{key}: expected {what}, got {_shown(value)}")
         number, unit = float(match.group(1)), match.group(2).lower()
     if unit not in units or number < 0:
-        raise ConfigError(f"{key}: expected {what}, got {value!r}")
+        raise ConfigError(f"{key}: expected {what}, got {_shown(value)}")
+    # float() of 400 digits is inf, and nan passes `< 0`: neither is a size or a duration
+    if not math.isfinite(number * units[unit]):
+        raise ConfigError(f"{key}: expected {what}, got {_shown(value)} (not a finite number)")
     return number * units[unit]
 
 
-def _int(low: int) -> Callable[[Any, str], int]:
+def _shown(value: Any, limit: int = 40) -> str:
+    """`repr(value)`, shortened: a message stays one readable line whatever was given."""
+    text = repr(value)
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(str(value))} characters)"
+
+
+def _check_range(number: float, low: float, high: float, key: str, value: Any,
+                 show: Callable[[float], str]) -> None:
+    if not low <= number <= high:
+        raise ConfigError(f"{key}: expected {show(low)} to {show(high)}, got {_shown(value)}")
+
+
+def _format_size(size: float) -> str:
+    """Bytes in the largest binary unit that divides them: 4KiB, 1GiB, 3000."""
+    for name, unit in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+        if size and size % unit == 0:
+            return f"{int(size // unit)}{name}"
+    return f"{size:g}"
+
+
+def _format_duration(seconds: float) -> str:
+    if seconds and seconds % 3600 == 0:
+        return f"{seconds / 3600:g}h"
+    return f"{seconds * 1000:g}ms" if 0 < seconds < 1 else f"{seconds:g}s"
+
+
+def _int(low: int, high: int = MAX_COUNT) -> Callable[[Any, str], int]:
     def parse(value: Any, key: str) -> int:
         try:
             number = int(str(value), 10) if not isinstance(value, int) else value
-        except ValueError:
-            raise ConfigError(f"{key}: expected an integer, got {value!r}") from None
-        if isinstance(value, bool) or number < low:
-            raise ConfigError(f"{key}: expected an integer >= {low}, got {value!r}")
+        except ValueError:      # also a string of more digits than int() converts
+            raise ConfigError(f"{key}: expected an integer, got {_shown(value)}") from None
+        if isinstance(value, bool):
+            raise ConfigError(f"{key}: expected an integer, got {_shown(value)}")
+        _check_range(number, low, high, key, value, lambda n: f"{n:g}")
         return number
     return parse
 
@@ -70,10 +115,12 @@ def _rate(value: Any, key: str) -> float:
     """Failures per hour: a plain number."""
     try:
         number = float(value) if not isinstance(value, bool) else -1.0
-    except (TypeError, ValueError):
-        raise ConfigError(f"{key}: expected failures per hour (a number), got {value!r}") from None
-    if not 0 <= number < 1e6:
-        raise ConfigError(f"{key}: expected a rate >= 0 (failures per hour), got {value!r}")
+    except (TypeError, ValueError, OverflowError):
+        raise ConfigError(f"{key}: expected failures per hour (a number), got {_shown(value)}"
+                          ) from None
+    if not 0 <= number < 1e6:       # also refuses nan
+        raise ConfigError(f"{key}: expected a rate from 0 to 1e6 failures per hour,"
+                          f" got {_shown(value)}")
     return number
 
 
@@ -83,7 +130,7 @@ def _choice(*options: str, prefixes: tuple[str, ...] = ()) -> Callable[[Any, str
         if text in options or any(text.startswith(p) and len(text) > len(p) for p in prefixes):
             return text
         allowed = " | ".join(list(options) + [p + "<...>" for p in prefixes])
-        raise ConfigError(f"{key}: expected one of {allowed}, got {value!r}")
+        raise ConfigError(f"{key}: expected one of {allowed}, got {_shown(value)}")
     return parse
 
 
@@ -95,12 +142,12 @@ def _bool(value: Any, key: str) -> bool:
         return True
     if text in ("0", "false", "no", "off"):
         return False
-    raise ConfigError(f"{key}: expected true or false, got {value!r}")
+    raise ConfigError(f"{key}: expected true or false, got {_shown(value)}")
 
 
 def _text(value: Any, key: str) -> str:
     if not isinstance(value, str) or not value.strip():
-        raise ConfigError(f"{key}: expected a non-empty string, got {value!r}")
+        raise ConfigError(f"{key}: expected a non-empty string, got {_shown(value)}")
     return value
 
 
@@ -108,26 +155,30 @@ def _names(value: Any, key: str) -> tuple[str, ...]:
     """A list of relative file names; a string is split on commas (environment, flags)."""
     items = value.split(",") if isinstance(value, str) else value
     if not isinstance(items, list | tuple) or not all(isinstance(i, str) for i in items):
-        raise ConfigError(f"{key}: expected a list of file names, got {value!r}")
+        raise ConfigError(f"{key}: expected a list of file names, got {_shown(value)}")
     names = tuple(i.strip() for i in items if i.strip())
     if any(n.startswith("/") or ".." in n.split("/") for n in names):
-        raise ConfigError(f"{key}: names must be relative to the checkpoint, got {value!r}")
+        raise ConfigError(f"{key}: names must be relative to the checkpoint, got {_shown(value)}")
     return names
 
 
-def _size(value: Any, key: str) -> int:
-    return parse_size(value, key)
+def _size(low: int, high: int) -> Callable[[Any, str], int]:
+    def parse(value: Any, key: str) -> int:
+        size = parse_size(value, key)
+        _check_range(size, low, high, key, value, _format_size)
+        return size
+    return parse
 
 
-def _buffer_size(value: Any, key: str) -> int:
-    size = parse_size(value, key)
-    if size < 4096:
-        raise ConfigError(f"{key}: expected at least 4KiB, got {value!r}")
-    return size
+def _duration(low: float = 0.0, high: float = MAX_DURATION) -> Callable[[Any, str], float]:
+    def parse(value: Any, key: str) -> float:
+        seconds = parse_duration(value, key)
+        _check_range(seconds, low, high, key, value, _format_duration)
+        return seconds
+    return parse
 
 
-def _duration(value: Any, key: str) -> float:
-    return parse_duration(value, key)
+_buffer_size = _size(4 * KiB, MAX_BUFFER)
 
 
 @dataclass(frozen=True)
@@ -204,19 +255,21 @@ _PARSERS: dict[str, dict[str, Callable[[Any, str], Any]]] = {
     "commit": {
         "rule": _choice("auto", "dcp", "deepspeed", "megatron", "hf", "orbax", "torch",
                         "quiescence", prefixes=("marker:",)),
-        "settle": _duration, "timeout": _duration, "scan": _duration, "mirror": _bool,
-        "globals": _names,
+        "settle": _duration(), "timeout": _duration(1.0), "scan": _duration(1e-3),
+        "mirror": _bool, "globals": _names,
     },
-    "peer": {"copies": _int(1), "stride": _int(1), "slot": _buffer_size, "slots": _int(1)},
+    "peer": {"copies": _int(1, 64), "stride": _int(1), "slot": _buffer_size,
+             "slots": _int(1, 1024)},
     "flush": {
-        "bandwidth": _size, "concurrency": _int(1), "every": _int(1), "chunk": _buffer_size,
-        "retry_max": _duration, "drain_timeout": _duration, "verify": _bool, "nice": _int(0),
+        "bandwidth": _size(0, MAX_BANDWIDTH), "concurrency": _int(1, 64), "every": _int(1),
+        "chunk": _buffer_size, "retry_max": _duration(), "drain_timeout": _duration(),
+        "verify": _bool, "nice": _int(0, 19),
     },
     "keep": {"stage": _int(0), "replica": _int(0), "pfs": _int(0)},
     "model": {"path": _choice("auto", "peer", "direct"), "crash_rate": _rate,
-              "node_rate": _rate, "job_rate": _rate, "period": _duration,
+              "node_rate": _rate, "job_rate": _rate, "period": _duration(),
               "window": _int(4), "explore": _int(0)},
-    "agent": {"poll": _duration, "timeout": _duration,
+    "agent": {"poll": _duration(1e-3), "timeout": _duration(1.0),
               "log": _choice("debug", "info", "warning", "error")},
 }
 _SECTIONS = {"paths": Paths, "topology": Topology, "commit": Commit, "peer": Peer,
@@ -268,6 +321,62 @@ class NodePaths:
     @property
     def replicas(self) -> Path:
         return self.cache / "replicas"
+
+
+def check_paths(paths: NodePaths) -> None:
+    """Spool, stage, cache and PFS run directory of one node: no two the same, none inside
+    another (symlinks and `..` resolved). Overlap would make the watcher capture the
+    agent's own files, or an eviction or recovery remove the trainer's or the PFS's."""
+    dirs = [("paths.spool", paths.spool), ("paths.stage", paths.stage),
+            ("paths.cache", paths.cache), ("paths.pfs", paths.pfs)]
+    real = [(key, Path(os.path.realpath(path)), path) for key, path in dirs]
+    for index, (key_a, real_a, path_a) in enumerate(real):
+        for key_b, real_b, path_b in real[index + 1:]:
+            if real_a == real_b:
+                relation = "is the same directory as"
+            elif real_a.is_relative_to(real_b):
+                relation = "is inside"
+            elif real_b.is_relative_to(real_a):
+                key_a, path_a, key_b, path_b = key_b, path_b, key_a, path_a
+                relation = "is inside"
+            else:
+                continue
+            raise ConfigError(f"{key_a} and {key_b} overlap: {path_a} {relation} {path_b};"
+                              " give each its own directory")
+
+
+def upfront_memory(config: Config) -> int:
+    """Bytes one agent allocates at start and keeps: its receive window (one region per
+    owner replicating to it, `peer.copies` on the ring) and send buffer, unless the run is
+    flush-only, and one `flush.chunk` buffer per flush thread and for capture."""
+    peer, flush = config.peer, config.flush
+    window = 0 if config.model.path == "direct" else (peer.copies * peer.slots + 1) * peer.slot
+    return window + (flush.concurrency + 1) * flush.chunk
+
+
+def check_memory(config: Config, agents: int = 1, available: int | None = None,
+                 host: str = "") -> None:
+    """The up-front buffers of the `agents` agents of this host must fit in the memory
+    available now, keeping MEMORY_RESERVE: refused here, not by an MPI out-of-memory
+    abort after other agents have started."""
+    if available is None:
+        available = psutil.virtual_memory().available
+    need = agents * upfront_memory(config)
+    if need + MEMORY_RESERVE <= available:
+        return
+    keys = ("flush.chunk, flush.concurrency" if config.model.path == "direct" else
+            "peer.slot, peer.slots, peer.copies, flush.chunk, flush.concurrency")
+    where = f"{agents} agents on {host or socket.gethostname()}" if agents > 1 else "the agent"
+    raise ConfigError(f"{keys}: {where} would allocate {_format_amount(need)} at start;"
+                      f" {_format_amount(available)} is available and"
+                      f" {_format_size(MEMORY_RESERVE)} is kept for the trainer")
+
+
+def _format_amount(size: int) -> str:
+    for name, unit in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB)):
+        if size >= unit:
+            return f"{size / unit:.1f}{name}"
+    return f"{size}B"
 
 
 def job_id() -> str:
@@ -366,7 +475,9 @@ def _build(flat: Mapping[str, Any], source: str, environ: Mapping[str, str]) -> 
     if "/" in run or run in (".", ".."):
         raise ConfigError(f"run: must be a plain name without '/', got {run!r}")
     built = {name: cls(**sections[name]) for name, cls in _SECTIONS.items()}
-    return Config(run=run, source=source, **built)
+    config = Config(run=run, source=source, **built)
+    check_paths(config.node_paths(0))   # the agent checks its own node's rendering too
+    return config
 
 
 def as_dict(config: Config) -> dict[str, Any]:

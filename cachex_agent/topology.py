@@ -9,10 +9,35 @@ still one per host.
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
 
 from .errors import ConfigError
+
+# What launchers (MPICH hydra, Open MPI, srun) tell each process before MPI starts
+_RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
+_LOCAL_SIZE_VARS = ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")
+
+
+def _launcher_number(names: tuple[str, ...], default: int) -> int:
+    for name in names:
+        value = os.environ.get(name, "")
+        if value.isdigit():
+            return int(value)
+    return default
+
+
+def launch_rank() -> int:
+    """This process's rank as its launcher numbered it, known before MPI starts (0 alone):
+    an error every agent finds alike is then reported once, by rank 0."""
+    return _launcher_number(_RANK_VARS, 0)
+
+
+def agents_on_host() -> int:
+    """How many agents the launcher started on this host; 1 when it does not say (srun:
+    one agent per node is the rule)."""
+    return max(_launcher_number(_LOCAL_SIZE_VARS, 1), 1)
 
 
 @dataclass(frozen=True)

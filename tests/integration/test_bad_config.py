@@ -34,7 +34,7 @@ def _run_agents(config: Path, timeout: float = 60) -> tuple[int, str]:
 CASES = [
     ("400-digit bandwidth", f'[flush]\nbandwidth = "{HUGE}"\n', {}, ["flush.bandwidth"]),
     ("nan bandwidth", "[flush]\nbandwidth = nan\n", {}, ["flush.bandwidth"]),
-    ("infinite commit timeout", "[commit]\ntimeout = inf\n", {}, ["commit.timeout"]),
+    ("infinite drain timeout", "[flush]\ndrain_timeout = inf\n", {}, ["flush.drain_timeout"]),
     ("64TiB slot", '[peer]\nslot = "64TiB"\n', {}, ["peer.slot"]),
     ("1TiB chunk", '[flush]\nchunk = "1TiB"\n', {}, ["flush.chunk"]),
     ("window past memory", '[peer]\nslot = "1GiB"\nslots = 1024\n', {},

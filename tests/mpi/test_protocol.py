@@ -42,6 +42,21 @@ def test_a_failing_rank_fails_every_rank_with_its_name():
     assert agree(comm, "fine", lambda: comm.rank * 2) == comm.rank * 2
 
 
+def test_the_same_error_on_every_rank_is_said_once():
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+
+    def step():
+        raise ConfigError("peer.slot: too big" if comm.rank != 2 else "peer.slot: other")
+    with pytest.raises(ConfigError) as caught:
+        agree(comm, "memory check", step)
+    message = str(caught.value)
+    assert message.count("peer.slot: too big") == 1, message
+    if comm.size == 4:
+        assert message == ("memory check failed on 4 of 4 agents: ranks 0-1,3:"
+                           " peer.slot: too big; rank 2: peer.slot: other")
+
+
 def test_placement_by_rank_and_by_host():
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
