@@ -85,10 +85,14 @@ def _check_range(number: float, low: float, high: float, key: str, value: Any,
 
 
 def _format_size(size: float) -> str:
-    """Bytes in the largest binary unit that divides them: 4KiB, 1GiB, 3000."""
-    for name, unit in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB)):
+    """4KiB, 1GiB (exact: how the limits are written), else 2.3TiB, else 3000."""
+    units = (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB))
+    for name, unit in units:
         if size and size % unit == 0:
             return f"{int(size // unit)}{name}"
+    for name, unit in units:
+        if size >= unit:
+            return f"{size / unit:.1f}{name}"
     return f"{size:g}"
 
 
@@ -106,7 +110,7 @@ def _int(low: int, high: int = MAX_COUNT) -> Callable[[Any, str], int]:
             raise ConfigError(f"{key}: expected an integer, got {_shown(value)}") from None
         if isinstance(value, bool):
             raise ConfigError(f"{key}: expected an integer, got {_shown(value)}")
-        _check_range(number, low, high, key, value, lambda n: f"{n:g}")
+        _check_range(number, low, high, key, value, str)
         return number
     return parse
 
@@ -367,16 +371,9 @@ def check_memory(config: Config, agents: int = 1, available: int | None = None,
     keys = ("flush.chunk, flush.concurrency" if config.model.path == "direct" else
             "peer.slot, peer.slots, peer.copies, flush.chunk, flush.concurrency")
     where = f"{agents} agents on {host or socket.gethostname()}" if agents > 1 else "the agent"
-    raise ConfigError(f"{keys}: {where} would allocate {_format_amount(need)} at start;"
-                      f" {_format_amount(available)} is available and"
+    raise ConfigError(f"{keys}: {where} would allocate {_format_size(need)} at start;"
+                      f" {_format_size(available)} is available and"
                       f" {_format_size(MEMORY_RESERVE)} is kept for the trainer")
-
-
-def _format_amount(size: int) -> str:
-    for name, unit in (("TiB", TiB), ("GiB", GiB), ("MiB", MiB)):
-        if size >= unit:
-            return f"{size / unit:.1f}{name}"
-    return f"{size}B"
 
 
 def job_id() -> str:
