@@ -32,12 +32,19 @@ from .events import EventLog
 from .flush.flusher import Flusher
 from .fsutil import makedirs, remove_tree
 from .journal import Journal
-from .manifest import GlobalManifest, LocalManifest
+from .manifest import FileEntry, GlobalManifest, LocalManifest
 from .peer.globals import GlobalFiles, global_dir, mirror_file
 from .peer.partners import replication_map
 from .peer.replicator import Replicator
-from .stage.capture import CaptureError, capture_copy, capture_reference, list_files
-from .stage.quiescence import wait_quiescent
+from .stage.capture import (
+    CaptureError,
+    PartChanged,
+    capture_copy,
+    capture_reference,
+    is_stage_full,
+    part_changes,
+)
+from .stage.quiescence import FileState, snapshot, wait_for_directory, wait_settled
 from .stage.rules import make_rule
 from .stage.watch import SpoolWatcher
 from .topology import Placement, place_in
@@ -46,6 +53,7 @@ log = logging.getLogger(__name__)
 TAG = 7           # coordinator protocol
 PEER_TAG = 8      # replication protocol (peer/replicator.py)
 MEMORY_RESERVE = 1 << 30    # capture by reference when the copy would leave less than this
+CAPTURE_ATTEMPTS = 3        # captures of a part that keeps changing before it fails
 
 
 def exit_watchdog(bound: float) -> threading.Timer:
@@ -292,7 +300,8 @@ class Agent:
         manifest = self.journal.manifest(ckpt)
         if entry.get("state") in ("captured", "flushed") and manifest and _held(entry):
             # a repeated announcement (restart): report what is already held
-            self.inbox.put({"type": "captured", "ckpt": ckpt, "manifest": manifest.to_json()})
+            self.inbox.put({"type": "captured", "ckpt": ckpt, "manifest": manifest.to_json(),
+                            "mode": entry["mode"], "reason": entry.get("mode_reason", "")})
             return
         self.journal.update(ckpt, seq=msg["seq"], state="capturing",
                             global_files=msg["global_files"])
@@ -435,33 +444,98 @@ class Agent:
         ckpt, seq = task["ckpt"], task["seq"]
         source = self.paths.spool / ckpt
         start = time.time()
-        settle = self.config.commit.settle if self.rule.needs_polling else 0.0
-        try:
-            wait_quiescent(source, settle, self.config.commit.timeout, self.stop_event)
-        except FileNotFoundError:
-            raise CaptureError(f"{source}: checkpoint directory is missing") from None
-        self.events.emit("capture_start", ckpt=ckpt, seq=seq)
-        relpaths = list_files(source, self.rule.ignore)
-        total = sum((source / rel).stat().st_size for rel in relpaths)
-        mode = "copy" if _memory_allows(total) else "reference"
-        if mode == "copy":
-            target = self.paths.stage / ckpt
-            entries = capture_copy(source, target, relpaths, self.config.flush.chunk)
-        else:
-            log.warning("capture of %s by reference: %d bytes would not fit in memory", ckpt, total)
-            target, entries = source, capture_reference(source, relpaths)
+        deadline = time.monotonic() + self.config.commit.timeout
+        late = self._wait_for_part(source, ckpt, seq, deadline)
+        # A marker vouches at most for files written before it: a directory that
+        # appeared after the commit gets this node's own check.
+        vouched = self.rule.vouches_for(source) and not late
+        target, entries, mode, reason = self._capture_whole(ckpt, seq, source, vouched,
+                                                            deadline)
         manifest = LocalManifest(run=self.config.run, ckpt=ckpt, seq=seq, node=self.node,
                                  host=self.placement.host, rank=self.rank, files=entries)
         self.journal.save_manifest(manifest)
         self.journal.update(ckpt, seq=seq, state="captured", source=str(target), mode=mode,
-                            bytes=manifest.bytes, global_files=task["global_files"])
+                            mode_reason=reason, bytes=manifest.bytes,
+                            global_files=task["global_files"])
         duration = time.time() - start
         self.events.emit("captured", ckpt=ckpt, seq=seq, bytes=manifest.bytes,
-                         files=len(entries), mode=mode, duration=duration,
+                         files=len(entries), mode=mode, reason=reason, duration=duration,
                          write_start=self.watcher.first_seen(ckpt),
                          committed_at=task.get("received"))
         self.inbox.put({"type": "captured", "ckpt": ckpt, "manifest": manifest.to_json(),
-                        "duration": duration})
+                        "duration": duration, "mode": mode, "reason": reason})
+
+    def _wait_for_part(self, source: Path, ckpt: str, seq: int, deadline: float) -> bool:
+        """Wait (until `deadline`: `commit.timeout`) for this node's directory; True if
+        it was not there yet."""
+        if source.is_dir():
+            return False
+        self.events.emit("capture_waiting", ckpt=ckpt, seq=seq,
+                         reason=f"{source}: directory not there yet",
+                         timeout=self.config.commit.timeout)
+        return wait_for_directory(source, max(0.0, deadline - time.monotonic()),
+                                  self.stop_event)
+
+    def _capture_whole(self, ckpt: str, seq: int, source: Path, vouched: bool,
+                       deadline: float) -> tuple[Path, list[FileEntry], str, str]:
+        """Capture until a listing after the capture equals the one before it (bounded):
+        a file missing or torn is never reported captured."""
+        changes = ""
+        for attempt in range(1, CAPTURE_ATTEMPTS + 1):
+            # a part seen changing is checked by this node, whatever the marker said
+            settle = 0.0 if vouched and attempt == 1 else self.config.commit.settle
+            listed = self._settled(source, settle, deadline)
+            if attempt == 1:
+                self.events.emit("capture_start", ckpt=ckpt, seq=seq)
+            try:
+                captured = self._capture_once(ckpt, source, listed)
+                changes = part_changes(listed, self._listing(source))
+            except PartChanged as exc:
+                captured, changes = None, str(exc)
+            if not changes and captured is not None:
+                return captured
+            log.warning("capture of %s, attempt %d: %s", ckpt, attempt, changes)
+            self.events.emit("capture_retry", ckpt=ckpt, seq=seq, attempt=attempt,
+                             reason=changes)
+        remove_tree(self.paths.stage / ckpt)
+        raise CaptureError(f"{source}: still changing after {CAPTURE_ATTEMPTS} captures"
+                           f" ({changes})")
+
+    def _settled(self, source: Path, settle: float, deadline: float) -> dict[Path, FileState]:
+        try:
+            return wait_settled(source, settle, max(0.0, deadline - time.monotonic()),
+                                self.stop_event)
+        except FileNotFoundError:
+            raise CaptureError(f"{source}: checkpoint directory is missing") from None
+
+    def _listing(self, source: Path) -> dict[Path, FileState]:
+        try:
+            return snapshot(source)
+        except FileNotFoundError:
+            raise CaptureError(f"{source}: checkpoint directory is missing") from None
+
+    def _capture_once(self, ckpt: str, source: Path, listed: dict[Path, FileState]
+                      ) -> tuple[Path, list[FileEntry], str, str]:
+        """(where the captured bytes are, entries, mode, why that mode) of one capture."""
+        relpaths = sorted(rel for rel in (p.relative_to(source).as_posix() for p in listed)
+                          if not self.rule.ignore(rel))
+        total = sum(listed[source / rel][0] for rel in relpaths)
+        target = self.paths.stage / ckpt
+        if not _memory_allows(total):
+            reason = f"memory short: {total} bytes would leave less than {MEMORY_RESERVE}"
+        else:
+            try:
+                return target, capture_copy(source, target, relpaths,
+                                            self.config.flush.chunk), "copy", ""
+            except OSError as exc:
+                if not is_stage_full(exc):
+                    raise
+                reason = f"stage full ({describe(exc)})"
+        # by reference: the flush and the replicas read the spool part and check it
+        # against these checksums
+        remove_tree(target)     # a copy of an earlier attempt, partial or whole
+        log.warning("capture of %s by reference: %s", ckpt, reason)
+        return source, capture_reference(source, relpaths), "reference", reason
 
     def _retain_stage(self) -> None:
         """Keep the newest `keep.stage` captures; never one still needed by a flush."""

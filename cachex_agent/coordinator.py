@@ -131,6 +131,9 @@ class Coordinator:
         if record is None or record["level"] in ("failed", "purged"):
             return
         record["captured"][str(node)] = msg["manifest"]
+        if msg.get("mode", "copy") != "copy":   # status says why a part is not staged
+            record.setdefault("capture", {})[str(node)] = {"mode": msg["mode"],
+                                                           "reason": msg.get("reason", "")}
         self.chooser.observe("capture", msg["ckpt"], node, _part_bytes(msg["manifest"]),
                              msg.get("duration", 0.0))
         record["errors"].pop(str(node), None)
@@ -342,7 +345,7 @@ class Coordinator:
                 "nodes_replicated": len(record.get("replicated", {})),
                 "nodes_flushed": len(record["flushed"]),
                 "flush": record["flush"], "path": record["path"],
-                "errors": record["errors"],
+                "errors": record["errors"], "capture": record.get("capture", {}),
                 "progress": record["progress"], "reason": record.get("reason")})
         return {"format": "cachex-status", "version": 1, "run": self.config.run,
                 "updated": self.clock(), "state": self.state, "nodes": self.nodes,

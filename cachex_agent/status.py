@@ -87,6 +87,9 @@ def _details(row: dict[str, Any], nodes: int | None) -> list[str]:
         share = progress["done"] / progress["total"] if progress["total"] else 1.0
         out.append(f"  {row['id']}: node {node} {progress['stage']} {share:.0%}"
                    f" of {human_size(progress['total'])}")
+    for node, capture in sorted((row.get("capture") or {}).items()):
+        out.append(f"  {row['id']}: node {node} captured by {capture['mode']}:"
+                   f" {capture['reason']}")
     for where, error in sorted((row.get("errors") or {}).items()):
         out.append(f"  {row['id']}: node {where}: {error}")
     if row.get("reason"):

@@ -4,23 +4,56 @@ Checksums are computed in the same pass as the copy. The captured directory appe
 under its final name only when every file is copied and fsynced (rename of a `.partial`
 directory), so a half-captured checkpoint is never mistaken for a whole one. A source
 file whose inode, size or mtime changed during the copy was rewritten in place by the
-trainer: the capture fails rather than keep a torn copy.
+trainer: the capture fails rather than keep a torn copy (`PartChanged`: the caller may
+wait for the writer and capture again). After a capture the caller lists the part again
+and compares it with what it listed before (`part_changes`).
+
+A stage that fills up (ENOSPC, EDQUOT: `is_stage_full`) does not fail a capture: the
+caller captures by reference instead (checksums of the spool files, re-verified by every
+later reader).
 """
 
 from __future__ import annotations
 
+import errno
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from ..checksum import copy_with_checksum, file_checksum
 from ..errors import OperationError
 from ..fsutil import fsync_dir, makedirs, remove_tree
 from ..manifest import FileEntry
+from .quiescence import FileState
 
 
 class CaptureError(OperationError):
     """The checkpoint could not be captured whole (deleted, rewritten, unreadable)."""
+
+
+class PartChanged(CaptureError):
+    """A file of the part changed while it was read: its writer is still at work."""
+
+
+#: errors of a full stage: capture by reference instead of failing
+_FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
+
+
+def is_stage_full(exc: OSError) -> bool:
+    return exc.errno in _FULL
+
+
+def part_changes(before: Mapping[Path, FileState], after: Mapping[Path, FileState]) -> str:
+    """'' when both listings are equal, else what differs (counts, then a few names)."""
+    added = sorted(set(after) - set(before))
+    removed = sorted(set(before) - set(after))
+    changed = sorted(p for p in set(before) & set(after) if before[p] != after[p])
+    parts = [f"{len(paths)} {what}" for what, paths in
+             (("added", added), ("removed", removed), ("changed", changed)) if paths]
+    if not parts:
+        return ""
+    names = ", ".join(p.name for p in [*added, *removed, *changed][:3])
+    return f"{', '.join(parts)} file(s) since listed (e.g. {names})"
 
 
 def list_files(ckpt_dir: Path, ignore: Callable[[str], bool] = lambda _: False) -> list[str]:
@@ -75,7 +108,7 @@ def _copy_one(src: Path, dst: Path, rel: str, chunk: int,
     size, checksum = copy_with_checksum(source, target, chunk, on_bytes)
     _check_unchanged(source, before)
     if size != before[1]:
-        raise CaptureError(f"{source}: size changed during capture ({before[1]} -> {size})")
+        raise PartChanged(f"{source}: size changed during capture ({before[1]} -> {size})")
     os.chmod(target, before[3])
     return FileEntry(rel, size, before[3], checksum)
 
@@ -84,13 +117,13 @@ def _identity(path: Path) -> tuple[int, int, int, int]:
     try:
         st = path.stat()
     except FileNotFoundError:
-        raise CaptureError(f"{path}: deleted during capture") from None
+        raise PartChanged(f"{path}: deleted during capture") from None
     return st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode & 0o7777
 
 
 def _check_unchanged(path: Path, before: tuple[int, int, int, int]) -> None:
     if _identity(path)[:3] != before[:3]:
-        raise CaptureError(f"{path}: rewritten during capture (inode, size or mtime changed)")
+        raise PartChanged(f"{path}: rewritten during capture (inode, size or mtime changed)")
 
 
 def _fsync_tree(root: Path) -> None:

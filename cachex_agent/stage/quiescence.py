@@ -24,12 +24,15 @@ import psutil
 from ..errors import OperationError
 
 __all__ = [
+    "DirectoryTimeout",
     "FileState",
     "QuiescenceStopped",
     "QuiescenceTimeout",
     "open_for_write",
     "snapshot",
+    "wait_for_directory",
     "wait_quiescent",
+    "wait_settled",
 ]
 
 #: (size, mtime_ns, inode) of one regular file; the inode catches a rename-over that
@@ -65,6 +68,15 @@ class QuiescenceStopped(OperationError):
     def __init__(self, directory: Path) -> None:
         self.directory = Path(directory)
         super().__init__(f"{directory}: stopped while waiting for writers to finish")
+
+
+class DirectoryTimeout(OperationError):
+    """A checkpoint directory did not appear in this node's spool in time."""
+
+    def __init__(self, directory: Path, timeout: float) -> None:
+        self.directory = Path(directory)
+        super().__init__(f"{directory}: checkpoint directory did not appear within"
+                         f" {timeout:g}s")
 
 
 def open_for_write(paths: Iterable[str | os.PathLike[str]]) -> set[Path]:
@@ -182,10 +194,38 @@ def snapshot(directory: str | os.PathLike[str],
     return files
 
 
+def wait_for_directory(directory: str | os.PathLike[str], timeout: float,
+                       stop: threading.Event | None = None, poll: float = 0.1) -> bool:
+    """Wait until `directory` exists; True when it was not there at the first look.
+
+    Raises DirectoryTimeout after `timeout` seconds, QuiescenceStopped when `stop` is set.
+    """
+    directory = Path(directory)
+    deadline = time.monotonic() + timeout
+    waited = False
+    while not directory.is_dir():
+        now = time.monotonic()
+        if now >= deadline:
+            raise DirectoryTimeout(directory, timeout)
+        waited = True
+        _pause(directory, min(poll, deadline - now), stop)
+    return waited
+
+
 def wait_quiescent(directory: str | os.PathLike[str], settle: float, timeout: float,
                    stop: threading.Event | None = None, poll: float = 0.1, *,
                    ignore: Callable[[str], bool] | None = None) -> list[Path]:
     """Wait until nobody writes under `directory`; return its regular files, sorted.
+
+    See `wait_settled`, which this is with the states dropped.
+    """
+    return sorted(wait_settled(directory, settle, timeout, stop, poll, ignore=ignore))
+
+
+def wait_settled(directory: str | os.PathLike[str], settle: float, timeout: float,
+                 stop: threading.Event | None = None, poll: float = 0.1, *,
+                 ignore: Callable[[str], bool] | None = None) -> dict[Path, FileState]:
+    """Wait until nobody writes under `directory`; return the state of its regular files.
 
     Quiescent means: no file is open for writing by any process, and (when `settle` > 0)
     the set of (path, size, mtime, inode) has not changed for `settle` seconds, the last
@@ -201,18 +241,23 @@ def wait_quiescent(directory: str | os.PathLike[str], settle: float, timeout: fl
     stable_since = time.monotonic()
     while True:
         files = snapshot(directory, ignore)
-        busy = open_for_write(files) if files else set()
         now = time.monotonic()
-        if files != last or busy:
+        changed = files != last
+        # Asking every process is the expensive part (thousands of files, every poll):
+        # a change already restarts the settle clock, so ask only once files hold still.
+        busy = open_for_write(files) if files and not (changed and settle > 0) else set()
+        if changed or busy:
             # A change or a writer restarts the settle clock: bytes may still be coming.
             stable_since, last = now, files
         if not busy and now - stable_since >= settle:
-            return sorted(files)
+            return files
         if now >= deadline:
             raise QuiescenceTimeout(directory, timeout, busy, changing=not busy)
-        pause = max(0.0, min(poll, deadline - now))
-        if stop is not None:
-            if stop.wait(pause):
-                raise QuiescenceStopped(directory)
-        else:
-            time.sleep(pause)
+        _pause(directory, max(0.0, min(poll, deadline - now)), stop)
+
+
+def _pause(directory: Path, seconds: float, stop: threading.Event | None) -> None:
+    if stop is None:
+        time.sleep(seconds)
+    elif stop.wait(seconds):
+        raise QuiescenceStopped(directory)

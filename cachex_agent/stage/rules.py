@@ -111,6 +111,10 @@ class CommitRule(abc.ABC):
     #: files at the spool root (outside every checkpoint dir) that belong to a commit,
     #: e.g. DeepSpeed's `latest`; restore must rewrite them to name the restored id
     root_files: tuple[str, ...] = ()
+    #: True when the framework writes the marker only after every rank finished writing
+    #: (it gathers or barriers first): then the commit vouches for every node's files.
+    #: Otherwise each node checks its own part (commit.settle) before capturing it.
+    marker_implies_complete: bool = False
 
     def committed(self, spool: Path) -> list[str]:
         """Ids whose commit marker is present in this node's spool, oldest first."""
@@ -129,6 +133,11 @@ class CommitRule(abc.ABC):
         """True for files inside a checkpoint dir that must never be captured."""
         return is_temp_file(relpath)
 
+    def vouches_for(self, ckpt_dir: Path) -> bool:
+        """Does a commit of `ckpt_dir` (seen on any node) mean this node's files under it
+        are complete? Keeps no state: the capture thread calls it."""
+        return self.marker_implies_complete
+
     def forget(self, ckpt_id: str) -> None:
         """Drop what the rule remembers of `ckpt_id` (its directory is being re-created)."""
         return None     # stateless rules remember nothing
@@ -144,6 +153,7 @@ class DcpRule(CommitRule):
 
     name = "dcp"
     marker = ".metadata"
+    marker_implies_complete = True      # the coordinator rank writes it after a gather
 
     def __init__(self, extra_global: Sequence[str] = ()) -> None:
         self.extra_global = tuple(extra_global)
@@ -175,6 +185,7 @@ class DeepSpeedRule(CommitRule):
 
     name = "deepspeed"
     root_files = ("latest",)
+    marker_implies_complete = True      # rank 0 writes `latest` after a barrier
     _GLOBAL = "mp_rank_*_model_states.pt"
 
     def __init__(self) -> None:
@@ -217,7 +228,8 @@ class DeepSpeedRule(CommitRule):
 
 class MarkerRule(CommitRule):
     """A configured glob relative to the spool (`marker:*/COMMITTED`); the checkpoint is
-    the first path component of each match, the matched files are its global files."""
+    the first path component of each match, the matched files are its global files.
+    Nothing says who writes the marker or when, so it vouches for no node's files."""
 
     def __init__(self, pattern: str) -> None:
         self.pattern = _check_marker(pattern)
@@ -279,7 +291,8 @@ class QuiescenceRule(CommitRule):
     """Generic: a directory is committed when no process holds any of its files open for
     writing and its file set (paths, sizes, mtimes) has not changed for `settle` seconds.
     Empty directories are never committed. Timers live in this object, so it must be
-    called repeatedly (`needs_polling`)."""
+    called repeatedly (`needs_polling`). The settle was measured on one node's files
+    only: it vouches for no other node's."""
 
     name = "quiescence"
     needs_polling = True
@@ -387,6 +400,13 @@ class AutoRule(CommitRule):
         self._kind.pop(ckpt_id, None)
         for rule in self._rules.values():
             rule.forget(ckpt_id)
+
+    def vouches_for(self, ckpt_dir: Path) -> bool:
+        # Classified afresh from this node's files (`_kind` belongs to the watcher's
+        # thread): a framework save vouches, the quiescence fallback does not.
+        ckpt_dir = Path(ckpt_dir)
+        kind = detect_kind(ckpt_dir, (ckpt_dir.parent / "latest").is_file())
+        return self._rules[kind].vouches_for(ckpt_dir)
 
 
 _DS_DIR = re.compile(r"global_step\d+")

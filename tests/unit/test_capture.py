@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import stat
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -14,6 +16,7 @@ from cachex_agent.errors import OperationError
 from cachex_agent.manifest import FileEntry
 from cachex_agent.stage import capture
 from cachex_agent.stage.capture import CaptureError, capture_copy, capture_reference, list_files
+from cachex_agent.stage.quiescence import snapshot
 
 CHUNK = 4096        # small, so every non-trivial file spans several on_bytes callbacks
 
@@ -334,3 +337,44 @@ def test_capture_reference_detects_a_deleted_file(spool_ckpt):
     with pytest.raises(CaptureError, match="deleted") as info:
         capture_reference(src, rels)
     assert str(src / "run.sh") in str(info.value)
+
+
+# ------------------------------------------------ completeness and a full stage (issue 10)
+
+def test_a_file_changing_under_the_copy_is_a_part_changed(spool_ckpt, stage):
+    """PartChanged (the writer is still at work) tells the agent to capture again."""
+    src, _ = spool_ckpt
+    with pytest.raises(capture.PartChanged, match="deleted"):
+        capture_copy(src, stage / "step_00100", ["not/there.bin"], CHUNK)
+
+
+def test_part_changes_names_what_was_added_removed_or_changed(spool_ckpt):
+    src, _ = spool_ckpt
+    before = snapshot(src)
+    assert capture.part_changes(before, snapshot(src)) == ""
+    (src / "late.bin").write_bytes(b"written after the listing")
+    (src / "run.sh").unlink()
+    with open(src / "empty.bin", "ab") as handle:
+        handle.write(b"grown")
+    changes = capture.part_changes(before, snapshot(src))
+    assert changes.startswith("1 added, 1 removed, 1 changed file(s) since listed")
+    for name in ("late.bin", "run.sh", "empty.bin"):
+        assert name in changes
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs")
+def test_a_full_stage_is_recognized_and_leaves_no_partial(spool_ckpt, tmp_path):
+    src, _ = spool_ckpt
+    (src / "big.bin").write_bytes(os.urandom(2 << 20))
+    small = tmp_path / "small-stage"
+    small.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1m", "tmpfs", str(small)], check=True)
+    try:
+        with pytest.raises(OSError) as info:
+            capture_copy(src, small / "step_00100", list_files(src), CHUNK)
+        assert capture.is_stage_full(info.value)
+        assert list(small.iterdir()) == []
+    finally:
+        subprocess.run(["umount", "-l", str(small)], check=False)
+    assert not capture.is_stage_full(OSError(errno.EIO, "I/O error"))
+    assert capture.is_stage_full(OSError(errno.EDQUOT, "Disk quota exceeded"))

@@ -11,6 +11,7 @@ from cachex_agent.coordinator import Coordinator
 from cachex_agent.events import EventLog, read_events
 from cachex_agent.journal import Journal
 from cachex_agent.manifest import FileEntry, LocalManifest
+from cachex_agent.status import format_status
 
 NODES = 4
 
@@ -247,3 +248,20 @@ def test_a_coordinator_without_journal_adopts_the_pfs_index(world, tmp_path):
     assert not types(sent, "commit")            # already on the PFS: nothing to redo
     fresh.handle(0, {"type": "marker", "ckpt": "s3", "global_files": []})
     assert types(sent, "commit")[0][1]["seq"] == 3
+
+
+def test_status_says_which_parts_were_captured_by_reference_and_why(world, tmp_path):
+    coord, _, _ = world()
+    coord.handle(0, {"type": "marker", "ckpt": "s1", "global_files": []})
+    for node in range(NODES):
+        mode = {"mode": "reference", "reason": "stage full (No space left on device)"} \
+            if node == 2 else {"mode": "copy", "reason": ""}
+        coord.handle(node, {"type": "captured", "ckpt": "s1",
+                            "manifest": manifest("s1", node), **mode})
+    coord.write_status()
+    row = json.loads((tmp_path / "journal/status.json").read_text())["checkpoints"][0]
+    assert row["level"] == "captured"
+    assert row["capture"] == {"2": {"mode": "reference",
+                                    "reason": "stage full (No space left on device)"}}
+    status = json.loads((tmp_path / "journal/status.json").read_text())
+    assert "s1: node 2 captured by reference: stage full" in format_status(status)

@@ -13,11 +13,14 @@ import pytest
 
 from cachex_agent.errors import OperationError
 from cachex_agent.stage.quiescence import (
+    DirectoryTimeout,
     QuiescenceStopped,
     QuiescenceTimeout,
     open_for_write,
     snapshot,
+    wait_for_directory,
     wait_quiescent,
+    wait_settled,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -224,3 +227,28 @@ def test_wait_quiescent_ignores_temp_files(tmp_path, holders):
     files = wait_quiescent(tmp_path, settle=0, timeout=10,
                            ignore=lambda rel: rel.endswith(".tmp"))
     assert files == [tmp_path / "a.distcp"]
+
+
+def test_wait_settled_returns_the_state_of_each_file(tmp_path):
+    (tmp_path / "a").write_bytes(b"abc")
+    states = wait_settled(tmp_path, settle=0, timeout=10)
+    st = (tmp_path / "a").stat()
+    assert states == {tmp_path / "a": (3, st.st_mtime_ns, st.st_ino)}
+
+
+def test_wait_for_directory_waits_until_it_appears(tmp_path):
+    late = tmp_path / "step_1"
+    assert wait_for_directory(tmp_path, timeout=1) is False      # there: no wait
+    maker = threading.Timer(0.3, late.mkdir)
+    maker.start()
+    assert wait_for_directory(late, timeout=30, poll=0.02) is True
+    maker.join()
+
+
+def test_wait_for_directory_is_bounded_and_stoppable(tmp_path):
+    with pytest.raises(DirectoryTimeout, match=r"step_1: checkpoint directory did not appear"):
+        wait_for_directory(tmp_path / "step_1", timeout=0.2, poll=0.05)
+    stop = threading.Event()
+    threading.Timer(0.2, stop.set).start()
+    with pytest.raises(QuiescenceStopped):
+        wait_for_directory(tmp_path / "step_1", timeout=30, stop=stop, poll=0.05)

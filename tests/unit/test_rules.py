@@ -405,3 +405,31 @@ def test_make_rule_rejects_unknown_and_negative_settle():
         make_rule("bogus", 2.0)
     with pytest.raises(ConfigError, match="commit.settle"):
         make_rule("quiescence", -1)
+
+
+# -- does the marker vouch for every node's files? ----------------------------------------
+
+def test_framework_markers_vouch_for_every_node_others_do_not(tmp_path):
+    ckpt = tmp_path / "step_1"
+    ckpt.mkdir()
+    # DCP's .metadata follows a gather, DeepSpeed's `latest` a barrier
+    assert DcpRule().vouches_for(ckpt) and DcpRule.marker_implies_complete
+    assert DeepSpeedRule().vouches_for(ckpt) and DeepSpeedRule.marker_implies_complete
+    # a user's glob and a settle measured on another node say nothing about this one
+    assert not MarkerRule("*/COMMITTED").vouches_for(ckpt)
+    assert not QuiescenceRule(2.0).vouches_for(ckpt)
+
+
+def test_auto_vouches_for_framework_saves_not_for_its_quiescence_fallback(tmp_path):
+    rule = AutoRule(2.0)
+    dcp = tmp_path / "step_1"
+    dcp.mkdir()
+    (dcp / "__2_0.distcp").write_bytes(b"x")        # a non-coordinator node: no .metadata
+    deepspeed = tmp_path / "global_step10"
+    deepspeed.mkdir()
+    generic = tmp_path / "run_3"
+    generic.mkdir()
+    (generic / "weights.bin").write_bytes(b"x")
+    assert rule.vouches_for(dcp) and rule.vouches_for(deepspeed)
+    assert not rule.vouches_for(generic)
+    assert not rule.vouches_for(tmp_path / "not_there_yet")
