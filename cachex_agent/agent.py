@@ -30,12 +30,13 @@ from .coordinator import Coordinator
 from .errors import CachexError, ConfigError, describe
 from .events import EventLog
 from .flush.flusher import Flusher
-from .fsutil import makedirs, remove_tree
+from .fsutil import makedirs, remove_under
 from .journal import Journal
 from .manifest import FileEntry, GlobalManifest, LocalManifest
 from .peer.globals import GlobalFiles, global_dir, mirror_file
 from .peer.partners import replication_map
 from .peer.replicator import Replicator
+from .safepath import UnsafeInput, checkpoint_id, index, relative_path, relative_paths
 from .stage.capture import (
     CaptureError,
     PartChanged,
@@ -108,7 +109,8 @@ class Agent:
         self.rank, self.node = self.placement.rank, self.placement.node
         self.paths = agree(comm, "start-up", lambda: prepare_dirs(config, self.placement))
         self.rule = make_rule(config.commit.rule, config.commit.settle, config.commit.globals)
-        self.journal = Journal(self.paths.journal)
+        self.journal = agree(comm, "journal", lambda: Journal(
+            self.paths.journal, (self.paths.stage, self.paths.spool)))
         self.events = EventLog(self.paths.journal / "events.jsonl", run=config.run,
                                node=self.node, rank=self.rank, host=self.placement.host)
         self.inbox: queue.Queue[dict[str, Any]] = queue.Queue()
@@ -129,10 +131,9 @@ class Agent:
         self.ranks_by_node = self._ranks_by_node()
         self.node_of_rank = {r: n for n, r in enumerate(self.ranks_by_node)}
         self.replicator = agree(comm, "peer set-up", self._make_replicator)
-        self.coordinator = (Coordinator(config, self.ranks_by_node, self.journal,
-                                        self.paths.pfs, self.events, self._send,
-                                        can_replicate=self.replicator is not None)
-                            if self.rank == 0 else None)
+        self.coordinator = agree(comm, "coordinator", lambda: Coordinator(
+            config, self.ranks_by_node, self.journal, self.paths.pfs, self.events, self._send,
+            can_replicate=self.replicator is not None) if self.rank == 0 else None)
         self.globals = GlobalFiles(comm, self.paths.journal, self._send_peer)
         self.watcher = SpoolWatcher(self.paths.spool, self.rule, self._on_marker,
                                     scan=config.commit.scan)
@@ -230,16 +231,31 @@ class Agent:
         while self._probe(PEER_TAG, status):
             source = status.Get_source()
             msg = self.comm.recv(source=source, tag=PEER_TAG)
-            if msg["type"] == "global_file":
-                self.globals.on_header(source, msg)
-            elif self.replicator is not None:
-                self.replicator.handle(self.node_of_rank[source], msg)
+            self._refusing(source, msg, self._on_peer_message)
         while self._probe(TAG, status):
-            msg = self.comm.recv(source=status.Get_source(), tag=TAG)
-            if "node" in msg and self.coordinator and msg["type"] not in _TO_AGENT:
-                self.coordinator.handle(msg["node"], msg)
-            else:
-                self._handle(msg)
+            source = status.Get_source()
+            msg = self.comm.recv(source=source, tag=TAG)
+            self._refusing(source, msg, self._on_message)
+
+    def _refusing(self, source: int, msg: Any, handle: Any) -> None:
+        """Handle a message whose names are safe; refuse any other with one line."""
+        try:
+            handle(source, checked_message(msg, f"message from rank {source}"))
+        except UnsafeInput as exc:
+            log.error("refused: %s", exc)
+            self.events.emit("refused", error=str(exc))
+
+    def _on_peer_message(self, source: int, msg: dict[str, Any]) -> None:
+        if msg["type"] == "global_file":
+            self.globals.on_header(source, msg)
+        elif self.replicator is not None:
+            self.replicator.handle(self.node_of_rank[source], msg)
+
+    def _on_message(self, _source: int, msg: dict[str, Any]) -> None:
+        if "node" in msg and self.coordinator and msg["type"] not in _TO_AGENT:
+            self.coordinator.handle(msg["node"], msg)
+        else:
+            self._handle(msg)
 
     def _probe(self, tag: int, status: Any) -> bool:
         # MPICH: the first probe may only drive progress; a message that has already
@@ -382,7 +398,7 @@ class Agent:
         ckpt = msg["ckpt"]
         entry = self.journal.get(ckpt)
         if entry and entry.get("mode") == "copy":
-            remove_tree(self.paths.stage / ckpt)
+            remove_under(self.paths.stage, self.paths.stage / ckpt)
         self.journal.update(ckpt, state="failed", reason=msg["reason"])
         self.flusher.cancel(ckpt)
         self.watcher.forget(ckpt)
@@ -497,7 +513,7 @@ class Agent:
             log.warning("capture of %s, attempt %d: %s", ckpt, attempt, changes)
             self.events.emit("capture_retry", ckpt=ckpt, seq=seq, attempt=attempt,
                              reason=changes)
-        remove_tree(self.paths.stage / ckpt)
+        remove_under(self.paths.stage, self.paths.stage / ckpt)
         raise CaptureError(f"{source}: still changing after {CAPTURE_ATTEMPTS} captures"
                            f" ({changes})")
 
@@ -533,7 +549,7 @@ class Agent:
                 reason = f"stage full ({describe(exc)})"
         # by reference: the flush and the replicas read the spool part and check it
         # against these checksums
-        remove_tree(target)     # a copy of an earlier attempt, partial or whole
+        remove_under(self.paths.stage, target)     # an earlier attempt, partial or whole
         log.warning("capture of %s by reference: %s", ckpt, reason)
         return source, capture_reference(source, relpaths), "reference", reason
 
@@ -553,7 +569,7 @@ class Agent:
             wanted = self.announced.get(ckpt, {}).get("flush", False)
             if ckpt in pending or (wanted and not entry.get("finalized")):
                 continue
-            remove_tree(self.paths.stage / ckpt)
+            remove_under(self.paths.stage, self.paths.stage / ckpt)
             self.journal.update(ckpt, mode="evicted")
             self.events.emit("evicted", ckpt=ckpt, seq=entry["seq"], level="stage")
             if not entry.get("finalized"):
@@ -592,6 +608,28 @@ class Agent:
 
 
 _TO_AGENT = {"commit", "manifest", "finalized", "failed", "drain", "exit"}
+_GLOBAL_MANIFESTS = {"manifest", "finalized"}      # the others carry a node's manifest
+
+
+def checked_message(msg: Any, source: str) -> dict[str, Any]:
+    """A message from another agent with every name that reaches a path checked
+    (safepath.py): checkpoint ids, file paths, node numbers, manifests."""
+    if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
+        raise UnsafeInput(f"{source}: not a cachex message: {msg!r}")
+    if "ckpt" in msg:
+        checkpoint_id(msg["ckpt"], source)
+    if "node" in msg:
+        index(msg["node"], source)
+    if "path" in msg:
+        relative_path(msg["path"], source)
+    relative_paths(msg.get("global_files", []), source, "global file path")
+    if msg["type"] == "drain":
+        for ckpt in msg.get("flush", []):
+            checkpoint_id(ckpt, source)
+    if "manifest" in msg:
+        kind = GlobalManifest if msg["type"] in _GLOBAL_MANIFESTS else LocalManifest
+        kind.from_json(msg["manifest"], source, msg.get("ckpt"))
+    return msg
 
 
 def _held(entry: dict[str, Any]) -> bool:

@@ -53,6 +53,15 @@ def config_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+def _checkpoint_argument(value: str | None, name: str) -> str | None:
+    """A checkpoint id given on the command line is a usage error when unsafe."""
+    from .safepath import UnsafeInput, checkpoint_id
+    try:
+        return value if value is None else checkpoint_id(value, name)
+    except UnsafeInput as exc:
+        raise ConfigError(str(exc)) from None
+
+
 def _run_guarded(func: Callable[[], Any], prog: str = "cachex", report: bool = True) -> None:
     """`report=False`: exit with the code, silently (another process says it)."""
     try:
@@ -169,7 +178,7 @@ def ls_command(cfg: configuration.Config, as_json: bool) -> None:
 def verify_command(cfg: configuration.Config, ckpt: str) -> None:
     """Check the checksums of every copy of CKPT visible from this machine."""
     from .recovery.verify import verify
-    findings = verify(cfg, ckpt)
+    findings = verify(cfg, _checkpoint_argument(ckpt, "CKPT"))
     for f in findings:
         state = "ok" if f.ok else f.note if not f.checked else "BAD"
         click.echo(f"{ckpt} {f.level:<7} node {f.node:<4} {state:<16} {f.where}")
@@ -191,7 +200,7 @@ def export_command(cfg: configuration.Config, ckpt: str, dest: str, per_node: bo
     """Write CKPT from the PFS bundles to DEST in the trainer's layout (no MPI)."""
     from .recovery.catalog import require_global
     from .recovery.export import export
-    manifest = require_global(cfg, ckpt)
+    manifest = require_global(cfg, _checkpoint_argument(ckpt, "CKPT"))
     start = time.monotonic()
     total = export(manifest, cfg.node_paths(0).pfs, Path(dest), per_node,
                    say=lambda line: click.echo(f"  {line}", err=True))
@@ -218,6 +227,7 @@ def recover_command(cfg: configuration.Config, ckpt: str | None, exclude: tuple[
     from mpi4py import MPI
 
     from .recovery.rebuild import recover
+    ckpt = _checkpoint_argument(ckpt, "--ckpt")
     comm = MPI.COMM_WORLD
     _setup_logging(cfg.agent.log, f"{comm.Get_rank()}@{socket.gethostname()}")
     try:

@@ -33,10 +33,11 @@ from .config import Config
 from .events import EventLog
 from .flush.bundle import bundle_name
 from .flush.flusher import ckpt_dir
-from .fsutil import makedirs, read_json, remove_tree, write_json
+from .fsutil import makedirs, read_json, remove_under, write_json
 from .journal import Journal
 from .manifest import GlobalManifest, LocalManifest
 from .model.choose import PathChooser
+from .safepath import checkpoint_id, relative_paths
 
 log = logging.getLogger(__name__)
 Send = Callable[[int, dict[str, Any]], None]
@@ -56,8 +57,12 @@ class Coordinator:
         self.events = events
         self.send = send
         self.clock = clock
-        saved = journal.read("coordinator.json") or self._from_index()
-        self.ckpts: dict[str, dict[str, Any]] = saved.get("ckpts", {})
+        saved = journal.read("coordinator.json")
+        source = journal.root / "coordinator.json"
+        if not saved:
+            saved, source = self._from_index(), pfs_run / "index.json"
+        self.ckpts: dict[str, dict[str, Any]] = _checked_records(saved.get("ckpts", {}),
+                                                                 source)
         for record in self.ckpts.values():
             record.setdefault("path", "peer")   # journals from before the path choice
         self.next_seq: int = saved.get("next_seq", 1)
@@ -290,7 +295,7 @@ class Coordinator:
         if keep == 0 or len(valid) <= keep:
             return
         for record in valid[:-keep]:
-            remove_tree(ckpt_dir(self.pfs_run, record["id"]))
+            remove_under(self.pfs_run / "ckpt", ckpt_dir(self.pfs_run, record["id"]))
             record["level"] = "purged"
             self.events.emit("purged", ckpt=record["id"], seq=record["seq"], level="pfs")
         self._persist()
@@ -362,6 +367,15 @@ class Coordinator:
             pass
         self.dirty = False
         self._last_status = self.clock()
+
+
+def _checked_records(ckpts: dict[str, dict[str, Any]], source: Path
+                     ) -> dict[str, dict[str, Any]]:
+    """Record ids name PFS directories that the coordinator writes and purges."""
+    for key, record in ckpts.items():
+        checkpoint_id(record.get("id"), source, key)
+        relative_paths(record.get("global_files", []), source, f"global file of {key}")
+    return ckpts
 
 
 def _empty_record(ckpt: str, seq: int, level: str, **fields: Any) -> dict[str, Any]:

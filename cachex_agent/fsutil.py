@@ -10,6 +10,8 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any, BinaryIO
 
+from .errors import OperationError
+
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
     fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
@@ -78,6 +80,27 @@ def makedirs(path: str | os.PathLike[str]) -> Path:
         directory.mkdir(exist_ok=True)
         fsync_dir(directory.parent)
     return path
+
+
+def fsync_tree(root: str | os.PathLike[str]) -> None:
+    """fsync every directory of a tree (its files were fsynced as they were written)."""
+    for directory, _dirs, _files in os.walk(root):
+        fsync_dir(directory)
+
+
+def is_under(root: str | os.PathLike[str], path: str | os.PathLike[str]) -> bool:
+    """True if `path`, symlinks resolved, is strictly below `root` (resolved)."""
+    base = Path(root).resolve()
+    target = Path(path).resolve()
+    return target != base and base in target.parents
+
+
+def remove_under(root: str | os.PathLike[str], path: str | os.PathLike[str]) -> None:
+    """remove_tree, refused for any path that is not strictly below `root`: a name that
+    came from a file (manifest, journal) can never make a removal leave its own root."""
+    if not is_under(root, path):
+        raise OperationError(f"{path}: refusing to remove, not under {root}")
+    remove_tree(path)
 
 
 def remove_tree(path: str | os.PathLike[str]) -> None:

@@ -19,17 +19,32 @@ from typing import Any
 
 from .fsutil import makedirs, read_json, write_json
 from .manifest import GlobalManifest, LocalManifest
+from .safepath import UnsafeInput, checkpoint_id, relative_paths
 
 LOCAL_STATES = ("capturing", "captured", "flushed", "failed")
 
 
 class Journal:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, places: tuple[Path, ...] = ()) -> None:
+        """`places`: the directories a checkpoint's `source` may be in (stage, spool);
+        an entry whose source is anything but `<place>/<ckpt>` is refused."""
         self.root = makedirs(root)
         makedirs(root / "manifests")
         makedirs(root / "global")
         self._lock = threading.Lock()
         self.entries: dict[str, dict[str, Any]] = self._load("state.json").get("ckpts", {})
+        self._check(root / "state.json", places)
+
+    def _check(self, where: Path, places: tuple[Path, ...]) -> None:
+        """Every checkpoint id and path read back is joined to a directory later."""
+        for ckpt, entry in self.entries.items():
+            checkpoint_id(ckpt, where)
+            relative_paths(entry.get("global_files", []), where, f"global file of {ckpt}")
+            source = entry.get("source")
+            if places and source is not None and source not in {
+                    str(place / ckpt) for place in places}:
+                raise UnsafeInput(f"{where}: unsafe source {source!r} of {ckpt} (not in"
+                                  f" {' or '.join(map(str, places))})")
 
     def _load(self, name: str) -> dict[str, Any]:
         path = self.root / name
@@ -54,14 +69,14 @@ class Journal:
 
     def manifest(self, ckpt: str) -> LocalManifest | None:
         path = self.root / "manifests" / f"{ckpt}.json"
-        return LocalManifest.load(path) if path.exists() else None
+        return LocalManifest.load(path, ckpt) if path.exists() else None
 
     def save_global(self, manifest: GlobalManifest) -> None:
         write_json(self.root / "global" / f"{manifest.ckpt}.json", manifest.to_json())
 
     def global_manifest(self, ckpt: str) -> GlobalManifest | None:
         path = self.root / "global" / f"{ckpt}.json"
-        return GlobalManifest.from_json(read_json(path)) if path.exists() else None
+        return GlobalManifest.load(path, ckpt) if path.exists() else None
 
     def read(self, name: str) -> dict[str, Any]:
         return self._load(name)

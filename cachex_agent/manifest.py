@@ -14,6 +14,7 @@ from typing import Any
 from .checksum import ALGORITHM
 from .errors import OperationError
 from .fsutil import read_json, write_json
+from .safepath import UnsafeInput, checkpoint_id, component, index, relative_path
 
 LOCAL_FORMAT = "cachex-local-manifest"
 GLOBAL_FORMAT = "cachex-global-manifest"
@@ -50,18 +51,26 @@ class LocalManifest:
         return {"format": LOCAL_FORMAT, "version": VERSION, **asdict(self)}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> LocalManifest:
-        _check_format(data, LOCAL_FORMAT)
-        fields = {k: v for k, v in data.items() if k not in ("format", "version")}
-        fields["files"] = [FileEntry(**entry) for entry in fields["files"]]
-        return cls(**fields)
+    def from_json(cls, data: dict[str, Any], source: object = "local manifest",
+                  directory: str | None = None) -> LocalManifest:
+        """Parse and check every name that ends up in a path (safepath.py); `source`
+        names the file or message in errors, `directory` is the checkpoint id it is
+        stored under, if any."""
+        _check_format(data, LOCAL_FORMAT, source)
+        fields = _fields(data, source)
+        checkpoint_id(fields.get("ckpt"), source, directory)
+        index(fields.get("node"), source)
+        index(fields.get("rank"), source, "rank")
+        component(fields.get("host"), source, "host")
+        fields["files"] = [_file_entry(entry, source) for entry in _list(data, "files", source)]
+        return _build(cls, fields, source)
 
     def save(self, path: Path) -> None:
         write_json(path, self.to_json())
 
     @classmethod
-    def load(cls, path: Path) -> LocalManifest:
-        return cls.from_json(read_json(path))
+    def load(cls, path: Path, directory: str | None = None) -> LocalManifest:
+        return cls.from_json(read_json(path), path, directory)
 
 
 @dataclass
@@ -86,9 +95,28 @@ class GlobalManifest:
         return {"format": GLOBAL_FORMAT, "version": VERSION, **asdict(self)}
 
     @classmethod
-    def from_json(cls, data: dict[str, Any]) -> GlobalManifest:
-        _check_format(data, GLOBAL_FORMAT)
-        return cls(**{k: v for k, v in data.items() if k not in ("format", "version")})
+    def from_json(cls, data: dict[str, Any], source: object = "global manifest",
+                  directory: str | None = None) -> GlobalManifest:
+        """Parse and check every name that ends up in a path, as LocalManifest does;
+        nodes are numbered 0..N-1 and every file belongs to one of them."""
+        _check_format(data, GLOBAL_FORMAT, source)
+        fields = _fields(data, source)
+        checkpoint_id(fields.get("ckpt"), source, directory)
+        numbers = [_node(part, source) for part in _list(data, "nodes", source)]
+        if sorted(numbers) != list(range(len(numbers))):
+            raise UnsafeInput(f"{source}: nodes {numbers} are not numbered 0..{len(numbers) - 1}")
+        for entry in _list(data, "files", source):
+            _file_entry({k: v for k, v in _dict(entry, source).items() if k != "node"}, source)
+            if entry.get("node") not in numbers:
+                raise UnsafeInput(f"{source}: file {entry.get('path')!r} of node"
+                                  f" {entry.get('node')!r}, not a node of this checkpoint")
+        for path in _list(data, "global_files", source):
+            relative_path(path, source, "global file path")
+        return _build(cls, fields, source)
+
+    @classmethod
+    def load(cls, path: Path, directory: str | None = None) -> GlobalManifest:
+        return cls.from_json(read_json(path), path, directory)
 
     @classmethod
     def build(cls, parts: list[LocalManifest], global_files: list[str],
@@ -106,9 +134,50 @@ class GlobalManifest:
                 for entry in self.files if entry["node"] == node]
 
 
-def _check_format(data: dict[str, Any], expected: str) -> None:
+def _check_format(data: Any, expected: str, source: object) -> None:
+    _dict(data, source)
     if data.get("format") != expected:
-        raise OperationError(f"not a {expected}: format={data.get('format')!r}")
+        raise OperationError(f"{source}: not a {expected}: format={data.get('format')!r}")
     if data.get("version") != VERSION:
-        raise OperationError(f"{expected} version {data.get('version')!r} is not supported"
-                             f" (this cachex reads version {VERSION})")
+        raise OperationError(f"{source}: {expected} version {data.get('version')!r} is not"
+                             f" supported (this cachex reads version {VERSION})")
+
+
+def _fields(data: dict[str, Any], source: object) -> dict[str, Any]:
+    return {k: v for k, v in data.items() if k not in ("format", "version")}
+
+
+def _dict(value: Any, source: object) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise UnsafeInput(f"{source}: expected an object, found {type(value).__name__}")
+    return value
+
+
+def _list(data: dict[str, Any], key: str, source: object) -> list[Any]:
+    value = data.get(key)
+    if not isinstance(value, list):
+        raise UnsafeInput(f"{source}: {key!r} is not a list but {type(value).__name__}")
+    return value
+
+
+def _file_entry(entry: Any, source: object) -> FileEntry:
+    entry = _dict(entry, source)
+    relative_path(entry.get("path"), source)
+    index(entry.get("size"), source, f"size of {entry.get('path')!r}")
+    index(entry.get("mode"), source, f"mode of {entry.get('path')!r}")
+    return _build(FileEntry, entry, source)
+
+
+def _node(part: Any, source: object) -> int:
+    part = _dict(part, source)
+    component(part.get("host"), source, "host")
+    index(part.get("rank"), source, "rank")
+    component(part.get("bundle"), source, "bundle name")
+    return index(part.get("node"), source)
+
+
+def _build(cls: Any, fields: dict[str, Any], source: object) -> Any:
+    try:
+        return cls(**fields)
+    except TypeError as exc:            # a missing or unknown key
+        raise UnsafeInput(f"{source}: {exc}") from None

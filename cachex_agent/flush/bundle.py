@@ -30,7 +30,7 @@ import mmap
 import os
 import stat
 from collections.abc import Callable, Iterator
-from pathlib import Path, PurePosixPath
+from pathlib import Path
 from typing import Any
 
 import h5py
@@ -40,6 +40,7 @@ from ..checksum import hasher
 from ..errors import OperationError
 from ..fsutil import commit_rename, fsync_dir, makedirs, temp_name
 from ..manifest import FileEntry, LocalManifest
+from ..safepath import checkpoint_id, component, index, relative_path
 from .throttle import TokenBucket
 
 FORMAT = "cachex-bundle"
@@ -234,9 +235,11 @@ def read_manifest(path: Path) -> LocalManifest:
     with _open(path) as h5:
         attrs = _checked_root(path, h5, need_complete=True)
         files = [entry for _, _, entry in _datasets(path, h5)]
-        return LocalManifest(run=_str(attrs["run"]), ckpt=_str(attrs["ckpt"]),
-                             seq=int(attrs["seq"]), node=int(attrs["node"]),
-                             host=_str(attrs["host"]), rank=int(attrs["rank"]),
+        return LocalManifest(run=_str(attrs["run"]),
+                             ckpt=checkpoint_id(_str(attrs["ckpt"]), path),
+                             seq=int(attrs["seq"]), node=index(int(attrs["node"]), path),
+                             host=component(_str(attrs["host"]), path, "host"),
+                             rank=int(attrs["rank"]),
                              files=files, captured_at=float(attrs["captured_at"]),
                              algorithm=_str(attrs["algorithm"]))
 
@@ -295,7 +298,8 @@ def extract(path: Path, dest: Path, only: set[str] | None = None) -> list[FileEn
 
     Each file lands atomically (temp, fsync, rename) at its relative path with its mode,
     streamed in chunks and checked against its checksum on the way (BundleError on a
-    mismatch, a name in `only` that the bundle lacks, or an unsafe path).
+    mismatch, a name in `only` that the bundle lacks; UnsafeInput for an unsafe path,
+    before anything is written).
     """
     dest = Path(dest)
     written: list[FileEntry] = []
@@ -309,7 +313,7 @@ def extract(path: Path, dest: Path, only: set[str] | None = None) -> list[FileEn
         group = h5[FILES].id
         parents: set[Path] = set()
         for name, entry in chosen:
-            target = dest / _safe_relative(path, entry.path)
+            target = dest / entry.path
             makedirs(target.parent)
             _extract_one(path, h5py.h5d.open(group, name), entry, raw, target)
             parents.add(target.parent)
@@ -336,14 +340,6 @@ def _extract_one(path: Path, dset: h5py.h5d.DatasetID, entry: FileEntry, raw: _R
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
-
-
-def _safe_relative(path: Path, name: str) -> PurePosixPath:
-    """Refuse paths that would land outside the destination (a corrupt bundle)."""
-    relative = PurePosixPath(name)
-    if not name or relative.is_absolute() or ".." in relative.parts:
-        raise BundleError(f"{path}: refusing unsafe file path {name!r}")
-    return relative
 
 
 def _check_dataset(dset: h5py.h5d.DatasetID, entry: FileEntry, raw: _RawFile,
@@ -468,7 +464,8 @@ def _checked_root(path: Path, h5: h5py.File, need_complete: bool) -> Any:
 
 def _datasets(path: Path, h5: h5py.File
               ) -> Iterator[tuple[bytes, h5py.h5d.DatasetID, FileEntry]]:
-    """Each dataset in manifest order, open, with the FileEntry its attributes describe.
+    """Each dataset in manifest order, open, with the FileEntry its attributes describe
+    (its path checked: UnsafeInput names the bundle and the path).
 
     One dataset is open at a time: HDF5 scans every open object of the file when it
     opens an attribute, so holding thousands open makes reading quadratic.
@@ -477,7 +474,8 @@ def _datasets(path: Path, h5: h5py.File
     for name in sorted(group, key=lambda n: (len(n), n)):
         try:
             dset = h5py.h5d.open(group, name)
-            entry = FileEntry(path=_str(_get_attr(dset, "path", _STRING)),
+            entry = FileEntry(path=relative_path(_str(_get_attr(dset, "path", _STRING)),
+                                                 f"{path}: {FILES}/{_str(name)}"),
                               size=int(_get_attr(dset, "size", np.int64)),
                               mode=int(_get_attr(dset, "mode", np.int64)),
                               checksum=_str(_get_attr(dset, "checksum", _STRING)))

@@ -32,12 +32,14 @@ from typing import Any
 from ..checksum import hasher
 from ..errors import describe
 from ..events import EventLog
-from ..fsutil import fsync_dir, makedirs, remove_tree
+from ..fsutil import fsync_dir, fsync_tree, makedirs, remove_under
 from ..manifest import LocalManifest
+from ..safepath import UnsafeInput
 from .window import ReceiveWindow
 
 log = logging.getLogger(__name__)
 Post = Callable[[dict[str, Any]], None]
+MANIFEST_SUFFIX = ".manifest.json"
 
 
 def owner_dir(root: Path, owner: int) -> Path:
@@ -49,18 +51,23 @@ def replica_dir(root: Path, owner: int, ckpt: str) -> Path:
 
 
 def manifest_path(root: Path, owner: int, ckpt: str) -> Path:
-    return owner_dir(root, owner) / f"{ckpt}.manifest.json"
+    return owner_dir(root, owner) / f"{ckpt}{MANIFEST_SUFFIX}"
 
 
 def held_replicas(root: Path) -> dict[int, list[LocalManifest]]:
-    """Complete replicas by owner, oldest first (only those whose manifest was written)."""
+    """Complete replicas by owner, oldest first (only those whose manifest was written).
+
+    A manifest must name the checkpoint and the owner it is stored under (UnsafeInput)."""
     found: dict[int, list[LocalManifest]] = {}
     for directory in sorted(root.glob("node-*")) if root.is_dir() else []:
-        for path in directory.glob("*.manifest.json"):
+        for path in directory.glob(f"*{MANIFEST_SUFFIX}"):
             try:
-                manifest = LocalManifest.load(path)
+                manifest = LocalManifest.load(path, path.name[:-len(MANIFEST_SUFFIX)])
             except (OSError, ValueError):
                 continue
+            if owner_dir(root, manifest.node) != directory:
+                raise UnsafeInput(f"{path}: node {manifest.node} stored under"
+                                  f" {directory.name}")
             found.setdefault(manifest.node, []).append(manifest)
     return {owner: sorted(items, key=lambda m: m.seq) for owner, items in found.items()}
 
@@ -72,10 +79,9 @@ def partial_dir(root: Path, owner: int, ckpt: str) -> Path:
 def commit_replica(root: Path, manifest: LocalManifest, partial: Path,
                    retry: Callable[[Callable[[], Any]], Any] = lambda action: action()) -> None:
     """`partial` holds every file, verified: fsync, rename into place, manifest last."""
-    for directory, _dirs, _files in os.walk(partial):
-        fsync_dir(directory)
+    fsync_tree(partial)
     final = replica_dir(root, manifest.node, manifest.ckpt)
-    remove_tree(final)
+    remove_under(root, final)
     os.rename(partial, final)
     fsync_dir(final.parent)
     retry(lambda: manifest.save(manifest_path(root, manifest.node, manifest.ckpt)))
@@ -108,7 +114,10 @@ class ReplicaStore:
     # ------------------------------------------------------------ main thread
     def begin(self, owner: int, manifest: dict[str, Any]) -> None:
         self._open_streams[owner] = time.monotonic()
-        self._tasks.put(("begin", (owner, LocalManifest.from_json(manifest))))
+        parsed = LocalManifest.from_json(manifest, f"replication from node {owner}")
+        if parsed.node != owner:
+            raise UnsafeInput(f"replication from node {owner}: manifest of node {parsed.node}")
+        self._tasks.put(("begin", (owner, parsed)))
 
     def slot(self, owner: int, ckpt: str, slot: int, index: int, offset: int, length: int
              ) -> None:
@@ -151,7 +160,7 @@ class ReplicaStore:
         self.events.emit("replica_start", ckpt=manifest.ckpt, seq=manifest.seq, owner=owner,
                          bytes=manifest.bytes)
         try:
-            remove_tree(partial)
+            remove_under(self.root, partial)
             self._retry_full(lambda: makedirs(partial))
             for index, entry in enumerate(manifest.files):
                 if entry.size == 0:
@@ -222,12 +231,11 @@ class ReplicaStore:
         self.post({"type": "ack", "owner": owner, "ckpt": ckpt, "ok": error is None,
                    "error": error})
 
-    @staticmethod
-    def _abandon(item: _Incoming) -> None:
+    def _abandon(self, item: _Incoming) -> None:
         for fd in item.fds.values():
             os.close(fd)
         item.fds.clear()
-        remove_tree(item.partial)
+        remove_under(self.root, item.partial)
 
     def _missing(self, item: _Incoming) -> str | None:
         missing = [e.path for i, e in enumerate(item.manifest.files) if i not in item.done]
@@ -262,7 +270,7 @@ class ReplicaStore:
 
     def _delete(self, owner: int, manifest: LocalManifest, reason: str) -> None:
         manifest_path(self.root, owner, manifest.ckpt).unlink(missing_ok=True)
-        remove_tree(replica_dir(self.root, owner, manifest.ckpt))
+        remove_under(self.root, replica_dir(self.root, owner, manifest.ckpt))
         self.events.emit("evicted", ckpt=manifest.ckpt, seq=manifest.seq, owner=owner,
                          level="replica", reason=reason)
 

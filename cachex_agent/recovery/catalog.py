@@ -23,7 +23,7 @@ def global_manifest(config: Config, ckpt: str) -> GlobalManifest | None:
     for path in (ckpt_dir(node0.pfs, ckpt) / "manifest.json",
                  node0.journal / "global" / f"{ckpt}.json"):
         try:
-            return GlobalManifest.from_json(read_json(path))
+            return GlobalManifest.load(path, ckpt)
         except (OSError, json.JSONDecodeError):
             continue
     return None
@@ -34,7 +34,7 @@ def local_manifests(config: Config, ckpt: str, nodes: int) -> dict[int, LocalMan
     for node in range(nodes):
         path = config.node_paths(node).journal / "manifests" / f"{ckpt}.json"
         try:
-            found[node] = LocalManifest.load(path)
+            found[node] = LocalManifest.load(path, ckpt)
         except (OSError, json.JSONDecodeError):
             continue
     return found

@@ -6,7 +6,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import OperationError
-from ..flush.bundle import extract
+from ..flush.bundle import extract, read_manifest
 from ..flush.flusher import bundle_path
 from ..fsutil import makedirs
 from ..manifest import GlobalManifest
@@ -20,6 +20,8 @@ def export(manifest: GlobalManifest, pfs_run: Path, dest: Path, per_node: bool =
     (a global file mirrored to every node); different contents are an error.
     """
     _check_collisions(manifest, per_node)
+    for node in manifest.nodes:     # every name in every bundle checked before any write
+        read_manifest(bundle_path(pfs_run, manifest.ckpt, node["node"]))
     makedirs(dest)
     seen: set[str] = set()
     total = 0

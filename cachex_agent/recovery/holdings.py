@@ -9,12 +9,12 @@ corrupted copy is skipped, and a better one is chosen.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 from ..config import Config, NodePaths
 from ..flush.bundle import is_complete, read_manifest, verify_bundle
 from ..flush.flusher import bundle_path
-from ..fsutil import read_json
 from ..manifest import FileEntry, GlobalManifest
 from ..peer.globals import global_dir
 from ..peer.store import held_replicas, replica_dir
@@ -23,15 +23,18 @@ from .verify import check_files
 
 
 def journal_manifests(paths: NodePaths) -> dict[str, GlobalManifest]:
-    return _manifests(paths.journal / "global", "*.json")
+    return _manifests(paths.journal / "global", "*.json", lambda path: path.stem)
 
 
 def pfs_manifests(pfs_run: Path) -> dict[str, GlobalManifest]:
-    return _manifests(pfs_run / "ckpt", "*/manifest.json")
+    return _manifests(pfs_run / "ckpt", "*/manifest.json", lambda path: path.parent.name)
 
 
-def _manifests(directory: Path, pattern: str) -> dict[str, GlobalManifest]:
-    """Every readable global manifest; an unreadable place (PFS down) gives none."""
+def _manifests(directory: Path, pattern: str, stored_as: Callable[[Path], str]
+               ) -> dict[str, GlobalManifest]:
+    """Every readable global manifest; an unreadable place (PFS down) gives none. A
+    manifest with an unsafe name, or one that is not the name it is stored under
+    (`stored_as`), raises UnsafeInput."""
     found = {}
     try:
         candidates = sorted(directory.glob(pattern))
@@ -39,8 +42,8 @@ def _manifests(directory: Path, pattern: str) -> dict[str, GlobalManifest]:
         return found
     for path in candidates:
         try:
-            manifest = GlobalManifest.from_json(read_json(path))
-        except (OSError, ValueError, TypeError):
+            manifest = GlobalManifest.load(path, stored_as(path))
+        except (OSError, ValueError):
             continue
         found[manifest.ckpt] = manifest
     return found
@@ -127,5 +130,5 @@ def to_json(manifests: dict[str, GlobalManifest]) -> str:
     return json.dumps({k: m.to_json() for k, m in manifests.items()})
 
 
-def from_json(text: str) -> dict[str, GlobalManifest]:
-    return {k: GlobalManifest.from_json(v) for k, v in json.loads(text).items()}
+def from_json(text: str, source: str) -> dict[str, GlobalManifest]:
+    return {k: GlobalManifest.from_json(v, source, k) for k, v in json.loads(text).items()}

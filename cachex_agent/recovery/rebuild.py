@@ -9,13 +9,22 @@ process for one node). Call order, every rank:
                  a surviving holder to the target over MPI (raw buffers, bounded waits)
   5. redundancy  every node's restored part is copied to its partners' replica stores
 Every step ends with an agreement: a failure anywhere fails every rank with the same
-message. Files land atomically in `<spool>/<ckpt>/` in the trainer's layout, global
-files last; newer checkpoint directories that could not be recovered are moved aside
-(`.cachex-unrecoverable-<ckpt>`) so that unchanged resume code picks the recovered one.
+message. Every name read from a manifest, bundle or replica store is checked where it is
+parsed (safepath.py): an unsafe one fails the recovery before anything is written.
+
+Each node's checkpoint is assembled in a hidden directory of its spool
+(`.cachex-recover-<ckpt>`, never taken for a checkpoint by agents or resume code) and
+renamed to `<spool>/<ckpt>` once every file is there, verified; then the spool is
+fsynced. A crash midway leaves nothing under the real name, and the next recovery
+removes the hidden directory. A node whose own spool copy is intact keeps it in place
+and only gains the global files, each atomically. Newer checkpoint directories that
+could not be recovered are moved aside (`.cachex-unrecoverable-<ckpt>`) so that
+unchanged resume code picks the recovered one.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -31,17 +40,19 @@ from ..config import Config
 from ..errors import OperationError
 from ..flush.bundle import extract
 from ..flush.flusher import bundle_path
-from ..fsutil import fsync_dir, makedirs, remove_tree, temp_name
+from ..fsutil import fsync_dir, fsync_tree, makedirs, remove_under, temp_name
 from ..manifest import FileEntry, GlobalManifest, LocalManifest
 from ..peer.globals import mirror_file
 from ..peer.partners import replication_map
 from ..peer.store import commit_replica, partial_dir
+from ..safepath import NAME_MAX
 from ..stage.rules import checkpoint_names, natural_key
 from ..topology import place_in
 from . import holdings
 from .plan import Copy, Move, Plan, choose
 
 DATA_TAG = 21
+PARTIAL_PREFIX = ".cachex-recover-"
 
 
 @dataclass
@@ -87,12 +98,15 @@ def recover(config: Config, comm: Any, want: str | None = None,
 # ----------------------------------------------------------------------- phases
 def _shared_manifests(comm: Any, config: Config, paths: Any, exclude: frozenset[str]
                       ) -> dict[str, GlobalManifest]:
-    mine = holdings.journal_manifests(paths)
-    if comm.Get_rank() == 0 and "pfs" not in exclude:
-        mine = {**holdings.pfs_manifests(paths.pfs), **mine}
+    def own() -> dict[str, GlobalManifest]:
+        mine = holdings.journal_manifests(paths)
+        if comm.Get_rank() == 0 and "pfs" not in exclude:
+            mine = {**holdings.pfs_manifests(paths.pfs), **mine}
+        return mine
+    mine = agree(comm, "manifests", own)
     merged: dict[str, GlobalManifest] = {}
-    for text in comm.allgather(holdings.to_json(mine)):
-        for ckpt, manifest in holdings.from_json(text).items():
+    for rank, text in enumerate(comm.allgather(holdings.to_json(mine))):
+        for ckpt, manifest in holdings.from_json(text, f"manifests of rank {rank}").items():
             if ckpt not in merged or manifest.committed_at > merged[ckpt].committed_at:
                 merged[ckpt] = manifest
     return merged
@@ -100,10 +114,12 @@ def _shared_manifests(comm: Any, config: Config, paths: Any, exclude: frozenset[
 
 def _all_copies(comm: Any, config: Config, paths: Any, node: int,
                 manifests: dict[str, GlobalManifest], exclude: frozenset[str]) -> list[Copy]:
-    mine = holdings.local_copies(paths, node, manifests, exclude)
+    mine = agree(comm, "holdings", lambda: holdings.local_copies(paths, node, manifests,
+                                                                 exclude))
     copies = [c for part in comm.allgather(mine) for c in part]
     if "pfs" not in exclude:
-        copies += holdings.pfs_copies(paths.pfs, manifests)
+        copies += agree(comm, "PFS holdings", lambda: holdings.pfs_copies(paths.pfs,
+                                                                           manifests))
     return copies
 
 
@@ -139,21 +155,65 @@ def _restore(comm: Any, config: Config, node: int, rank_of: dict[int, int], plan
              ) -> dict[str, int]:
     """Transfers first, in the plan's order on every rank (so no rank waits on another
     that is busy extracting from a slow PFS), then the moves each node does alone; a
-    node's own part before the global files of others."""
+    node's own part before the global files of others. Files land in a hidden partial
+    directory, renamed into place at the end (module docstring)."""
     moved: dict[str, int] = {}
-    spool = config.node_paths(node).spool / plan.ckpt
+    spool = config.node_paths(node).spool
+    final = spool / plan.ckpt
+    in_place = any(m.target == m.owner == m.source.holder == node and m.source.kind == "spool"
+                   for m in plan.moves)
+    _remove_partials(spool)
+    directory = final if in_place else makedirs(spool / partial_name(plan.ckpt))
     entries = {(e["node"], e["path"]): _entry(e) for e in plan.manifest.files}
     ordered = sorted(plan.moves, key=lambda m: (m.local, m.owner != m.target))
     for move in ordered:
         files = [entries[(move.owner, p)] for p in move.paths]
         if move.target == node:
-            n = _receive_move(comm, config, move, files, spool, rank_of)
+            n = _receive_move(comm, config, move, files, directory, rank_of)
             moved[move.source.kind] = moved.get(move.source.kind, 0) + n
         elif move.source.holder == node:
             _send_files(comm, config, move.source, files, rank_of[move.target])
-    if spool.exists():
-        fsync_dir(spool)
+    if in_place:
+        fsync_dir(final)
+    else:
+        expected = [entries[(m.owner, p)] for m in plan.moves if m.target == node
+                    for p in m.paths]
+        _put_in_place(spool, directory, final, expected)
     return moved
+
+
+def partial_name(ckpt: str) -> str:
+    """The hidden directory a recovery assembles `ckpt` in (a digest when the name with
+    its prefix would not fit in one component)."""
+    name = PARTIAL_PREFIX + ckpt
+    if len(name.encode()) > NAME_MAX:
+        name = PARTIAL_PREFIX + hashlib.sha256(ckpt.encode()).hexdigest()
+    return name
+
+
+def _remove_partials(spool: Path) -> None:
+    """What an earlier recovery killed midway left behind."""
+    for entry in spool.glob(f"{PARTIAL_PREFIX}*") if spool.is_dir() else []:
+        if entry.is_symlink():
+            entry.unlink()
+        else:
+            remove_under(spool, entry)
+
+
+def _put_in_place(spool: Path, partial: Path, final: Path, expected: list[FileEntry]) -> None:
+    """Every file arrived, checksummed on the way: make the tree durable, then rename
+    it to the checkpoint's name (replacing a copy that was not intact) and fsync the
+    spool, so the name only ever shows a whole checkpoint."""
+    missing = [e.path for e in expected if not (partial / e.path).is_file()
+               or (partial / e.path).stat().st_size != e.size]
+    if missing:
+        raise OperationError(f"{partial}: {len(missing)} files missing or short after the"
+                             f" restore (first: {missing[0]})")
+    fsync_tree(partial)
+    if final.exists() or final.is_symlink():
+        remove_under(spool, final)
+    os.rename(partial, final)
+    fsync_dir(spool)
 
 
 def _receive_move(comm: Any, config: Config, move: Move, files: list[FileEntry],
@@ -161,7 +221,6 @@ def _receive_move(comm: Any, config: Config, move: Move, files: list[FileEntry],
     source = move.source
     if source.kind in ("spool",) and source.holder == move.target:
         return 0                                    # already in place, verified
-    makedirs(spool)
     if source.kind == "pfs":
         pfs = config.node_paths(0).pfs
         extract(bundle_path(pfs, source.ckpt, source.owner), spool, only=set(move.paths))
@@ -262,7 +321,7 @@ def _rereplicate(comm: Any, config: Config, placement: Any, rank_of: dict[int, i
 def _receive_replica(comm: Any, config: Config, root: Path, plan: Plan, owner: int,
                      files: list[FileEntry], owner_rank: int) -> int:
     partial = partial_dir(root, owner, plan.ckpt)
-    remove_tree(partial)
+    remove_under(root, partial)
     makedirs(partial)
     _receive_files(comm, config, files, partial, owner_rank, owner)
     part = next(n for n in plan.manifest.nodes if n["node"] == owner)
@@ -280,7 +339,7 @@ def _set_aside(spool: Path, plan: Plan, manifests: dict[str, GlobalManifest]) ->
         name not in manifests and natural_key(name) > natural_key(plan.ckpt))]
     for ckpt in newer:
         aside = spool / f".cachex-unrecoverable-{ckpt}"
-        remove_tree(aside)
+        remove_under(spool, aside)
         os.rename(spool / ckpt, aside)
     if newer:
         fsync_dir(spool)

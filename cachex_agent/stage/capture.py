@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..checksum import copy_with_checksum, file_checksum
 from ..errors import OperationError
-from ..fsutil import fsync_dir, makedirs, remove_tree
+from ..fsutil import fsync_dir, fsync_tree, makedirs, remove_under
 from ..manifest import FileEntry
 from .quiescence import FileState
 
@@ -74,16 +74,16 @@ def capture_copy(src: Path, dst: Path, relpaths: Iterable[str], chunk: int,
                  on_bytes: Callable[[int], None] | None = None) -> list[FileEntry]:
     """Copy `relpaths` from `src` into the new directory `dst`; return their entries."""
     partial = dst.with_name(f".{dst.name}.partial")
-    remove_tree(partial)
+    remove_under(dst.parent, partial)
     makedirs(partial)
     try:
         entries = [_copy_one(src, partial, rel, chunk, on_bytes) for rel in relpaths]
-        _fsync_tree(partial)
-        remove_tree(dst)
+        fsync_tree(partial)
+        remove_under(dst.parent, dst)
         os.rename(partial, dst)
         fsync_dir(dst.parent)
     except BaseException:
-        remove_tree(partial)
+        remove_under(dst.parent, partial)
         raise
     return entries
 
@@ -125,7 +125,3 @@ def _check_unchanged(path: Path, before: tuple[int, int, int, int]) -> None:
     if _identity(path)[:3] != before[:3]:
         raise PartChanged(f"{path}: rewritten during capture (inode, size or mtime changed)")
 
-
-def _fsync_tree(root: Path) -> None:
-    for directory, _dirs, _files in os.walk(root):
-        fsync_dir(directory)

@@ -23,6 +23,7 @@ from cachex_agent.flush.bundle import (
 )
 from cachex_agent.flush.throttle import TokenBucket
 from cachex_agent.manifest import FileEntry, LocalManifest
+from cachex_agent.safepath import UnsafeInput
 
 CHUNK = 64 * 1024   # small, so modest files span many chunks
 
@@ -271,9 +272,10 @@ def test_truncated_bundle_is_reported_not_crashing(staged: tuple[Path, LocalMani
 def test_unsafe_path_is_refused(tmp_path: Path, bundle: Path) -> None:
     with h5py.File(bundle, "r+", locking=False) as h5:
         h5["files/000000"].attrs["path"] = "../escape"
-    with pytest.raises(BundleError, match="unsafe"):
+    with pytest.raises(UnsafeInput, match=r"files/000000: unsafe file path '\.\./escape'"):
         extract(bundle, tmp_path / "dest")
     assert not (tmp_path / "escape").exists()
+    assert not (tmp_path / "dest").exists()         # refused before anything is written
 
 
 def test_empty_manifest(tmp_path: Path) -> None:
