@@ -26,7 +26,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..checksum import CHUNK, hasher
-from ..collective import agree
+from ..collective import agree, arrive
 from ..config import Config
 from ..errors import OperationError
 from ..flush.bundle import extract
@@ -42,6 +42,7 @@ from . import holdings
 from .plan import Copy, Move, Plan, choose
 
 DATA_TAG = 21
+SLOWEST_RATE = 10 << 20     # bytes/s: a rank moving its part slower than this is stuck
 
 
 @dataclass
@@ -67,14 +68,18 @@ def recover(config: Config, comm: Any, want: str | None = None,
     outcome = Outcome(plan, plan_seconds=time.monotonic() - start)
     if dry_run:
         return outcome
+    _arrive(comm, config, "rank exchange")
     ranks = comm.allgather((node, placement.rank))
     rank_of = dict(ranks)
-    moved = agree(comm, "restore", lambda: _restore(comm, config, node, rank_of, plan))
+    work = _work_bound(config, plan)
+    moved = agree(comm, "restore", lambda: _restore(comm, config, node, rank_of, plan), work)
     outcome.move_seconds = time.monotonic() - start - outcome.plan_seconds
     outcome.moved_aside = agree(comm, "set aside", lambda: _set_aside(paths.spool, plan,
-                                                                    manifests))
+                                                                    manifests),
+                                config.agent.timeout)
     replicated = agree(comm, "re-replication", lambda: _rereplicate(
-        comm, config, placement, rank_of, plan, copies))
+        comm, config, placement, rank_of, plan, copies), work)
+    _arrive(comm, config, "recovery totals")
     for part in comm.allgather(moved):
         for kind, count in part.items():
             if count:
@@ -84,6 +89,18 @@ def recover(config: Config, comm: Any, want: str | None = None,
     return outcome
 
 
+def _arrive(comm: Any, config: Config, step: str) -> None:
+    """Before a blocking collective: a rank that never comes fails it, named."""
+    arrive(comm, f"recovery {step}", config.agent.timeout)
+
+
+def _work_bound(config: Config, plan: Plan) -> float:
+    """How long ranks wait for the slowest one after a phase that moves data: a node's
+    part may come from a slow PFS, so the bound grows with the largest part."""
+    largest = max((n["bytes"] for n in plan.manifest.nodes), default=0)
+    return config.agent.timeout + largest / SLOWEST_RATE
+
+
 # ----------------------------------------------------------------------- phases
 def _shared_manifests(comm: Any, config: Config, paths: Any, exclude: frozenset[str]
                       ) -> dict[str, GlobalManifest]:
@@ -91,6 +108,7 @@ def _shared_manifests(comm: Any, config: Config, paths: Any, exclude: frozenset[
     if comm.Get_rank() == 0 and "pfs" not in exclude:
         mine = {**holdings.pfs_manifests(paths.pfs), **mine}
     merged: dict[str, GlobalManifest] = {}
+    _arrive(comm, config, "manifest exchange")
     for text in comm.allgather(holdings.to_json(mine)):
         for ckpt, manifest in holdings.from_json(text).items():
             if ckpt not in merged or manifest.committed_at > merged[ckpt].committed_at:
@@ -101,6 +119,7 @@ def _shared_manifests(comm: Any, config: Config, paths: Any, exclude: frozenset[
 def _all_copies(comm: Any, config: Config, paths: Any, node: int,
                 manifests: dict[str, GlobalManifest], exclude: frozenset[str]) -> list[Copy]:
     mine = holdings.local_copies(paths, node, manifests, exclude)
+    _arrive(comm, config, "holdings exchange")
     copies = [c for part in comm.allgather(mine) for c in part]
     if "pfs" not in exclude:
         copies += holdings.pfs_copies(paths.pfs, manifests)
@@ -116,6 +135,7 @@ def _plan(comm: Any, config: Config, manifests: dict[str, GlobalManifest],
             answer = _checked_plan(config, manifests, copies, nodes, want, exclude)
         except OperationError as exc:
             answer = str(exc)
+    _arrive(comm, config, "plan")
     answer = comm.bcast(answer, root=0)
     if isinstance(answer, str):
         raise OperationError(answer)
