@@ -258,8 +258,9 @@ def _wait_stopped(cfg: configuration.Config, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if load_status(cfg).get("state") == "stopped":
-                click.echo("agents stopped")
+            state = load_status(cfg).get("state")
+            if state in ("stopped", "not running"):
+                click.echo(f"agents {state}")
                 return
         except CachexError:
             pass
