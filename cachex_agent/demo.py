@@ -87,7 +87,7 @@ def agents_up(cfg: configuration.Config, since: float) -> bool:
         status = load_status(cfg)
     except OperationError:
         return False
-    return status["state"] == "running" and status["heartbeat"]["t"] >= since
+    return status["state"] == "running" and status.get("heartbeat", {}).get("t", 0) >= since
 
 
 def stop_agents(cfg: configuration.Config, agents: subprocess.Popen[bytes],
