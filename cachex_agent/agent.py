@@ -21,7 +21,7 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import psutil
 from mpi4py import MPI
@@ -212,14 +212,15 @@ class Agent:
         cut_short = [c for c, e in sorted(self.journal.entries.items(),
                                           key=lambda kv: kv[1]["seq"])
                      if e.get("state") == "capturing" and c in self._preexisting]
-        adopt, skipped = catch_up(self._preexisting, self._known())
+        known = self._known()
+        adopt, skipped = catch_up(self._preexisting, known)
         for ckpt in [*cut_short, *adopt]:   # oldest first: the coordinator numbers new
             self._on_marker(ckpt, force=True)   # ones in the order it hears them
         if adopt:
             self.events.emit("catch_up", ckpts=adopt)
         if skipped:
             note = (f"{', '.join(skipped)} in the spool, not protected: older than"
-                    f" {adopt[-1] if adopt else 'what the journal knows'}")
+                    f" {adopt[-1] if adopt else max(known, key=natural_key)}")
             log.warning("node %d: %s", self.node, note)
             self.events.emit("catch_up_skipped", ckpts=skipped, reason=note)
             self._to_coordinator({"type": "unprotected", "ckpts": skipped, "note": note})
@@ -527,7 +528,7 @@ class Agent:
         thread = args.thread.name if args.thread is not None else "a thread"
         self.fatal(f"thread {thread}", args.exc_value)
 
-    def fatal(self, where: str, exc: BaseException | None) -> None:
+    def fatal(self, where: str, exc: BaseException | None) -> NoReturn:
         """An unexpected error: say so in one line and in the events, then end this
         agent and its job (the others would wait on it forever)."""
         error = f"{type(exc).__name__}: {describe(exc)}" if exc else "unknown error"
@@ -538,6 +539,7 @@ class Agent:
             self.events.emit("agent_failed", where=where, error=error)
         finally:
             self.comm.Abort(1)
+            os._exit(1)         # Abort does not return; should it, this process ends anyway
 
     # -------------------------------------------------------------------- stop
     def _install_signals(self) -> None:
