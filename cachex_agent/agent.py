@@ -7,7 +7,9 @@ Threads and who does what:
   capture  one checkpoint at a time: spool -> stage, checksums, local manifest
   flush-*  stage -> PFS bundles (flush.flusher), low priority, throttled
 Worker threads never call MPI: they put messages into `inbox`, which the main thread
-forwards. That keeps MPI single-threaded in practice and every wait bounded.
+forwards. That keeps MPI single-threaded in practice and every wait bounded. The one
+exception is `fatal`: an unexpected error in any thread ends the agent at once (one
+line, an event, then MPI Abort naming the rank), never a thread that silently stops.
 """
 
 from __future__ import annotations
@@ -19,14 +21,14 @@ import signal
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import psutil
 from mpi4py import MPI
 
 from .collective import agree
 from .config import Config, check_paths
-from .coordinator import Coordinator
+from .coordinator import Coordinator, read_index
 from .errors import CachexError, ConfigError, describe
 from .events import EventLog
 from .flush.flusher import Flusher
@@ -46,7 +48,7 @@ from .stage.capture import (
     part_changes,
 )
 from .stage.quiescence import FileState, snapshot, wait_for_directory, wait_settled
-from .stage.rules import make_rule
+from .stage.rules import make_rule, natural_key
 from .stage.watch import SpoolWatcher
 from .topology import Placement, place_in
 
@@ -55,6 +57,7 @@ TAG = 7           # coordinator protocol
 PEER_TAG = 8      # replication protocol (peer/replicator.py)
 MEMORY_RESERVE = 1 << 30    # capture by reference when the copy would leave less than this
 CAPTURE_ATTEMPTS = 3        # captures of a part that keeps changing before it fails
+TEST_FAIL_CAPTURE = "CACHEX_TEST_FAIL_CAPTURE"  # tests: this rank's capture thread raises
 
 
 def exit_watchdog(bound: float) -> threading.Timer:
@@ -134,7 +137,8 @@ class Agent:
         self.coordinator = agree(comm, "coordinator", lambda: Coordinator(
             config, self.ranks_by_node, self.journal, self.paths.pfs, self.events, self._send,
             can_replicate=self.replicator is not None) if self.rank == 0 else None)
-        self.globals = GlobalFiles(comm, self.paths.journal, self._send_peer)
+        self.globals = GlobalFiles(comm, self.paths.journal, self._send_peer,
+                                   config.agent.timeout)
         self.watcher = SpoolWatcher(self.paths.spool, self.rule, self._on_marker,
                                     scan=config.commit.scan)
         self._preexisting = set(self._committed_now())
@@ -161,6 +165,7 @@ class Agent:
     # --------------------------------------------------------------- lifecycle
     def run(self) -> int:
         self._install_signals()
+        threading.excepthook = self._thread_failed
         self.events.emit("agent_start", spool=str(self.paths.spool), pfs=str(self.paths.pfs),
                          nodes=self.placement.nodes, pid=os.getpid(),
                          partners=self.replicator.partners if self.replicator else [])
@@ -207,14 +212,39 @@ class Agent:
         self._requests = [r for r in self._requests if not r.Test()]
 
     def _resume(self) -> None:
-        """Tell the coordinator what the journal says is still in flight."""
+        """Tell the coordinator what the journal says is still in flight, then catch up
+        on what the trainer committed while no agent was watching."""
         for ckpt, entry in sorted(self.journal.entries.items(), key=lambda kv: kv[1]["seq"]):
             if entry.get("state") in ("captured", "flushed") and not entry.get("finalized"):
                 self._to_coordinator({"type": "marker", "ckpt": ckpt, "t": time.time(),
                                       "global_files": entry.get("global_files", [])})
-        pre = sorted(self._preexisting - set(self.journal.entries))
-        if pre:     # a fresh agent adopts only the newest checkpoint already in the spool
-            self._on_marker(pre[-1], force=True)
+        # a capture cut short by the agent's end: committed, known, but not yet held
+        cut_short = [c for c, e in sorted(self.journal.entries.items(),
+                                          key=lambda kv: kv[1]["seq"])
+                     if e.get("state") == "capturing" and c in self._preexisting]
+        known = self._known()
+        adopt, skipped = catch_up(self._preexisting, known)
+        for ckpt in [*cut_short, *adopt]:   # oldest first: the coordinator numbers new
+            self._on_marker(ckpt, force=True)   # ones in the order it hears them
+        if adopt:
+            self.events.emit("catch_up", ckpts=adopt)
+        if skipped:
+            note = (f"{', '.join(skipped)} in the spool, not protected: older than"
+                    f" {adopt[-1] if adopt else max(known, key=natural_key)}")
+            log.warning("node %d: %s", self.node, note)
+            self.events.emit("catch_up_skipped", ckpts=skipped, reason=note)
+            self._to_coordinator({"type": "unprotected", "ckpts": skipped, "note": note})
+
+    def _known(self) -> set[str]:
+        """Checkpoints this node already heard of: its journal, and for a node without
+        one (replaced), those the PFS index lists."""
+        known = set(self.journal.entries)
+        if not known:
+            try:
+                known = {r["id"] for r in read_index(self.paths.pfs)["checkpoints"]}
+            except (OSError, ValueError, KeyError):
+                pass
+        return known
 
     # -------------------------------------------------------------- messaging
     def _send(self, rank: int, msg: dict[str, Any], tag: int = TAG) -> None:
@@ -446,6 +476,7 @@ class Agent:
     def _capture_loop(self) -> None:
         while (task := self.captures.get()) is not None:
             try:
+                self._fail_for_tests()
                 self._capture(task)
             except (CachexError, OSError) as exc:
                 error = describe(exc)
@@ -455,6 +486,12 @@ class Agent:
                 self.inbox.put({"type": "capture_failed", "ckpt": task["ckpt"], "error": error})
             finally:
                 self._queued.discard(task["ckpt"])
+
+    def _fail_for_tests(self) -> None:
+        """The integration tests' way to raise an unexpected error in this thread; the
+        variable is never set in production."""
+        if os.environ.get(TEST_FAIL_CAPTURE) == str(self.rank):
+            raise RuntimeError(f"{TEST_FAIL_CAPTURE}={self.rank}")
 
     def _capture(self, task: dict[str, Any]) -> None:
         ckpt, seq = task["ckpt"], task["seq"]
@@ -575,6 +612,26 @@ class Agent:
             if not entry.get("finalized"):
                 self._to_coordinator({"type": "evicted", "ckpt": ckpt})
 
+    # ------------------------------------------------------------------- fatal
+    def _thread_failed(self, args: Any) -> None:
+        if issubclass(args.exc_type, SystemExit):
+            return
+        thread = args.thread.name if args.thread is not None else "a thread"
+        self.fatal(f"thread {thread}", args.exc_value)
+
+    def fatal(self, where: str, exc: BaseException | None) -> NoReturn:
+        """An unexpected error: say so in one line and in the events, then end this
+        agent and its job (the others would wait on it forever)."""
+        error = f"{type(exc).__name__}: {describe(exc)}" if exc else "unknown error"
+        log.error("agent rank %d (node %d, %s): %s failed: %s; aborting the agent job",
+                  self.rank, self.node, self.placement.host, where, error)
+        log.debug("traceback", exc_info=exc)
+        try:
+            self.events.emit("agent_failed", where=where, error=error)
+        finally:
+            self.comm.Abort(1)
+            os._exit(1)         # Abort does not return; should it, this process ends anyway
+
     # -------------------------------------------------------------------- stop
     def _install_signals(self) -> None:
         def on_signal(signum: int, _frame: Any) -> None:
@@ -639,3 +696,18 @@ def _held(entry: dict[str, Any]) -> bool:
 
 def _memory_allows(nbytes: int) -> bool:
     return psutil.virtual_memory().available - nbytes > MEMORY_RESERVE
+
+
+def catch_up(committed: set[str], known: set[str]) -> tuple[list[str], list[str]]:
+    """Which of the spool's committed checkpoints an agent starting now adopts: every
+    one newer than the newest it knows of (a node that knows none: the newest), oldest
+    first; and the unknown older ones it leaves unprotected (said in status)."""
+    unknown = sorted(committed - known, key=natural_key)
+    if not unknown:
+        return [], []
+    if known:
+        newest = max(known, key=natural_key)
+        adopt = [c for c in unknown if natural_key(c) > natural_key(newest)]
+    else:
+        adopt = unknown[-1:]
+    return adopt, [c for c in unknown if c not in adopt]

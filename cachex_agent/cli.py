@@ -104,11 +104,14 @@ def agent_command(cfg: configuration.Config, verbose: int, quiet: bool) -> None:
         if comm.Get_rank() == 0:        # every rank raised the same agreed error
             click.echo(f"cachex-agent: error: {exc}", err=True)
         sys.exit(exc.exit_code)
+    except Exception as exc:    # a bug on this rank alone: the others would wait on it
+        click.echo(f"cachex-agent: error: rank {comm.Get_rank()}: start-up failed:"
+                   f" {type(exc).__name__}: {exc}; aborting the agent job", err=True)
+        comm.Abort(1)
     try:
         code = agent.run()
-    except Exception:
-        logging.getLogger("cachex").exception("agent failed; aborting the agent job")
-        comm.Abort(1)       # never leave other agents waiting on a dead one
+    except Exception as exc:
+        agent.fatal("main thread", exc)     # never leave other agents waiting on a dead one
     exit_watchdog(2 * cfg.agent.timeout)    # MPI finalize, at exit, waits on every agent
     sys.exit(code)
 
@@ -292,8 +295,9 @@ def _wait_stopped(cfg: configuration.Config, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
-            if load_status(cfg).get("state") == "stopped":
-                click.echo("agents stopped")
+            state = load_status(cfg).get("state")
+            if state in ("stopped", "not running"):
+                click.echo(f"agents {state}")
                 return
         except CachexError:
             pass

@@ -16,6 +16,11 @@ Protocol (DESIGN.md section 5):
   agent  -> coord  stop        a user asked to stop (signal, `cachex stop`)
   coord  -> all    drain       finish pending work, then report `drained`
   coord  -> all    exit        every agent drained (or the drain timed out)
+  agent  -> coord  unprotected committed checkpoints an agent found at start and left
+
+`status.json` carries a heartbeat (time, pid, host, period), rewritten at least every
+HEARTBEAT seconds while the coordinator runs: readers tell live agents from a status
+file that dead ones left behind (status.py).
 
 A level is recorded only when every node's part holds it; the global manifest is
 written last, after every bundle is durable, and only then is the index updated.
@@ -24,6 +29,8 @@ written last, after every bundle is durable, and only then is the index updated.
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -44,6 +51,7 @@ Send = Callable[[int, dict[str, Any]], None]
 LEVELS = ("written", "captured", "replicated", "flushed")   # plus failed, evicted, purged
 IN_FLIGHT = LEVELS[:-1]
 INDEX_FORMAT = "cachex-index"
+HEARTBEAT = 2.0     # seconds between status writes of a running coordinator, at most
 
 
 class Coordinator:
@@ -65,6 +73,8 @@ class Coordinator:
                                                                  source)
         for record in self.ckpts.values():
             record.setdefault("path", "peer")   # journals from before the path choice
+            if record["level"] == "written":    # no agent could capture while none ran
+                record["deadline"] = self._capture_deadline()
         self.next_seq: int = saved.get("next_seq", 1)
         self.state = "running"
         self.drained: set[int] = set()
@@ -72,6 +82,7 @@ class Coordinator:
         self.drain_deadline = 0.0
         self.dirty = True
         self._last_status = 0.0
+        self.unprotected: list[dict[str, Any]] = []     # what agents left at start, why
         self.chooser = PathChooser(config, len(ranks_by_node), can_replicate)
 
     def _from_index(self) -> dict[str, Any]:
@@ -117,14 +128,16 @@ class Coordinator:
         record = _empty_record(ckpt, seq, "written", global_files=msg["global_files"],
                                flush=direct or (seq - 1) % every == 0, path=choice.path,
                                times={"written": msg.get("t", self.clock())},
-                               deadline=self.clock() + self.config.commit.timeout
-                               + self.config.agent.timeout)
+                               deadline=self._capture_deadline())
         self.ckpts[ckpt] = record
         self.events.emit("committed", ckpt=ckpt, seq=seq, marker_node=node, nodes=self.nodes,
                          path=choice.path, reason=choice.reason, loss=choice.loss)
         log.info("checkpoint %s: path %s (%s)", ckpt, choice.path, choice.reason)
         self._announce(record)
         self._persist()
+
+    def _capture_deadline(self) -> float:
+        return self.clock() + self.config.commit.timeout + self.config.agent.timeout
 
     def _announce(self, record: dict[str, Any]) -> None:
         self._broadcast({"type": "commit", "ckpt": record["id"], "seq": record["seq"],
@@ -208,6 +221,16 @@ class Coordinator:
             record["level"] = "evicted"
             self._persist()
 
+    def _on_unprotected(self, node: int, msg: dict[str, Any]) -> None:
+        note = f"node {node}: {msg['note']}"
+        self.unprotected.append({"ckpts": msg["ckpts"], "note": note})
+        self.events.emit("unprotected", node_reporting=node, ckpts=msg["ckpts"], note=note)
+
+    def _notes(self) -> list[str]:
+        """What agents left unprotected, unless another node's marker committed it since."""
+        return [u["note"] for u in self.unprotected
+                if not all(c in self.ckpts for c in u["ckpts"])]
+
     def _on_stop(self, node: int, msg: dict[str, Any]) -> None:
         if self.state != "running":
             return
@@ -239,7 +262,8 @@ class Coordinator:
         if self.state == "draining" and now > self.drain_deadline + self.config.agent.timeout:
             self._exit(f"drain timed out; agents {sorted(set(range(self.nodes)) - self.drained)}"
                        " did not report")
-        if self.dirty and now - self._last_status >= 0.5:
+        since = now - self._last_status
+        if (self.dirty and since >= 0.5) or since >= HEARTBEAT:
             self.write_status()
 
     # ---------------------------------------------------------------- decisions
@@ -352,9 +376,12 @@ class Coordinator:
                 "flush": record["flush"], "path": record["path"],
                 "errors": record["errors"], "capture": record.get("capture", {}),
                 "progress": record["progress"], "reason": record.get("reason")})
+        now = self.clock()
         return {"format": "cachex-status", "version": 1, "run": self.config.run,
-                "updated": self.clock(), "state": self.state, "nodes": self.nodes,
-                "checkpoints": rows}
+                "updated": now, "state": self.state, "nodes": self.nodes,
+                "heartbeat": {"t": now, "pid": os.getpid(), "host": socket.gethostname(),
+                              "period": HEARTBEAT},
+                "notes": self._notes(), "checkpoints": rows}
 
     def write_status(self) -> None:
         """Into the journal always; onto the PFS when it takes writes."""

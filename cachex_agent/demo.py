@@ -80,11 +80,14 @@ def wait_for(predicate: Any, timeout: float, what: str) -> None:
     raise OperationError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
-def agents_up(cfg: configuration.Config) -> bool:
+def agents_up(cfg: configuration.Config, since: float) -> bool:
+    """Agents started at `since` are live: a fresh heartbeat of theirs, not a status
+    file that agents killed earlier left saying `running`."""
     try:
-        return load_status(cfg).get("state") == "running"
+        status = load_status(cfg)
     except OperationError:
         return False
+    return status["state"] == "running" and status.get("heartbeat", {}).get("t", 0) >= since
 
 
 def stop_agents(cfg: configuration.Config, agents: subprocess.Popen[bytes],
@@ -121,13 +124,15 @@ def run_demo(workdir: str, nodes: int, ranks_per_node: int, steps: int, every: i
     train = (ranks, ranks_per_node, steps, every, shard_size)
     click.echo(f"demo: {nodes} agents (virtual nodes) + trainer on {ranks} ranks"
                f" ({ranks * 4} shard files per checkpoint); files under {root}")
+    since = time.time()
     agents = start_agents(config_path, nodes, root / "agents.log")
     try:
-        wait_for(lambda: agents_up(cfg), 60, "the agents to start")
+        wait_for(lambda: agents_up(cfg, since), 60, "the agents to start")
         lost = _lose_node_zero(cfg, root, agents, train)
         _drill(cfg, config_path, root, lost, nodes)
+        since = time.time()
         agents = start_agents(config_path, nodes, root / "agents.log")
-        wait_for(lambda: agents_up(cfg), 60, "the agents to restart")
+        wait_for(lambda: agents_up(cfg, since), 60, "the agents to restart")
         out = _run(trainer_command(root, *train, "--resume"))
         click.echo(f"demo: the trainer resumed from {lost} and finished step {steps}")
         code = stop_agents(cfg, agents, cfg.flush.drain_timeout + 60)

@@ -3,6 +3,11 @@
 The coordinator writes `status.json` into its journal (node-local) and, when the PFS
 takes writes, into `<pfs>/<run>/`. Either may be the newer one; a login node sees only
 the PFS copy. With no agent status at all, the PFS index still tells what was flushed.
+
+A status file outlives its agents: one they left when killed still says `running`. The
+coordinator rewrites it with a heartbeat at least every `heartbeat.period` seconds; a
+status whose heartbeat is older than STALE_PERIODS periods reads `not running`, whatever
+state it recorded (kept as `recorded_state`).
 """
 
 from __future__ import annotations
@@ -15,6 +20,10 @@ from typing import Any
 from .config import Config
 from .errors import OperationError
 from .fsutil import read_json
+
+STALE_PERIODS = 5           # missed heartbeats before a running status is taken as dead
+DEFAULT_PERIOD = 2.0        # status files written before the heartbeat existed
+ACTIVE = ("running", "draining")
 
 
 def status_sources(config: Config) -> list[Path]:
@@ -30,7 +39,7 @@ def load_status(config: Config) -> dict[str, Any]:
         except (OSError, json.JSONDecodeError):
             continue
     if found:
-        return max(found, key=lambda s: s.get("updated", 0))
+        return with_liveness(max(found, key=lambda s: s.get("updated", 0)))
     index_path = config.node_paths(0).pfs / "index.json"
     try:
         index = read_json(index_path)
@@ -41,6 +50,19 @@ def load_status(config: Config) -> dict[str, Any]:
              else r["state"], "bytes": r["bytes"]} for r in index["checkpoints"]]
     return {"run": config.run, "state": "unknown (from the PFS index)", "checkpoints": rows,
             "updated": None}
+
+
+def with_liveness(status: dict[str, Any], now: float | None = None) -> dict[str, Any]:
+    """Add the heartbeat's age and whether agents are live; a stale `running` status
+    becomes `not running`."""
+    beat = dict(status.get("heartbeat") or {"t": status.get("updated") or 0.0})
+    period = beat.get("period", DEFAULT_PERIOD)
+    beat["age"] = max(0.0, (time.time() if now is None else now) - beat["t"])
+    recorded = status.get("state")
+    live = recorded in ACTIVE and beat["age"] <= STALE_PERIODS * period
+    state = recorded if live or recorded not in ACTIVE else "not running"
+    return {**status, "heartbeat": beat, "live": live, "state": state,
+            "recorded_state": recorded}
 
 
 def listing(status: dict[str, Any]) -> dict[str, Any]:
@@ -69,8 +91,13 @@ def format_ls(status: dict[str, Any]) -> str:
 def format_status(status: dict[str, Any]) -> str:
     updated = status.get("updated")
     age = f"{time.time() - updated:.0f}s ago" if updated else "unknown"
-    lines = [f"run {status['run']}: agents {status['state']}, {status.get('nodes', '?')} nodes,"
+    state = status["state"]
+    if state == "not running":
+        state = (f"not running (last heartbeat {status['heartbeat']['age']:.0f} s ago;"
+                 f" the status said {status['recorded_state']})")
+    lines = [f"run {status['run']}: agents {state}, {status.get('nodes', '?')} nodes,"
              f" updated {age}", format_ls(status)]
+    lines.extend(f"  note: {note}" for note in status.get("notes") or [])
     for row in status["checkpoints"]:
         lines.extend(_details(row, status.get("nodes")))
     return "\n".join(lines)

@@ -4,8 +4,10 @@ Call order (agent main thread): `submit(manifest, source)` for each captured che
 then `close(timeout)` at drain. Worker threads run at low CPU and I/O priority, share one
 token bucket (the byte-rate limit of the node), and retry failures with capped
 exponential backoff: a PFS that is down or full delays the flush, it never loses the
-staged data and never crashes the agent. Every outcome is handed to `report`, which the
-agent forwards to the coordinator; `report` must be thread-safe.
+staged data and never crashes the agent. An unexpected error (a bug) is reported, then
+goes where any thread's does (`threading.excepthook`: the agent ends). Every outcome is
+handed to `report`, which the agent forwards to the coordinator; `report` must be
+thread-safe.
 
 A bundle already complete on the PFS whose files match the manifest is adopted, not
 rewritten (an agent restarted after the rename but before the coordinator's commit).
@@ -62,7 +64,9 @@ class Flusher:
         if manifest.ckpt in self._futures and not self._futures[manifest.ckpt].done():
             return
         self._cancelled.discard(manifest.ckpt)
-        self._futures[manifest.ckpt] = self._pool.submit(self._flush, manifest, source)
+        future = self._pool.submit(self._flush, manifest, source)
+        future.add_done_callback(_raise_in_thread)
+        self._futures[manifest.ckpt] = future
 
     def cancel(self, ckpt: str) -> None:
         """Stop retrying `ckpt` (it failed elsewhere); a write in progress completes."""
@@ -92,9 +96,8 @@ class Flusher:
                 return
             except Exception as exc:        # noqa: BLE001 (a worker must always report)
                 if not isinstance(exc, (OSError, OperationError)):
-                    log.exception("flush of %s", manifest.ckpt)
                     self._failed(manifest, f"internal error: {exc!r}", final=True)
-                    return
+                    raise
                 if not source.exists():
                     self._failed(manifest, f"{source}: staged copy is gone", final=True)
                     return
@@ -135,6 +138,15 @@ class Flusher:
                          final=final, retry_in=retry_in)
         self.report({"type": "flush_error", "ckpt": manifest.ckpt, "node": manifest.node,
                      "error": error, "final": final, "retry_in": retry_in})
+
+
+def _raise_in_thread(future: Future[None]) -> None:
+    """A pool keeps a worker's exception in its future, where nobody looks: hand it to
+    the thread exception hook like any thread's."""
+    exc = None if future.cancelled() else future.exception()
+    if exc is not None:
+        threading.excepthook(threading.ExceptHookArgs(
+            (type(exc), exc, exc.__traceback__, threading.current_thread())))
 
 
 class _Progress:

@@ -3,13 +3,16 @@
 Every agent keeps them in its journal (`journal/global/<ckpt>/files/<path>`), so any
 surviving node can lead a recovery when the node that wrote them is gone. A small header
 (PEER tag) announces each file; the bytes follow as a raw buffer on their own tag (no
-pickling), received with `Irecv` and checked against the owner's checksum.
+pickling), received with `Irecv` and checked against the owner's checksum. A transfer
+not complete within `timeout` seconds (a peer gone or stuck) is cancelled and logged, so
+neither a drain nor a recovery waits on it forever.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -30,10 +33,13 @@ def global_dir(journal: Path, ckpt: str) -> Path:
 
 
 class GlobalFiles:
-    def __init__(self, comm: Any, journal: Path, send_header: Any) -> None:
+    def __init__(self, comm: Any, journal: Path, send_header: Any, timeout: float) -> None:
         self.comm, self.journal, self.send_header = comm, journal, send_header
-        self._outgoing: list[tuple[Any, np.ndarray]] = []
-        self._incoming: list[tuple[Any, np.ndarray, dict[str, Any]]] = []
+        self.timeout = timeout
+        # (request, buffer, peer rank, deadline); headers for the incoming ones
+        self._outgoing: list[tuple[Any, np.ndarray, int, float]] = []
+        self._incoming: list[tuple[Any, np.ndarray, int, float, dict[str, Any]]] = []
+        self._abandoned: list[tuple[Any, np.ndarray]] = []   # MPI may still touch these
 
     def share(self, ckpt: str, source: Path, entries: list[FileEntry], ranks: list[int]
               ) -> None:
@@ -45,20 +51,29 @@ class GlobalFiles:
             self.keep(ckpt, entry, data)
             for rank in ranks:
                 self.send_header(rank, header)
-                self._outgoing.append((self.comm.Isend([data, MPI.BYTE], rank, DATA_TAG), data))
+                request = self.comm.Isend([data, MPI.BYTE], rank, DATA_TAG)
+                self._outgoing.append((request, data, rank, self._deadline()))
 
     def on_header(self, source: int, header: dict[str, Any]) -> None:
         buffer = np.empty(header["size"], dtype=np.uint8)
         request = self.comm.Irecv([buffer, MPI.BYTE], source, DATA_TAG)
-        self._incoming.append((request, buffer, header))
+        self._incoming.append((request, buffer, source, self._deadline(), header))
+
+    def _deadline(self) -> float:
+        return time.monotonic() + self.timeout
 
     def poll(self) -> list[dict[str, Any]]:
         """Complete what arrived; return the headers of files now in the journal."""
-        self._outgoing = [(r, d) for r, d in self._outgoing if not r.Test()]
+        now = time.monotonic()
+        self._outgoing = [t for t in self._outgoing
+                          if not t[0].Test() and not self._expired(t[:4], now, "to")]
+        self._abandoned = [(r, d) for r, d in self._abandoned if not r.Test()]
         done, waiting = [], []
-        for request, buffer, header in self._incoming:
+        for request, buffer, source, deadline, header in self._incoming:
             if not request.Test():
-                waiting.append((request, buffer, header))
+                if not self._expired((request, buffer, source, deadline), now, "from",
+                                     f" ({header['ckpt']}/{header['path']})"):
+                    waiting.append((request, buffer, source, deadline, header))
                 continue
             entry = FileEntry(header["path"], header["size"], 0o644, header["checksum"])
             if _checksum(buffer) != entry.checksum:
@@ -68,6 +83,17 @@ class GlobalFiles:
             done.append(header)
         self._incoming = waiting
         return done
+
+    def _expired(self, transfer: tuple[Any, np.ndarray, int, float], now: float,
+                 direction: str, what: str = "") -> bool:
+        request, buffer, rank, deadline = transfer
+        if now < deadline:
+            return False
+        log.error("global file transfer %s rank %d%s: not complete within %.0fs; cancelled",
+                  direction, rank, what, self.timeout)
+        request.Cancel()
+        self._abandoned.append((request, buffer))
+        return True
 
     def keep(self, ckpt: str, entry: FileEntry, data: np.ndarray) -> None:
         target = global_dir(self.journal, ckpt) / entry.path

@@ -7,6 +7,8 @@ inside one passive-target epoch opened at construction (`Lock_all`): per-transfe
 (slot full, slot free) are small two-sided messages, so no software atomics are needed.
 
 Collective: construct and `free()` on every rank of the communicator, in the same order.
+Construction first checks, on every rank, that the memory can be had: a rank that cannot
+allocate inside the collective `Allocate` would leave the others waiting in it.
 """
 
 from __future__ import annotations
@@ -16,11 +18,15 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from ..collective import agree
+from ..errors import OperationError
+
 
 class ReceiveWindow:
     def __init__(self, comm: Any, regions: int, slots: int, slot: int) -> None:
         self.slots, self.slot = slots, slot
         size = max(regions, 0) * slots * slot
+        agree(comm, "receive window", lambda: _check_memory(size))
         self.win = MPI.Win.Allocate(max(size, 1), disp_unit=1, comm=comm)
         self.memory = np.frombuffer(self.win.tomemory(), dtype=np.uint8)[:size]
         self.win.Lock_all()
@@ -58,3 +64,12 @@ class ReceiveWindow:
     def _check(self) -> None:
         if not self._open:
             raise RuntimeError("the receive window was freed")
+
+
+def _check_memory(size: int) -> None:
+    """Take and give back the window's memory outside the collective call."""
+    try:
+        MPI.Free_mem(MPI.Alloc_mem(max(size, 1)))
+    except (MPI.Exception, MemoryError, OverflowError) as exc:
+        raise OperationError(f"cannot allocate the receive window ({size} bytes):"
+                             f" {exc}") from None

@@ -35,7 +35,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..checksum import CHUNK, hasher
-from ..collective import agree
+from ..collective import agree, arrive
 from ..config import Config
 from ..errors import OperationError
 from ..flush.bundle import extract
@@ -53,6 +53,7 @@ from .plan import Copy, Move, Plan, choose
 
 DATA_TAG = 21
 PARTIAL_PREFIX = ".cachex-recover-"
+SLOWEST_RATE = 10 << 20     # bytes/s: a rank moving its part slower than this is stuck
 
 
 @dataclass
@@ -78,14 +79,18 @@ def recover(config: Config, comm: Any, want: str | None = None,
     outcome = Outcome(plan, plan_seconds=time.monotonic() - start)
     if dry_run:
         return outcome
+    _arrive(comm, config, "rank exchange")
     ranks = comm.allgather((node, placement.rank))
     rank_of = dict(ranks)
-    moved = agree(comm, "restore", lambda: _restore(comm, config, node, rank_of, plan))
+    work = _work_bound(config, plan)
+    moved = agree(comm, "restore", lambda: _restore(comm, config, node, rank_of, plan), work)
     outcome.move_seconds = time.monotonic() - start - outcome.plan_seconds
     outcome.moved_aside = agree(comm, "set aside", lambda: _set_aside(paths.spool, plan,
-                                                                    manifests))
+                                                                    manifests),
+                                config.agent.timeout)
     replicated = agree(comm, "re-replication", lambda: _rereplicate(
-        comm, config, placement, rank_of, plan, copies))
+        comm, config, placement, rank_of, plan, copies), work)
+    _arrive(comm, config, "recovery totals")
     for part in comm.allgather(moved):
         for kind, count in part.items():
             if count:
@@ -93,6 +98,25 @@ def recover(config: Config, comm: Any, want: str | None = None,
     outcome.replicated_bytes = comm.allreduce(replicated)
     outcome.seconds = time.monotonic() - start
     return outcome
+
+
+def _arrive(comm: Any, config: Config, step: str) -> None:
+    """Before a blocking collective: a rank that never comes fails it, named."""
+    arrive(comm, f"recovery {step}", config.agent.timeout)
+
+
+def _work_bound(config: Config, plan: Plan) -> float:
+    """How long ranks wait for the slowest one after a phase that moves data: a node's
+    part may come from a slow PFS, so the bound grows with the largest part."""
+    largest = max((n["bytes"] for n in plan.manifest.nodes), default=0)
+    return config.agent.timeout + largest / SLOWEST_RATE
+
+
+def _verify_bound(config: Config, manifests: dict[str, GlobalManifest]) -> float:
+    """How long ranks wait for the slowest one while each checksums what it holds: a node
+    may hold every checkpoint's bytes (spool, stage, replicas), at least SLOWEST_RATE."""
+    held = sum(m.bytes for m in manifests.values())
+    return config.agent.timeout + held / SLOWEST_RATE
 
 
 # ----------------------------------------------------------------------- phases
@@ -103,7 +127,7 @@ def _shared_manifests(comm: Any, config: Config, paths: Any, exclude: frozenset[
         if comm.Get_rank() == 0 and "pfs" not in exclude:
             mine = {**holdings.pfs_manifests(paths.pfs), **mine}
         return mine
-    mine = agree(comm, "manifests", own)
+    mine = agree(comm, "manifests", own, config.agent.timeout)
     merged: dict[str, GlobalManifest] = {}
     for rank, text in enumerate(comm.allgather(holdings.to_json(mine))):
         for ckpt, manifest in holdings.from_json(text, f"manifests of rank {rank}").items():
@@ -114,12 +138,13 @@ def _shared_manifests(comm: Any, config: Config, paths: Any, exclude: frozenset[
 
 def _all_copies(comm: Any, config: Config, paths: Any, node: int,
                 manifests: dict[str, GlobalManifest], exclude: frozenset[str]) -> list[Copy]:
+    bound = _verify_bound(config, manifests)
     mine = agree(comm, "holdings", lambda: holdings.local_copies(paths, node, manifests,
-                                                                 exclude))
+                                                                 exclude), bound)
     copies = [c for part in comm.allgather(mine) for c in part]
     if "pfs" not in exclude:
-        copies += agree(comm, "PFS holdings", lambda: holdings.pfs_copies(paths.pfs,
-                                                                           manifests))
+        copies += agree(comm, "PFS holdings", lambda: holdings.pfs_copies(
+            paths.pfs, manifests), bound)
     return copies
 
 
@@ -132,6 +157,7 @@ def _plan(comm: Any, config: Config, manifests: dict[str, GlobalManifest],
             answer = _checked_plan(config, manifests, copies, nodes, want, exclude)
         except OperationError as exc:
             answer = str(exc)
+    _arrive(comm, config, "plan")
     answer = comm.bcast(answer, root=0)
     if isinstance(answer, str):
         raise OperationError(answer)

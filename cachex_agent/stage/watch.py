@@ -172,10 +172,12 @@ class SpoolWatcher:
             while not self._stop.is_set():
                 try:
                     self._step()
-                except Exception:
-                    log.exception("spool watcher on %s: unexpected error", self.spool)
+                except OSError as exc:   # the spool or inotify went away: watch again
+                    log.warning("spool watcher on %s: %s", self.spool, exc)
                     self._close_inotify()
                     self._stop.wait(min(self.scan, 1.0))
+                # any other error is a bug: it reaches threading.excepthook (the agent
+                # ends visibly) instead of a watcher that silently misses commits
         finally:
             self._close_inotify()
 

@@ -256,10 +256,11 @@ live = [r for r in rows if r.get("level") in ("written", "captured", "replicated
 newest = live[-1] if live else {"id": "-", "level": "-"}
 usable = sum(r["level"] != "written" for r in live)
 flushed = sum(r["level"] == "flushed" for r in live)
-print(s.get("state") or "-", int(s.get("updated") or 0), newest["id"], newest["level"],
+beat = (s.get("heartbeat") or {}).get("t") or 0
+print((s.get("state") or "-").replace(" ", "-"), int(beat), newest["id"], newest["level"],
       usable, flushed)
 ' 2>/dev/null) || true
-    read -r CX_ST_STATE CX_ST_UPDATED CX_ST_NEWEST CX_ST_LEVEL CX_ST_USABLE CX_ST_FLUSHED \
+    read -r CX_ST_STATE CX_ST_HEARTBEAT CX_ST_NEWEST CX_ST_LEVEL CX_ST_USABLE CX_ST_FLUSHED \
         <<<"${line:-- 0 - - 0 0}"
 }
 
@@ -276,11 +277,12 @@ cx_agents_start() {     # the agent step, in the background
     CX_AGENTS_PID=$!
 }
 
-cx_agents_wait_ready() {    # bounded: the coordinator reports `running` since the start
+cx_agents_wait_ready() {    # bounded: live agents, a heartbeat since this start (not the
+                            # `running` that agents killed earlier left in their status)
     local deadline=$(($(cx_now) + AGENT_START_TIMEOUT))
     while :; do
         cx_status
-        if [[ $CX_ST_STATE == running ]] && ((CX_ST_UPDATED >= CX_AGENTS_T0 - 1)); then
+        if [[ $CX_ST_STATE == running ]] && ((CX_ST_HEARTBEAT >= CX_AGENTS_T0 - 1)); then
             cx_log "agents running on $(cx_nodes) nodes"
             return
         fi

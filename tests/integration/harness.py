@@ -102,23 +102,26 @@ timeout = "{agent_timeout}"
         return self.root / "pfs" / "t"
 
     # -------------------------------------------------------------- processes
-    def start_agents(self, *args: str, prefix: tuple[str, ...] = ()
-                     ) -> subprocess.Popen[bytes]:
-        """`prefix` wraps the launch (e.g. joining a cgroup first)."""
+    def start_agents(self, *args: str, prefix: tuple[str, ...] = (),
+                     env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
+        """`prefix` wraps the launch (e.g. joining a cgroup first); `env` adds variables."""
         log = (self.root / "agents.log").open("ab")
+        since = time.time()
         self.agents = subprocess.Popen(
             [*prefix, str(MPIEXEC), "-n", str(self.nodes), str(BIN / "cachex-agent"), "--config",
              str(self.config), *args], stdout=log, stderr=subprocess.STDOUT,
-            start_new_session=True)
-        wait_for(lambda: self._started(), 60, "agents to start")
+            start_new_session=True, env={**os.environ, **(env or {})})
+        wait_for(lambda: self._started(since), 60, "agents to start")
         return self.agents
 
-    def _started(self) -> bool:
+    def _started(self, since: float) -> bool:
+        """Running, said by these agents (not a status file that killed ones left)."""
         assert self.agents is not None
         if self.agents.poll() is not None:
             log = (self.root / "agents.log").read_text()[-3000:]
             raise AssertionError(f"agents exited with {self.agents.returncode}:\n{log}")
-        return self.status().get("state") == "running"
+        status = self.status()
+        return status.get("state") == "running" and status.get("updated", 0) >= since
 
     def trainer(self, *args: str, ranks: int = 8, ranks_per_node: int = 2
                 ) -> subprocess.Popen[bytes]:

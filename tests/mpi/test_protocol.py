@@ -15,9 +15,9 @@ from pathlib import Path
 import pytest
 from support import virtual_nodes_config
 
-from cachex_agent.collective import agree
+from cachex_agent.collective import agree, arrive
 from cachex_agent.config import load
-from cachex_agent.errors import CachexError, ConfigError
+from cachex_agent.errors import CachexError, ConfigError, OperationError
 from cachex_agent.topology import place_in
 
 pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(120)]
@@ -55,6 +55,33 @@ def test_the_same_error_on_every_rank_is_said_once():
     if comm.size == 4:
         assert message == ("memory check failed on 4 of 4 agents: ranks 0-1,3:"
                            " peer.slot: too big; rank 2: peer.slot: other")
+
+
+def test_an_unexpected_error_on_one_rank_fails_every_rank_naming_it():
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+
+    def step():
+        if comm.rank == 1:
+            return {}["missing"]        # a bug, not a CachexError
+        return comm.rank
+    with pytest.raises(CachexError) as caught:
+        agree(comm, "peer set-up", step, timeout=30)
+    assert "rank 1: KeyError: 'missing'" in str(caught.value)
+
+
+def test_arrive_names_a_rank_that_never_comes():
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    raised = ""
+    if comm.rank != 1:              # rank 1 is stuck elsewhere
+        with pytest.raises(OperationError) as caught:
+            arrive(comm, "recovery plan", 2.0)
+        raised = str(caught.value)
+    comm.barrier()
+    expected = "recovery plan: rank 1 did not arrive within 2s"
+    assert all_ok(comm, comm.rank == 1 or raised == expected), raised
+    arrive(comm, "recovery totals", 30.0)     # everyone here: passes
 
 
 def test_placement_by_rank_and_by_host():

@@ -139,7 +139,22 @@ def test_ls_and_status_json_from_the_journal(cfg, config_file):
     doc = json.loads(status.stdout)
     assert levels(doc) == {"step_00050": "flushed", CKPT: "captured"}
     assert all("id" in row and "level" in row for row in doc["checkpoints"])
-    assert doc["state"] == "running"
+    # written at t=1000 (1970) by agents long gone: no longer `running`
+    assert (doc["state"], doc["recorded_state"], doc["live"]) == ("not running", "running",
+                                                                  False)
+    assert doc["heartbeat"]["age"] > 1000
+
+
+@pytest.mark.timeout(20)
+def test_a_fresh_heartbeat_reads_running_a_stale_one_not():
+    from cachex_agent.status import with_liveness
+    doc = {"state": "running", "updated": 100.0,
+           "heartbeat": {"t": 100.0, "pid": 1, "host": "h", "period": 2.0}}
+    assert with_liveness(doc, now=105.0)["state"] == "running"
+    stale = with_liveness(doc, now=142.0)
+    assert (stale["state"], stale["live"], stale["heartbeat"]["age"]) == ("not running",
+                                                                         False, 42.0)
+    assert with_liveness({**doc, "state": "stopped"}, now=142.0)["state"] == "stopped"
 
 
 @pytest.mark.timeout(20)
