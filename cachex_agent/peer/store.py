@@ -32,7 +32,7 @@ from typing import Any
 from ..checksum import hasher
 from ..errors import describe
 from ..events import EventLog
-from ..fsutil import fsync_dir, makedirs, remove_tree
+from ..fsutil import create_file, derived_name, fsync_dir, makedirs, partial_path, remove_tree
 from ..manifest import LocalManifest
 from .window import ReceiveWindow
 
@@ -49,7 +49,7 @@ def replica_dir(root: Path, owner: int, ckpt: str) -> Path:
 
 
 def manifest_path(root: Path, owner: int, ckpt: str) -> Path:
-    return owner_dir(root, owner) / f"{ckpt}.manifest.json"
+    return owner_dir(root, owner) / derived_name(ckpt, ".manifest.json")
 
 
 def held_replicas(root: Path) -> dict[int, list[LocalManifest]]:
@@ -66,7 +66,7 @@ def held_replicas(root: Path) -> dict[int, list[LocalManifest]]:
 
 
 def partial_dir(root: Path, owner: int, ckpt: str) -> Path:
-    return owner_dir(root, owner) / f".{ckpt}.partial"
+    return partial_path(replica_dir(root, owner, ckpt))
 
 
 def commit_replica(root: Path, manifest: LocalManifest, partial: Path,
@@ -269,10 +269,8 @@ class ReplicaStore:
     @staticmethod
     def _open(partial: Path, entry: Any) -> int:
         path = partial / entry.path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.fchmod(fd, entry.mode & 0o7777)      # exactly the owner's mode, whatever the umask
-        return fd
+        makedirs(path.parent)
+        return create_file(path)        # private: the manifest keeps the trainer's mode
 
     @staticmethod
     def _create_empty(partial: Path, entry: Any) -> None:

@@ -31,7 +31,15 @@ from ..config import Config
 from ..errors import OperationError
 from ..flush.bundle import extract
 from ..flush.flusher import bundle_path
-from ..fsutil import fsync_dir, makedirs, remove_tree, temp_name
+from ..fsutil import (
+    derived_name,
+    fsync_dir,
+    makedirs,
+    open_private,
+    remove_tree,
+    temp_name,
+    trainer_mode,
+)
 from ..manifest import FileEntry, GlobalManifest, LocalManifest
 from ..peer.globals import mirror_file
 from ..peer.partners import replication_map
@@ -191,14 +199,16 @@ def _send_files(comm: Any, config: Config, source: Copy, files: list[FileEntry],
 
 
 def _receive_files(comm: Any, config: Config, files: list[FileEntry], spool: Path,
-                   source_rank: int, source_node: int) -> None:
+                   source_rank: int, source_node: int, trainer_modes: bool = True) -> None:
+    """`trainer_modes`: the files get the trainer's permission bits (a spool), else they
+    stay private (a replica store)."""
     buffer = np.empty(CHUNK, dtype=np.uint8)
     for entry in files:
         target = spool / entry.path
-        target.parent.mkdir(parents=True, exist_ok=True)
+        makedirs(target.parent)
         temp = temp_name(target)
         digest = hasher()
-        with open(temp, "wb", buffering=0) as out:
+        with open_private(temp, buffering=0) as out:
             left = entry.size
             while left:
                 n = min(left, CHUNK)
@@ -208,19 +218,21 @@ def _receive_files(comm: Any, config: Config, files: list[FileEntry], spool: Pat
                 out.write(memoryview(buffer)[:n])
                 left -= n
             os.fsync(out.fileno())
-        _finish_file(temp, target, entry, digest.hexdigest())
+        _finish_file(temp, target, entry, digest.hexdigest(), trainer_modes)
 
 
 def _copy_in(source: Path, target: Path, entry: FileEntry) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
+    makedirs(target.parent)
     mirror_file(source, target, entry.checksum, entry.mode)
 
 
-def _finish_file(temp: Path, target: Path, entry: FileEntry, checksum: str) -> None:
+def _finish_file(temp: Path, target: Path, entry: FileEntry, checksum: str,
+                 trainer_modes: bool) -> None:
     if checksum != entry.checksum:
         temp.unlink(missing_ok=True)
         raise OperationError(f"{target}: checksum differs from the manifest after transfer")
-    os.chmod(temp, entry.mode & 0o7777)
+    if trainer_modes:
+        os.chmod(temp, trainer_mode(entry.mode))
     os.replace(temp, target)
 
 
@@ -264,7 +276,7 @@ def _receive_replica(comm: Any, config: Config, root: Path, plan: Plan, owner: i
     partial = partial_dir(root, owner, plan.ckpt)
     remove_tree(partial)
     makedirs(partial)
-    _receive_files(comm, config, files, partial, owner_rank, owner)
+    _receive_files(comm, config, files, partial, owner_rank, owner, trainer_modes=False)
     part = next(n for n in plan.manifest.nodes if n["node"] == owner)
     manifest = LocalManifest(run=plan.manifest.run, ckpt=plan.ckpt, seq=plan.seq, node=owner,
                              host=part["host"], rank=part["rank"], files=files)
@@ -279,7 +291,7 @@ def _set_aside(spool: Path, plan: Plan, manifests: dict[str, GlobalManifest]) ->
     newer = [name for name in checkpoint_names(spool) if name in newer_seq or (
         name not in manifests and natural_key(name) > natural_key(plan.ckpt))]
     for ckpt in newer:
-        aside = spool / f".cachex-unrecoverable-{ckpt}"
+        aside = spool / derived_name(ckpt, prefix=".cachex-unrecoverable-")
         remove_tree(aside)
         os.rename(spool / ckpt, aside)
     if newer:
