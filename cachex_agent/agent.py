@@ -26,13 +26,14 @@ from typing import Any, NoReturn
 import psutil
 from mpi4py import MPI
 
+from .cleanup import remove_stale
 from .collective import agree
 from .config import Config, check_paths
 from .coordinator import Coordinator, read_index
 from .errors import CachexError, ConfigError, describe
 from .events import EventLog
 from .flush.flusher import Flusher
-from .fsutil import makedirs, remove_under
+from .fsutil import create_file, makedirs, remove_under
 from .journal import Journal
 from .manifest import FileEntry, GlobalManifest, LocalManifest
 from .peer.globals import GlobalFiles, global_dir, mirror_file
@@ -77,7 +78,7 @@ def probe_writable(directory: Path, key: str) -> None:
     """Root passes every permission check, so try a real write."""
     probe = directory / f".cachex-probe-{threading.get_native_id()}"
     try:
-        probe.write_bytes(b"")
+        os.close(create_file(probe))
         probe.unlink()
     except OSError as exc:
         raise ConfigError(f"{key}: {directory}: not writable ({exc.strerror})") from None
@@ -90,7 +91,7 @@ def prepare_dirs(config: Config, placement: Placement) -> Any:
     if not paths.spool.is_dir():
         if not paths.spool.parent.is_dir():
             raise ConfigError(f"paths.spool: {paths.spool}: no such directory")
-        paths.spool.mkdir(exist_ok=True)
+        makedirs(paths.spool)
     pfs_root = paths.pfs.parent
     if not pfs_root.is_dir():
         raise ConfigError(f"paths.pfs: {pfs_root}: no such directory")
@@ -116,6 +117,7 @@ class Agent:
             self.paths.journal, (self.paths.stage, self.paths.spool)))
         self.events = EventLog(self.paths.journal / "events.jsonl", run=config.run,
                                node=self.node, rank=self.rank, host=self.placement.host)
+        self._remove_stale()
         self.inbox: queue.Queue[dict[str, Any]] = queue.Queue()
         self.captures: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.announced: dict[str, dict[str, Any]] = {}
@@ -142,6 +144,13 @@ class Agent:
         self.watcher = SpoolWatcher(self.paths.spool, self.rule, self._on_marker,
                                     scan=config.commit.scan)
         self._preexisting = set(self._committed_now())
+
+    def _remove_stale(self) -> None:
+        """Before any thread writes: what an earlier life of this node left half-done."""
+        removed = remove_stale(self.paths, self.node, coordinator=self.rank == 0)
+        if removed:
+            log.info("removed %d stale temporaries of an earlier agent", len(removed))
+            self.events.emit("stale_removed", count=len(removed), paths=removed)
 
     def _make_replicator(self) -> Replicator | None:
         """Collective (the window): every rank takes the same decision from the config."""

@@ -7,6 +7,8 @@ from collections.abc import Callable
 
 import xxhash
 
+from .fsutil import open_private
+
 ALGORITHM = "xxh3-128"
 CHUNK = 8 * 1024 * 1024
 
@@ -28,12 +30,13 @@ def file_checksum(path: str | os.PathLike[str], chunk: int = CHUNK) -> str:
 def copy_with_checksum(src: str | os.PathLike[str], dst: str | os.PathLike[str],
                        chunk: int = CHUNK,
                        on_bytes: Callable[[int], None] | None = None) -> tuple[int, str]:
-    """Copy `src` to `dst` (fsynced), return (bytes, checksum) of what was read."""
+    """Copy `src` to `dst` (created 0600, fsynced), return (bytes, checksum) of what was
+    read."""
     digest = hasher()
     buffer = bytearray(chunk)
     view = memoryview(buffer)
     total = 0
-    with open(src, "rb", buffering=0) as fin, open(dst, "wb", buffering=0) as fout:
+    with open(src, "rb", buffering=0) as fin, open_private(dst, buffering=0) as fout:
         while n := fin.readinto(buffer):
             digest.update(view[:n])
             written = 0

@@ -13,16 +13,18 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .fsutil import create_file, makedirs
+
 
 class EventLog:
     """Append-only, line-buffered, safe to call from several threads."""
 
     def __init__(self, path: Path, **context: Any) -> None:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        makedirs(path.parent)
         self.path = path
         self._context = context
         self._lock = threading.Lock()
-        self._fd = os.open(path, os.O_RDWR | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd = create_file(path, os.O_RDWR | os.O_APPEND)
         self._end_torn_line()
 
     def _end_torn_line(self) -> None:

@@ -17,11 +17,20 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from .fsutil import makedirs, read_json, write_json
+from .fsutil import derived_name, makedirs, read_json, write_json
 from .manifest import GlobalManifest, LocalManifest
 from .safepath import UnsafeInput, checkpoint_id, relative_paths
 
 LOCAL_STATES = ("capturing", "captured", "flushed", "failed")
+
+
+def manifest_path(journal: Path, ckpt: str) -> Path:
+    """`manifests/<ckpt>.json` (a hash for a checkpoint name too long for the suffix)."""
+    return journal / "manifests" / derived_name(ckpt, ".json")
+
+
+def global_path(journal: Path, ckpt: str) -> Path:
+    return journal / "global" / derived_name(ckpt, ".json")
 
 
 class Journal:
@@ -62,20 +71,20 @@ class Journal:
         with self._lock:
             self.entries.pop(ckpt, None)
             write_json(self.root / "state.json", {"version": 1, "ckpts": self.entries})
-            (self.root / "manifests" / f"{ckpt}.json").unlink(missing_ok=True)
+            manifest_path(self.root, ckpt).unlink(missing_ok=True)
 
     def save_manifest(self, manifest: LocalManifest) -> None:
-        manifest.save(self.root / "manifests" / f"{manifest.ckpt}.json")
+        manifest.save(manifest_path(self.root, manifest.ckpt))
 
     def manifest(self, ckpt: str) -> LocalManifest | None:
-        path = self.root / "manifests" / f"{ckpt}.json"
+        path = manifest_path(self.root, ckpt)
         return LocalManifest.load(path, ckpt) if path.exists() else None
 
     def save_global(self, manifest: GlobalManifest) -> None:
-        write_json(self.root / "global" / f"{manifest.ckpt}.json", manifest.to_json())
+        write_json(global_path(self.root, manifest.ckpt), manifest.to_json())
 
     def global_manifest(self, ckpt: str) -> GlobalManifest | None:
-        path = self.root / "global" / f"{ckpt}.json"
+        path = global_path(self.root, ckpt)
         return GlobalManifest.load(path, ckpt) if path.exists() else None
 
     def read(self, name: str) -> dict[str, Any]:

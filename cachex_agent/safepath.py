@@ -16,9 +16,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from .errors import OperationError
+from .fsutil import NAME_MAX
 from .stage.rules import is_checkpoint_name
-
-NAME_MAX = 255          # bytes per component (Linux, every common file system)
 
 
 class UnsafeInput(OperationError):

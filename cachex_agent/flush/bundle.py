@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -38,7 +37,7 @@ import numpy as np
 
 from ..checksum import hasher
 from ..errors import OperationError
-from ..fsutil import commit_rename, fsync_dir, makedirs, temp_name
+from ..fsutil import commit_rename, create_file, fsync_dir, makedirs, temp_name, trainer_mode
 from ..manifest import FileEntry, LocalManifest
 from ..safepath import checkpoint_id, component, index, relative_path
 from .throttle import TokenBucket
@@ -104,6 +103,7 @@ def _write_temp(temp: Path, manifest: LocalManifest, source_dir: Path, chunk: in
     # CPU per GiB (selection objects, HDF5 I/O path). The result is an ordinary
     # contiguous dataset: h5py and h5dump read it like any other.
     buffer = np.empty(chunk, dtype=np.uint8)
+    os.close(create_file(temp))     # HDF5 creates with the umask's mode; truncating keeps 0600
     with h5py.File(temp, "w", locking=False) as h5:
         _set_root_attrs(h5, manifest)
         group = h5.create_group(FILES)
@@ -327,12 +327,12 @@ def _extract_one(path: Path, dset: h5py.h5d.DatasetID, entry: FileEntry, raw: _R
                  target: Path) -> None:
     temp = temp_name(target)
     try:
-        fd = os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        fd = create_file(temp)
         try:
             problem = _check_dataset(dset, entry, raw, fd)
             if problem:
                 raise BundleError(f"{path}: file {entry.path!r}: {problem}")
-            os.fchmod(fd, stat.S_IMODE(entry.mode))
+            os.fchmod(fd, trainer_mode(entry.mode))
             os.fsync(fd)
         finally:
             os.close(fd)

@@ -34,6 +34,7 @@ import numpy as np
 from scipy import special
 
 from ..errors import OperationError
+from ..fsutil import atomic_open
 from .distributions import FAMILIES
 from .durability import cdf_of_max, quantile_of_max
 from .history import LEVELS, STAGES, History
@@ -152,7 +153,8 @@ class SystemModel:
                    data.get("size"), data.get("nodes"), data.get("counts", {}))
 
     def save(self, path: Path) -> None:
-        path.write_text(json.dumps(self.to_json(), indent=1) + "\n")
+        with atomic_open(path) as handle:
+            handle.write((json.dumps(self.to_json(), indent=1) + "\n").encode())
 
     @classmethod
     def load(cls, path: Path) -> SystemModel:

@@ -24,6 +24,7 @@ from matplotlib.lines import Line2D
 from matplotlib.patches import Patch
 
 from ..errors import OperationError
+from ..fsutil import atomic_open, makedirs
 from .distributions import Fit
 from .history import LEVELS, STAGES, History, LevelSample, StageSample
 from .predict import PATHS, Prediction, SystemModel, level_stages
@@ -51,14 +52,15 @@ def write_report(history: History, model: SystemModel, out: Path, size: float | 
     `size` (bytes of the whole checkpoint) and `nodes` choose the checkpoint of the
     durability figure; by default the model's median size and most common node count.
     """
-    out.mkdir(parents=True, exist_ok=True)
+    makedirs(out)
     return [_save(timeline(history), out / "timeline.png"),
             _save(distributions(history, model), out / "distributions.png"),
             _save(durability(history, model, size, nodes), out / "durability.png")]
 
 
 def _save(fig: Figure, path: Path) -> Path:
-    fig.savefig(path, dpi=DPI)
+    with atomic_open(path) as handle:     # 0600 like every file cachex writes
+        fig.savefig(handle, dpi=DPI, format="png")
     return path
 
 

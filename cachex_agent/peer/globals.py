@@ -21,7 +21,7 @@ from mpi4py import MPI
 
 from ..checksum import copy_with_checksum, hasher
 from ..errors import OperationError
-from ..fsutil import atomic_open, fsync_dir, makedirs, temp_name
+from ..fsutil import atomic_open, fsync_dir, makedirs, temp_name, trainer_mode
 from ..manifest import FileEntry
 
 log = logging.getLogger(__name__)
@@ -112,7 +112,7 @@ def mirror_file(source: Path, target: Path, checksum: str, mode: int) -> None:
         _size, found = copy_with_checksum(source, temp)
         if found != checksum:
             raise OperationError(f"{source}: checksum differs from the manifest")
-        os.chmod(temp, mode & 0o7777)
+        os.chmod(temp, trainer_mode(mode))
         os.replace(temp, target)
         fsync_dir(target.parent)
     finally:

@@ -32,7 +32,15 @@ from typing import Any
 from ..checksum import hasher
 from ..errors import describe
 from ..events import EventLog
-from ..fsutil import fsync_dir, fsync_tree, makedirs, remove_under
+from ..fsutil import (
+    create_file,
+    derived_name,
+    fsync_dir,
+    fsync_tree,
+    makedirs,
+    partial_path,
+    remove_under,
+)
 from ..manifest import LocalManifest
 from ..safepath import UnsafeInput
 from .window import ReceiveWindow
@@ -51,7 +59,7 @@ def replica_dir(root: Path, owner: int, ckpt: str) -> Path:
 
 
 def manifest_path(root: Path, owner: int, ckpt: str) -> Path:
-    return owner_dir(root, owner) / f"{ckpt}{MANIFEST_SUFFIX}"
+    return owner_dir(root, owner) / derived_name(ckpt, MANIFEST_SUFFIX)
 
 
 def held_replicas(root: Path) -> dict[int, list[LocalManifest]]:
@@ -62,18 +70,18 @@ def held_replicas(root: Path) -> dict[int, list[LocalManifest]]:
     for directory in sorted(root.glob("node-*")) if root.is_dir() else []:
         for path in directory.glob(f"*{MANIFEST_SUFFIX}"):
             try:
-                manifest = LocalManifest.load(path, path.name[:-len(MANIFEST_SUFFIX)])
+                manifest = LocalManifest.load(path)
             except (OSError, ValueError):
                 continue
-            if owner_dir(root, manifest.node) != directory:
-                raise UnsafeInput(f"{path}: node {manifest.node} stored under"
-                                  f" {directory.name}")
+            if manifest_path(root, manifest.node, manifest.ckpt) != path:
+                raise UnsafeInput(f"{path}: node {manifest.node}'s {manifest.ckpt!r} is not"
+                                  " the replica stored here")
             found.setdefault(manifest.node, []).append(manifest)
     return {owner: sorted(items, key=lambda m: m.seq) for owner, items in found.items()}
 
 
 def partial_dir(root: Path, owner: int, ckpt: str) -> Path:
-    return owner_dir(root, owner) / f".{ckpt}.partial"
+    return partial_path(replica_dir(root, owner, ckpt))
 
 
 def commit_replica(root: Path, manifest: LocalManifest, partial: Path,
@@ -277,10 +285,8 @@ class ReplicaStore:
     @staticmethod
     def _open(partial: Path, entry: Any) -> int:
         path = partial / entry.path
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        os.fchmod(fd, entry.mode & 0o7777)      # exactly the owner's mode, whatever the umask
-        return fd
+        makedirs(path.parent)
+        return create_file(path)        # private: the manifest keeps the trainer's mode
 
     @staticmethod
     def _create_empty(partial: Path, entry: Any) -> None:

@@ -14,6 +14,7 @@ from ..config import Config
 from ..errors import OperationError
 from ..flush.flusher import ckpt_dir
 from ..fsutil import read_json
+from ..journal import global_path, manifest_path
 from ..manifest import GlobalManifest, LocalManifest
 
 
@@ -21,7 +22,7 @@ def global_manifest(config: Config, ckpt: str) -> GlobalManifest | None:
     """From the PFS, else from the coordinator's journal."""
     node0 = config.node_paths(0)
     for path in (ckpt_dir(node0.pfs, ckpt) / "manifest.json",
-                 node0.journal / "global" / f"{ckpt}.json"):
+                 global_path(node0.journal, ckpt)):
         try:
             return GlobalManifest.load(path, ckpt)
         except (OSError, json.JSONDecodeError):
@@ -32,7 +33,7 @@ def global_manifest(config: Config, ckpt: str) -> GlobalManifest | None:
 def local_manifests(config: Config, ckpt: str, nodes: int) -> dict[int, LocalManifest]:
     found = {}
     for node in range(nodes):
-        path = config.node_paths(node).journal / "manifests" / f"{ckpt}.json"
+        path = manifest_path(config.node_paths(node).journal, ckpt)
         try:
             found[node] = LocalManifest.load(path, ckpt)
         except (OSError, json.JSONDecodeError):

@@ -14,27 +14,31 @@ from pathlib import Path
 
 from ..config import Config, NodePaths
 from ..flush.bundle import is_complete, read_manifest, verify_bundle
-from ..flush.flusher import bundle_path
+from ..flush.flusher import bundle_path, ckpt_dir
+from ..journal import global_path
 from ..manifest import FileEntry, GlobalManifest
 from ..peer.globals import global_dir
 from ..peer.store import held_replicas, replica_dir
+from ..safepath import UnsafeInput
 from .plan import Copy
 from .verify import check_files
 
 
 def journal_manifests(paths: NodePaths) -> dict[str, GlobalManifest]:
-    return _manifests(paths.journal / "global", "*.json", lambda path: path.stem)
+    return _manifests(paths.journal / "global", "*.json",
+                      lambda ckpt: global_path(paths.journal, ckpt))
 
 
 def pfs_manifests(pfs_run: Path) -> dict[str, GlobalManifest]:
-    return _manifests(pfs_run / "ckpt", "*/manifest.json", lambda path: path.parent.name)
+    return _manifests(pfs_run / "ckpt", "*/manifest.json",
+                      lambda ckpt: ckpt_dir(pfs_run, ckpt) / "manifest.json")
 
 
-def _manifests(directory: Path, pattern: str, stored_as: Callable[[Path], str]
+def _manifests(directory: Path, pattern: str, stored_at: Callable[[str], Path]
                ) -> dict[str, GlobalManifest]:
     """Every readable global manifest; an unreadable place (PFS down) gives none. A
-    manifest with an unsafe name, or one that is not the name it is stored under
-    (`stored_as`), raises UnsafeInput."""
+    manifest with an unsafe name, or not stored where its name says (`stored_at`),
+    raises UnsafeInput."""
     found = {}
     try:
         candidates = sorted(directory.glob(pattern))
@@ -42,9 +46,12 @@ def _manifests(directory: Path, pattern: str, stored_as: Callable[[Path], str]
         return found
     for path in candidates:
         try:
-            manifest = GlobalManifest.load(path, stored_as(path))
+            manifest = GlobalManifest.load(path)
         except (OSError, ValueError):
             continue
+        if stored_at(manifest.ckpt) != path:
+            raise UnsafeInput(f"{path}: checkpoint id {manifest.ckpt!r} is not the one"
+                              " stored here")
         found[manifest.ckpt] = manifest
     return found
 

@@ -24,7 +24,6 @@ unchanged resume code picks the recovered one.
 
 from __future__ import annotations
 
-import hashlib
 import os
 import time
 from dataclasses import dataclass, field
@@ -40,12 +39,20 @@ from ..config import Config
 from ..errors import OperationError
 from ..flush.bundle import extract
 from ..flush.flusher import bundle_path
-from ..fsutil import fsync_dir, fsync_tree, makedirs, remove_under, temp_name
+from ..fsutil import (
+    derived_name,
+    fsync_dir,
+    fsync_tree,
+    makedirs,
+    open_private,
+    remove_under,
+    temp_name,
+    trainer_mode,
+)
 from ..manifest import FileEntry, GlobalManifest, LocalManifest
 from ..peer.globals import mirror_file
 from ..peer.partners import replication_map
 from ..peer.store import commit_replica, partial_dir
-from ..safepath import NAME_MAX
 from ..stage.rules import checkpoint_names, natural_key
 from ..topology import place_in
 from . import holdings
@@ -211,10 +218,7 @@ def _restore(comm: Any, config: Config, node: int, rank_of: dict[int, int], plan
 def partial_name(ckpt: str) -> str:
     """The hidden directory a recovery assembles `ckpt` in (a digest when the name with
     its prefix would not fit in one component)."""
-    name = PARTIAL_PREFIX + ckpt
-    if len(name.encode()) > NAME_MAX:
-        name = PARTIAL_PREFIX + hashlib.sha256(ckpt.encode()).hexdigest()
-    return name
+    return derived_name(ckpt, prefix=PARTIAL_PREFIX)
 
 
 def _remove_partials(spool: Path) -> None:
@@ -276,14 +280,16 @@ def _send_files(comm: Any, config: Config, source: Copy, files: list[FileEntry],
 
 
 def _receive_files(comm: Any, config: Config, files: list[FileEntry], spool: Path,
-                   source_rank: int, source_node: int) -> None:
+                   source_rank: int, source_node: int, trainer_modes: bool = True) -> None:
+    """`trainer_modes`: the files get the trainer's permission bits (a spool), else they
+    stay private (a replica store)."""
     buffer = np.empty(CHUNK, dtype=np.uint8)
     for entry in files:
         target = spool / entry.path
-        target.parent.mkdir(parents=True, exist_ok=True)
+        makedirs(target.parent)
         temp = temp_name(target)
         digest = hasher()
-        with open(temp, "wb", buffering=0) as out:
+        with open_private(temp, buffering=0) as out:
             left = entry.size
             while left:
                 n = min(left, CHUNK)
@@ -293,19 +299,21 @@ def _receive_files(comm: Any, config: Config, files: list[FileEntry], spool: Pat
                 out.write(memoryview(buffer)[:n])
                 left -= n
             os.fsync(out.fileno())
-        _finish_file(temp, target, entry, digest.hexdigest())
+        _finish_file(temp, target, entry, digest.hexdigest(), trainer_modes)
 
 
 def _copy_in(source: Path, target: Path, entry: FileEntry) -> None:
-    target.parent.mkdir(parents=True, exist_ok=True)
+    makedirs(target.parent)
     mirror_file(source, target, entry.checksum, entry.mode)
 
 
-def _finish_file(temp: Path, target: Path, entry: FileEntry, checksum: str) -> None:
+def _finish_file(temp: Path, target: Path, entry: FileEntry, checksum: str,
+                 trainer_modes: bool) -> None:
     if checksum != entry.checksum:
         temp.unlink(missing_ok=True)
         raise OperationError(f"{target}: checksum differs from the manifest after transfer")
-    os.chmod(temp, entry.mode & 0o7777)
+    if trainer_modes:
+        os.chmod(temp, trainer_mode(entry.mode))
     os.replace(temp, target)
 
 
@@ -349,7 +357,7 @@ def _receive_replica(comm: Any, config: Config, root: Path, plan: Plan, owner: i
     partial = partial_dir(root, owner, plan.ckpt)
     remove_under(root, partial)
     makedirs(partial)
-    _receive_files(comm, config, files, partial, owner_rank, owner)
+    _receive_files(comm, config, files, partial, owner_rank, owner, trainer_modes=False)
     part = next(n for n in plan.manifest.nodes if n["node"] == owner)
     manifest = LocalManifest(run=plan.manifest.run, ckpt=plan.ckpt, seq=plan.seq, node=owner,
                              host=part["host"], rank=part["rank"], files=files)
@@ -364,7 +372,7 @@ def _set_aside(spool: Path, plan: Plan, manifests: dict[str, GlobalManifest]) ->
     newer = [name for name in checkpoint_names(spool) if name in newer_seq or (
         name not in manifests and natural_key(name) > natural_key(plan.ckpt))]
     for ckpt in newer:
-        aside = spool / f".cachex-unrecoverable-{ckpt}"
+        aside = spool / derived_name(ckpt, prefix=".cachex-unrecoverable-")
         remove_under(spool, aside)
         os.rename(spool / ckpt, aside)
     if newer:

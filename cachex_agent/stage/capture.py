@@ -1,12 +1,14 @@
 """Capture: copy one node's files of a committed checkpoint from the spool into the stage.
 
 Checksums are computed in the same pass as the copy. The captured directory appears
-under its final name only when every file is copied and fsynced (rename of a `.partial`
-directory), so a half-captured checkpoint is never mistaken for a whole one. A source
-file whose inode, size or mtime changed during the copy was rewritten in place by the
-trainer: the capture fails rather than keep a torn copy (`PartChanged`: the caller may
-wait for the writer and capture again). After a capture the caller lists the part again
-and compares it with what it listed before (`part_changes`).
+under its final name only when every file is copied and fsynced (rename of a partial
+directory, fsutil.partial_path), so a half-captured checkpoint is never mistaken for a
+whole one. A source file whose inode, size or mtime changed during the copy was
+rewritten in place by the trainer: the capture fails rather than keep a torn copy
+(`PartChanged`: the caller may wait for the writer and capture again). After a capture
+the caller lists the part again and compares it with what it listed before
+(`part_changes`). Staged copies are private (0600); the manifest records the permission
+bits the trainer gave each file.
 
 A stage that fills up (ENOSPC, EDQUOT: `is_stage_full`) does not fail a capture: the
 caller captures by reference instead (checksums of the spool files, re-verified by every
@@ -22,7 +24,7 @@ from pathlib import Path
 
 from ..checksum import copy_with_checksum, file_checksum
 from ..errors import OperationError
-from ..fsutil import fsync_dir, fsync_tree, makedirs, remove_under
+from ..fsutil import fsync_dir, fsync_tree, makedirs, partial_path, remove_under, trainer_mode
 from ..manifest import FileEntry
 from .quiescence import FileState
 
@@ -73,7 +75,7 @@ def list_files(ckpt_dir: Path, ignore: Callable[[str], bool] = lambda _: False) 
 def capture_copy(src: Path, dst: Path, relpaths: Iterable[str], chunk: int,
                  on_bytes: Callable[[int], None] | None = None) -> list[FileEntry]:
     """Copy `relpaths` from `src` into the new directory `dst`; return their entries."""
-    partial = dst.with_name(f".{dst.name}.partial")
+    partial = partial_path(dst)
     remove_under(dst.parent, partial)
     makedirs(partial)
     try:
@@ -103,13 +105,12 @@ def capture_reference(src: Path, relpaths: Iterable[str]) -> list[FileEntry]:
 def _copy_one(src: Path, dst: Path, rel: str, chunk: int,
               on_bytes: Callable[[int], None] | None) -> FileEntry:
     source, target = src / rel, dst / rel
-    target.parent.mkdir(parents=True, exist_ok=True)
+    makedirs(target.parent)
     before = _identity(source)
     size, checksum = copy_with_checksum(source, target, chunk, on_bytes)
     _check_unchanged(source, before)
     if size != before[1]:
         raise PartChanged(f"{source}: size changed during capture ({before[1]} -> {size})")
-    os.chmod(target, before[3])
     return FileEntry(rel, size, before[3], checksum)
 
 
@@ -118,7 +119,7 @@ def _identity(path: Path) -> tuple[int, int, int, int]:
         st = path.stat()
     except FileNotFoundError:
         raise PartChanged(f"{path}: deleted during capture") from None
-    return st.st_ino, st.st_size, st.st_mtime_ns, st.st_mode & 0o7777
+    return st.st_ino, st.st_size, st.st_mtime_ns, trainer_mode(st.st_mode)
 
 
 def _check_unchanged(path: Path, before: tuple[int, int, int, int]) -> None:

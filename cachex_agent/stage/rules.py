@@ -43,7 +43,8 @@ __all__ = [
 _NOT_IMPLEMENTED = ("megatron", "hf", "orbax", "torch")
 
 # Temporary names written by the frameworks and by us: DCP's `.metadata.tmp`, our own
-# `.name.tmp-<pid>`, editors, partial downloads, NFS silly-renames, Orbax tmp dirs.
+# `.name.tmp-cachex-<pid>` (fsutil.temp_name), editors, partial downloads, NFS
+# silly-renames, Orbax tmp dirs.
 _TEMP_FILE = re.compile(
     r"(\.(tmp|temp|part|partial|swp)$|~$|\.tmp[-.]|^\.nfs|\.orbax-checkpoint-tmp)",
     re.IGNORECASE)

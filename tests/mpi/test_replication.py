@@ -118,10 +118,10 @@ def check_replicas(root: Path, cfg, ckpts=("c1",)) -> list[str]:
             if not manifest_path(cfg.node_paths(comm.rank).replicas, owner, ckpt).exists():
                 problems.append(f"{replica}: no manifest")
                 continue
-            for path in sorted(source.rglob("*")):
+            for path in sorted(source.rglob("*")):      # replicas are private (0600)
                 twin = replica / path.relative_to(source)
                 if path.is_file() and (not twin.is_file() or twin.read_bytes() != path.read_bytes()
-                                       or (twin.stat().st_mode & 0o777) != 0o640):
+                                       or (twin.stat().st_mode & 0o7777) != 0o600):
                     problems.append(f"{twin}: differs from {path}")
     return problems
 

@@ -13,6 +13,7 @@ import pytest
 
 from cachex_agent.checksum import file_checksum
 from cachex_agent.errors import OperationError
+from cachex_agent.fsutil import partial_path
 from cachex_agent.manifest import FileEntry
 from cachex_agent.stage import capture
 from cachex_agent.stage.capture import CaptureError, capture_copy, capture_reference, list_files
@@ -80,7 +81,7 @@ def test_capture_copy_is_byte_exact_with_checksums_and_modes(spool_ckpt, stage):
         assert entry.size == len(contents[entry.path])
         assert entry.checksum == file_checksum(source) == file_checksum(target)
         assert entry.mode == FILES[entry.path][1]
-        assert stat.S_IMODE(target.stat().st_mode) == FILES[entry.path][1]
+        assert stat.S_IMODE(target.stat().st_mode) == 0o600     # staged copies are private
     assert sorted(list_files(dst)) == rels
     assert leftovers(stage) == []
 
@@ -102,7 +103,7 @@ def test_capture_copy_replaces_an_existing_destination(spool_ckpt, stage):
     (dst / "stale" / "dir" / "old.bin").write_bytes(b"from an earlier, aborted run")
     (dst / ".metadata").write_bytes(b"wrong")
     # A leftover partial directory from a killed capture is cleared too.
-    old_partial = stage / ".step_00100.partial"
+    old_partial = partial_path(dst)
     old_partial.mkdir()
     (old_partial / "junk").write_bytes(b"junk")
 

@@ -1,0 +1,47 @@
+"""What an earlier life of this node's agent left half-written, removed at start-up.
+
+An agent killed mid-capture, mid-replica or mid-flush leaves temporaries behind (named
+by fsutil's one scheme, recognised by `fsutil.is_temporary`). A restarted agent removes
+those of its own node, and only under its own roots: everything temporary in its stage
+and its cache (journal, replicas it holds); on the shared PFS only the temporaries of
+its own node's bundles, since other nodes' may be live; the coordinator also those of
+the run's index, status and global manifests, which only it writes.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from pathlib import Path
+
+from .config import NodePaths
+from .errors import describe
+from .flush.bundle import bundle_name
+from .fsutil import remove_temporaries
+
+log = logging.getLogger(__name__)
+
+
+def remove_stale(paths: NodePaths, node: int, coordinator: bool) -> list[str]:
+    """Remove this node's stale temporaries; return their paths."""
+    bundles = frozenset({bundle_name(node), *(["manifest.json"] if coordinator else [])})
+    work: list[tuple[Path, bool, frozenset[str] | None]] = [
+        (paths.stage, True, None), (paths.cache, True, None),
+        *((directory, False, bundles) for directory in _subdirs(paths.pfs / "ckpt"))]
+    if coordinator:
+        work.append((paths.pfs, False, frozenset({"index.json", "status.json"})))
+    removed: list[Path] = []
+    for directory, recursive, only_of in work:
+        try:
+            removed += remove_temporaries(directory, recursive, only_of)
+        except OSError as exc:      # e.g. the PFS is down: the next start tries again
+            log.warning("stale temporaries under %s not removed: %s", directory, describe(exc))
+    return [str(path) for path in removed]
+
+
+def _subdirs(directory: Path) -> list[Path]:
+    try:
+        with os.scandir(directory) as entries:
+            return [Path(e.path) for e in entries if e.is_dir(follow_symlinks=False)]
+    except OSError:
+        return []
