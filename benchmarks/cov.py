@@ -33,7 +33,7 @@ flight, first come first served, so its service time is heavy-tailed (a 64 MiB w
 takes 0.5 s at 128 MiB/s; behind a 256 MiB file, 2 s more).
 
 Reported: per mode n, mean, median, p99, min, max and CoV = stdev/mean (ddof 1); the
-ratios CoV(direct)/CoV(agent) (DESIGN.md's headline: up to 43x) and CoV(agent)/CoV(none)
+ratios CoV(direct)/CoV(agent) (the published headline: up to 43x) and CoV(agent)/CoV(none)
 (the agent must not add variance to the trainer), each with a bootstrap 90% interval;
 what the agents did (time from commit to every node flushed, flush durations, drain time
 at the end); what the background writers achieved.

@@ -3,7 +3,7 @@
 Precedence (lowest first): built-in defaults < `cachex.toml` (or `--config`, or
 `$CACHEX_CONFIG`) < `CACHEX_<SECTION>_<KEY>` environment variables < `--set
 section.key=value` flags. Unknown keys and bad values raise `ConfigError` naming the key.
-The key names are a contract (DESIGN.md section 11): scripts and tests use them.
+The key names are a contract: scripts and tests use them.
 
 Every number has a finite range (README, Configuration): a value past it is a typo or
 an overflow, and is refused here, before the agent starts MPI, rather than crashing a

@@ -4,7 +4,7 @@ It never moves data. It hears small messages from the agents (a commit marker se
 a node's part captured or flushed, errors, progress), decides, and answers through
 `send(rank, message)`. That keeps it free of MPI and testable in one process.
 
-Protocol (DESIGN.md section 5):
+Protocol:
   agent  -> coord  marker      an agent saw the commit marker of `ckpt` in its spool
   coord  -> all    commit      `ckpt` is committed (seq, global files, flush or not)
   agent  -> coord  captured    this node's part is in its stage (local manifest)

@@ -1,4 +1,4 @@
-"""The PFS bundle: one HDF5 file per node per checkpoint (DESIGN.md sections 6 and 8).
+"""The PFS bundle: one HDF5 file per node per checkpoint.
 
 Layout of `<pfs>/<run>/ckpt/<ckpt>/node-NNNNN.h5`:
 

@@ -1,4 +1,4 @@
-"""An enforced byte-rate limit for the flush (DESIGN.md section 8: `flush.bandwidth`).
+"""An enforced byte-rate limit for the flush (`flush.bandwidth`).
 
 A token bucket: tokens are bytes, refilled at `rate` per second up to `burst`. A caller
 asks for n bytes *before* moving them and is put to sleep until they are allowed, so the

@@ -1,4 +1,4 @@
-"""When a checkpoint is durable, and how much work a failure loses (DESIGN.md section 9).
+"""When a checkpoint is durable, and how much work a failure loses.
 
 A level holds for the checkpoint when it holds on all N nodes: with per-node time
 distribution F, the checkpoint's is F_D(t) = F(t)^N, and its q-quantile is

@@ -1,4 +1,4 @@
-"""Who keeps a copy of whose data (DESIGN.md section 3). Pure functions, no MPI.
+"""Who keeps a copy of whose data. Pure functions, no MPI.
 
 The partners of node i are taken along the ring i + stride, i + 2*stride, ... (then the
 remaining nodes in ring order, when the stride does not visit them all), skipping nodes

@@ -3,8 +3,9 @@
 Every agent exposes `regions x slots x slot` bytes: one region per owner that replicates
 to it, `slots` slots each. Owners `put` into a partner's slot with `Put` + `Flush`
 inside one passive-target epoch opened at construction (`Lock_all`): per-transfer
-`Lock`/`Unlock` would wait for the partner to enter MPI (notes/mpi-rma.md). Signals
-(slot full, slot free) are small two-sided messages, so no software atomics are needed.
+`Lock`/`Unlock` would wait for the partner to enter MPI (MPICH progresses passive-target
+RMA at the target only inside the target's MPI calls). Signals (slot full, slot free)
+are small two-sided messages, so no software atomics are needed.
 
 Collective: construct and `free()` on every rank of the communicator, in the same order.
 Construction first checks, on every rank, that the memory can be had: a rank that cannot

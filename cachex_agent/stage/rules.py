@@ -1,4 +1,4 @@
-"""Commit rules: when is a checkpoint in the spool complete? (DESIGN.md section 5)
+"""Commit rules: when is a checkpoint in the spool complete?
 
 A checkpoint is a top-level directory of the spool; its id is the directory name.
 Data files are never written atomically, so a rule trusts only a marker that the
@@ -429,7 +429,7 @@ def detect_kind(ckpt_dir: Path, has_latest: bool) -> str:
 
 
 def make_rule(spec: str, settle: float, extra_global: Sequence[str] = ()) -> CommitRule:
-    """Build the rule named by `commit.rule` (DESIGN.md section 11); `extra_global`
+    """Build the rule named by `commit.rule`; `extra_global`
     (`commit.globals`) names more coordinator-only files of a DCP checkpoint."""
     spec = str(spec).strip()
     if settle < 0:

@@ -6,7 +6,7 @@
 # `sinfo` shows every node idle (a down or drained node is resumed). Idempotent: when
 # Slurm already answers with every node up, it exits 0 at once. Every wait is bounded.
 #
-# Nodes (../shared/notes/local-slurm.md):
+# Nodes:
 #   partition debug (default): node `hostname`, its CPUs and memory;
 #   partition multi: cxnode[1-3], three more slurmds on this host (slurmd -N, own ports),
 #     for the templates' node-loss and spare tests; feature nvme like a Frontier node.

@@ -356,7 +356,7 @@ def test_verify_finds_a_changed_stage_copy(monkeypatch, capsys, cfg, config_file
 
 @pytest.mark.timeout(20)
 def test_verify_on_node0_with_a_stage_path_shared_by_all_nodes(tmp_path):
-    """With a stage path that has no {node} field (DESIGN.md's own example,
+    """With a stage path that has no {node} field (the design's own example,
     `stage = "/dev/shm/cachex"`), every node's stage renders to the same local path.
     Run on node 0, `cachex verify` checks node 1's files against node 0's /dev/shm,
     finds them "missing" and reports node 1's stage copy BAD (exit 1) although every
