@@ -71,6 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from contention import Contention, ThrottledPFS, parse_size, unavailable  # noqa: E402
 
 from cachex_agent.fsutil import fsync_dir  # noqa: E402
+from cachex_agent.layout import events_path, journal_dir, journal_status_path, run_dir  # noqa: E402
 
 MiB = 1 << 20
 BIN = Path(sys.executable).parent
@@ -218,14 +219,14 @@ def agent_phase(args: argparse.Namespace, pfs: ThrottledPFS, work: Path, shm: Pa
         (shm / f"node{node}" / "spool").mkdir(parents=True)
     (pfs.path / "agent").mkdir(exist_ok=True)
     config = agent_config(work, shm, pfs.path / "agent", run)
-    journal = work / "node0" / "nvme" / run / "journal"
+    journal = journal_dir(run_dir(work / "node0" / "nvme", run))   # agent_config's cache
     log = (work / "agents.log").open("ab")
     agents = pfs.popen([BIN / "mpiexec", "-n", str(args.nodes), BIN / "cachex-agent",
                         "--config", config], stdout=log, stderr=subprocess.STDOUT,
                        stdin=subprocess.DEVNULL, start_new_session=True)
     try:
         deadline = time.monotonic() + 60
-        while read_json(journal / "status.json").get("state") != "running":
+        while read_json(journal_status_path(journal)).get("state") != "running":
             if agents.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"agents did not start (exit {agents.poll()}):\n"
                                    + (work / "agents.log").read_text()[-3000:])
@@ -243,7 +244,7 @@ def agent_phase(args: argparse.Namespace, pfs: ThrottledPFS, work: Path, shm: Pa
         if agents.poll() is None:
             kill_tree(agents)
         log.close()
-    events = [json.loads(line) for line in (journal / "events.jsonl").read_text().splitlines()
+    events = [json.loads(line) for line in events_path(journal).read_text().splitlines()
               if line.strip()]
     levels = {e["ckpt"]: e["latency"] for e in events if e["event"] == "level_flushed"}
     flushes = [e["duration"] for e in events if e["event"] == "flushed"]

@@ -34,8 +34,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from sources import write_sources  # noqa: E402
 
 from cachex_agent.config import parse_size  # noqa: E402
-from cachex_agent.flush.bundle import CHUNK, bundle_name, write_bundle  # noqa: E402
+from cachex_agent.flush.bundle import CHUNK, write_bundle  # noqa: E402
 from cachex_agent.fsutil import fsync_dir  # noqa: E402
+from cachex_agent.layout import bundle_name  # noqa: E402
 from cachex_agent.manifest import LocalManifest  # noqa: E402
 
 MiB = 1024 * 1024

@@ -41,6 +41,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from contention import Contention, ThrottledPFS  # noqa: E402
 
 from cachex_agent import config as configuration  # noqa: E402
+from cachex_agent.layout import pfs_stop_file  # noqa: E402
 from cachex_agent.model.history import History, config_event_files, load_history  # noqa: E402
 from cachex_agent.model.predict import fit_system  # noqa: E402
 from cachex_agent.status import load_status  # noqa: E402
@@ -101,12 +102,12 @@ def write_checkpoint(cfg: configuration.Config, nodes: int, ckpt: str, size: int
     """One shard per node (as DCP with one rank per node), `.metadata` last on node 0."""
     part = size // nodes
     for node in range(nodes):
-        directory = cfg.node_paths(node).spool / ckpt
+        directory = cfg.node_paths(node).spool_dir(ckpt)
         directory.mkdir(parents=True)
         with open(directory / f"__{node}_0.distcp", "wb") as handle:
             for start in range(0, part, len(buffer)):
                 handle.write(memoryview(buffer)[: min(len(buffer), part - start)])
-    metadata = cfg.node_paths(0).spool / ckpt / ".metadata"
+    metadata = cfg.node_paths(0).spool_dir(ckpt) / ".metadata"
     metadata.with_suffix(".tmp").write_text(json.dumps({"size": size}))
     os.rename(metadata.with_suffix(".tmp"), metadata)
 
@@ -140,8 +141,9 @@ def run_workloads(root: Path, pfs: ThrottledPFS, scenario: str, nodes: int,
             prune_spool(cfg, nodes, ckpt)
             print(f"  {run}: {ckpt} {size // MiB} MiB {level_of(cfg, ckpt)}", flush=True,
                   end="\r")
-        (cfg.node_paths(0).pfs / "control").mkdir(parents=True, exist_ok=True)
-        (cfg.node_paths(0).pfs / "control" / "stop").write_text("")
+        stop = pfs_stop_file(cfg.node_paths(0).pfs)
+        stop.parent.mkdir(parents=True, exist_ok=True)
+        stop.write_text("")
         agents.wait(timeout=120)
     finally:
         if agents.poll() is None:

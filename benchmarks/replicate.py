@@ -59,6 +59,7 @@ from sources import write_sources  # noqa: E402
 from cachex_agent.config import Config, load, parse_size  # noqa: E402
 from cachex_agent.events import EventLog  # noqa: E402
 from cachex_agent.fsutil import fsync_dir  # noqa: E402
+from cachex_agent.layout import events_path  # noqa: E402
 from cachex_agent.manifest import FileEntry, LocalManifest  # noqa: E402
 
 MiB = 1024 * 1024
@@ -328,7 +329,7 @@ class Driver:
         self.paths.replicas.mkdir(parents=True, exist_ok=True)
         self.posts: queue.Queue[dict[str, Any]] = queue.Queue()
         self.requests: list[Any] = []
-        self.events = EventLog(self.paths.journal / "events.jsonl", node=comm.rank)
+        self.events = EventLog(events_path(self.paths.journal), node=comm.rank)
         post = self.posts.put
         if trace is not None and comm.rank == 1:
             def post(msg: dict[str, Any]) -> None:
@@ -405,17 +406,17 @@ class Driver:
         return None
 
     def _check_and_remove(self, ckpt: str, entries: list[FileEntry]) -> None:
-        from cachex_agent.peer.store import manifest_path, owner_dir, replica_dir
+        from cachex_agent.layout import replica_dir, replica_manifest_path, replica_owner_dir
         root = self.paths.replicas
         replica = replica_dir(root, 0, ckpt)
-        if not manifest_path(root, 0, ckpt).is_file():
+        if not replica_manifest_path(root, 0, ckpt).is_file():
             raise RuntimeError(f"{replica}: no manifest after the ack")
         for entry in entries:
             if (replica / entry.path).stat().st_size != entry.size:
                 raise RuntimeError(f"{replica / entry.path}: wrong size")
-        manifest_path(root, 0, ckpt).unlink()
+        replica_manifest_path(root, 0, ckpt).unlink()
         shutil.rmtree(replica)
-        fsync_dir(owner_dir(root, 0))
+        fsync_dir(replica_owner_dir(root, 0))
 
     def close(self) -> None:
         self.replicator.close()

@@ -29,14 +29,16 @@ from mpi4py import MPI
 from .cleanup import remove_stale
 from .collective import agree
 from .config import Config, check_paths
-from .coordinator import Coordinator, read_index
+from .coordinator import Coordinator
 from .errors import CachexError, ConfigError, describe
 from .events import EventLog
 from .flush.flusher import Flusher
 from .fsutil import create_file, makedirs, remove_under
+from .index import read_index
 from .journal import Journal
+from .layout import events_path, global_files_dir, journal_stop_file, pfs_stop_file
 from .manifest import FileEntry, GlobalManifest, LocalManifest
-from .peer.globals import GlobalFiles, global_dir, mirror_file
+from .peer.globals import GlobalFiles, mirror_file
 from .peer.partners import replication_map
 from .peer.replicator import Replicator
 from .safepath import UnsafeInput, checkpoint_id, index, relative_path, relative_paths
@@ -115,7 +117,7 @@ class Agent:
         self.rule = make_rule(config.commit.rule, config.commit.settle, config.commit.globals)
         self.journal = agree(comm, "journal", lambda: Journal(
             self.paths.journal, (self.paths.stage, self.paths.spool)))
-        self.events = EventLog(self.paths.journal / "events.jsonl", run=config.run,
+        self.events = EventLog(events_path(self.paths.journal), run=config.run,
                                node=self.node, rank=self.rank, host=self.placement.host)
         self._remove_stale()
         self.inbox: queue.Queue[dict[str, Any]] = queue.Queue()
@@ -250,8 +252,8 @@ class Agent:
         known = set(self.journal.entries)
         if not known:
             try:
-                known = {r["id"] for r in read_index(self.paths.pfs)["checkpoints"]}
-            except (OSError, ValueError, KeyError):
+                known = read_index(self.paths.pfs).ids()
+            except (OSError, ValueError):   # none, or not an index: an unsafe one raises
                 pass
         return known
 
@@ -389,10 +391,10 @@ class Agent:
         them into this node's spool too, so loaders that read only their own node's
         directory (DCP's `load`) find them (`commit.mirror`)."""
         manifest = self.journal.global_manifest(ckpt)
-        target = self.paths.spool / ckpt
+        target = self.paths.spool_dir(ckpt)
         if not self.config.commit.mirror or manifest is None or not target.is_dir():
             return
-        held = global_dir(self.paths.journal, ckpt)
+        held = global_files_dir(self.paths.journal, ckpt)
         for entry in manifest.files:
             path = entry["path"]
             if path not in manifest.global_files or (target / path).exists():
@@ -437,7 +439,7 @@ class Agent:
         ckpt = msg["ckpt"]
         entry = self.journal.get(ckpt)
         if entry and entry.get("mode") == "copy":
-            remove_under(self.paths.stage, self.paths.stage / ckpt)
+            remove_under(self.paths.stage, self.paths.stage_dir(ckpt))
         self.journal.update(ckpt, state="failed", reason=msg["reason"])
         self.flusher.cancel(ckpt)
         self.watcher.forget(ckpt)
@@ -478,7 +480,7 @@ class Agent:
 
     def _global_files(self, ckpt: str) -> list[str]:
         try:
-            return self.rule.global_files(self.paths.spool / ckpt)
+            return self.rule.global_files(self.paths.spool_dir(ckpt))
         except OSError:
             return []
 
@@ -504,7 +506,7 @@ class Agent:
 
     def _capture(self, task: dict[str, Any]) -> None:
         ckpt, seq = task["ckpt"], task["seq"]
-        source = self.paths.spool / ckpt
+        source = self.paths.spool_dir(ckpt)
         start = time.time()
         deadline = time.monotonic() + self.config.commit.timeout
         late = self._wait_for_part(source, ckpt, seq, deadline)
@@ -559,7 +561,7 @@ class Agent:
             log.warning("capture of %s, attempt %d: %s", ckpt, attempt, changes)
             self.events.emit("capture_retry", ckpt=ckpt, seq=seq, attempt=attempt,
                              reason=changes)
-        remove_under(self.paths.stage, self.paths.stage / ckpt)
+        remove_under(self.paths.stage, self.paths.stage_dir(ckpt))
         raise CaptureError(f"{source}: still changing after {CAPTURE_ATTEMPTS} captures"
                            f" ({changes})")
 
@@ -582,7 +584,7 @@ class Agent:
         relpaths = sorted(rel for rel in (p.relative_to(source).as_posix() for p in listed)
                           if not self.rule.ignore(rel))
         total = sum(listed[source / rel][0] for rel in relpaths)
-        target = self.paths.stage / ckpt
+        target = self.paths.stage_dir(ckpt)
         if not _memory_allows(total):
             reason = f"memory short: {total} bytes would leave less than {MEMORY_RESERVE}"
         else:
@@ -615,7 +617,7 @@ class Agent:
             wanted = self.announced.get(ckpt, {}).get("flush", False)
             if ckpt in pending or (wanted and not entry.get("finalized")):
                 continue
-            remove_under(self.paths.stage, self.paths.stage / ckpt)
+            remove_under(self.paths.stage, self.paths.stage_dir(ckpt))
             self.journal.update(ckpt, mode="evicted")
             self.events.emit("evicted", ckpt=ckpt, seq=entry["seq"], level="stage")
             if not entry.get("finalized"):
@@ -657,9 +659,9 @@ class Agent:
         if now - self._stop_checked < 1.0:
             return
         self._stop_checked = now
-        files = [self.paths.journal / "stop"]
+        files = [journal_stop_file(self.paths.journal)]
         if self.coordinator:
-            files.append(self.paths.pfs / "control" / "stop")
+            files.append(pfs_stop_file(self.paths.pfs))
         for path in files:
             try:
                 requested = path.stat().st_mtime

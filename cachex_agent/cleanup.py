@@ -14,22 +14,21 @@ import logging
 import os
 from pathlib import Path
 
-from .config import NodePaths
 from .errors import describe
-from .flush.bundle import bundle_name
 from .fsutil import remove_temporaries
+from .layout import INDEX, MANIFEST, STATUS, NodePaths, bundle_name, pfs_ckpts_dir
 
 log = logging.getLogger(__name__)
 
 
 def remove_stale(paths: NodePaths, node: int, coordinator: bool) -> list[str]:
     """Remove this node's stale temporaries; return their paths."""
-    bundles = frozenset({bundle_name(node), *(["manifest.json"] if coordinator else [])})
+    bundles = frozenset({bundle_name(node), *([MANIFEST] if coordinator else [])})
     work: list[tuple[Path, bool, frozenset[str] | None]] = [
         (paths.stage, True, None), (paths.cache, True, None),
-        *((directory, False, bundles) for directory in _subdirs(paths.pfs / "ckpt"))]
+        *((directory, False, bundles) for directory in _subdirs(pfs_ckpts_dir(paths.pfs)))]
     if coordinator:
-        work.append((paths.pfs, False, frozenset({"index.json", "status.json"})))
+        work.append((paths.pfs, False, frozenset({INDEX, STATUS})))
     removed: list[Path] = []
     for directory, recursive, only_of in work:
         try:

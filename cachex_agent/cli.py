@@ -21,6 +21,7 @@ import click
 from . import config as configuration
 from .errors import CachexError, ConfigError, OperationError
 from .fsutil import makedirs, write_json
+from .layout import journal_stop_file, pfs_stop_file
 from .topology import agents_on_host, launch_rank
 
 
@@ -272,9 +273,9 @@ def _recovery_summary(outcome: Any) -> str:
 def stop_command(cfg: configuration.Config, wait: bool, timeout: float | None) -> None:
     """Ask the agents of this run to drain and exit."""
     node0 = cfg.node_paths(0)
-    targets = [node0.pfs / "control" / "stop"]
+    targets = [pfs_stop_file(node0.pfs)]
     if node0.journal.is_dir():
-        targets.append(node0.journal / "stop")
+        targets.append(journal_stop_file(node0.journal))
     written = []
     for target in targets:
         try:

@@ -26,6 +26,7 @@ from typing import Any
 import psutil
 
 from .errors import ConfigError
+from .layout import NodePaths
 
 KiB, MiB, GiB, TiB = 1024, 1024**2, 1024**3, 1024**4
 MAX_BUFFER = GiB            # peer.slot, flush.chunk: past 1GiB nothing gets faster, memory goes
@@ -299,32 +300,10 @@ class Config:
         """The directories of one node, templates rendered."""
         values = {"node": str(node), "rank": str(node if rank is None else rank),
                   "host": host or socket.gethostname(), "run": self.run, "job": job_id()}
-        rendered = {name: render(getattr(self.paths, name), values, f"paths.{name}")
-                    for name in ("spool", "stage", "cache", "pfs")}
-        return NodePaths(
-            spool=Path(rendered["spool"]),
-            stage=Path(rendered["stage"]) / self.run,
-            cache=Path(rendered["cache"]) / self.run,
-            pfs=Path(rendered["pfs"]) / self.run,
-        )
-
-
-@dataclass(frozen=True)
-class NodePaths:
-    """Where one node's data lives. `stage`, `cache` and `pfs` are already per run."""
-
-    spool: Path
-    stage: Path
-    cache: Path
-    pfs: Path
-
-    @property
-    def journal(self) -> Path:
-        return self.cache / "journal"
-
-    @property
-    def replicas(self) -> Path:
-        return self.cache / "replicas"
+        spool, stage, cache, pfs = (Path(render(getattr(self.paths, name), values,
+                                                f"paths.{name}"))
+                                    for name in ("spool", "stage", "cache", "pfs"))
+        return NodePaths.of_run(spool, stage, cache, pfs, self.run)
 
 
 def check_paths(paths: NodePaths) -> None:

@@ -36,11 +36,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from . import layout
 from .config import Config
 from .events import EventLog
-from .flush.bundle import bundle_name
-from .flush.flusher import ckpt_dir
-from .fsutil import makedirs, read_json, remove_under, write_json
+from .fsutil import makedirs, remove_under, write_json
+from .index import Index, Row, read_index, state_of_level, write_index
 from .journal import Journal
 from .manifest import GlobalManifest, LocalManifest
 from .model.choose import PathChooser
@@ -50,7 +50,6 @@ log = logging.getLogger(__name__)
 Send = Callable[[int, dict[str, Any]], None]
 LEVELS = ("written", "captured", "replicated", "flushed")   # plus failed, evicted, purged
 IN_FLIGHT = LEVELS[:-1]
-INDEX_FORMAT = "cachex-index"
 HEARTBEAT = 2.0     # seconds between status writes of a running coordinator, at most
 
 
@@ -65,10 +64,10 @@ class Coordinator:
         self.events = events
         self.send = send
         self.clock = clock
-        saved = journal.read("coordinator.json")
-        source = journal.root / "coordinator.json"
+        saved = journal.read(layout.COORDINATOR_STATE)
+        source = journal.root / layout.COORDINATOR_STATE
         if not saved:
-            saved, source = self._from_index(), pfs_run / "index.json"
+            saved, source = self._from_index(), layout.index_path(pfs_run)
         self.ckpts: dict[str, dict[str, Any]] = _checked_records(saved.get("ckpts", {}),
                                                                  source)
         for record in self.ckpts.values():
@@ -89,14 +88,13 @@ class Coordinator:
         """A coordinator without a journal (its node was replaced) learns from the PFS
         what was flushed, so it neither re-flushes nor reuses sequence numbers."""
         try:
-            rows = read_index(self.pfs_run)["checkpoints"]
-        except (OSError, ValueError, KeyError):
+            rows = read_index(self.pfs_run).checkpoints
+        except (OSError, ValueError):       # none, or not an index: an unsafe one raises
             return {}
-        ckpts = {row["id"]: _empty_record(row["id"], row["seq"], "flushed" if row["state"]
-                                          == "valid" else row["state"], bytes=row["bytes"],
-                                          times={"flushed": row["flushed_at"]})
+        ckpts = {row.id: _empty_record(row.id, row.seq, row.level, bytes=row.bytes,
+                                       times={"flushed": row.flushed_at})
                  for row in rows}
-        return {"ckpts": ckpts, "next_seq": max((r["seq"] for r in rows), default=0) + 1}
+        return {"ckpts": ckpts, "next_seq": max((r.seq for r in rows), default=0) + 1}
 
     @property
     def nodes(self) -> int:
@@ -291,8 +289,8 @@ class Coordinator:
         level_before = record["level"]
         manifest = self._global_manifest(record)
         try:
-            directory = makedirs(ckpt_dir(self.pfs_run, record["id"]))
-            write_json(directory / "manifest.json", manifest.to_json())
+            makedirs(layout.pfs_ckpt_dir(self.pfs_run, record["id"]))
+            write_json(layout.pfs_manifest_path(self.pfs_run, record["id"]), manifest.to_json())
             record["level"] = "flushed"
             self._write_index()
         except OSError as exc:
@@ -309,7 +307,7 @@ class Coordinator:
 
     def _global_manifest(self, record: dict[str, Any]) -> GlobalManifest:
         parts = [LocalManifest.from_json(m) for m in record["captured"].values()]
-        bundles = {int(n): bundle_name(int(n)) for n in record["captured"]}
+        bundles = {int(n): layout.bundle_name(int(n)) for n in record["captured"]}
         return GlobalManifest.build(parts, record["global_files"], record["times"], bundles)
 
     def _purge_pfs(self) -> None:
@@ -319,7 +317,8 @@ class Coordinator:
         if keep == 0 or len(valid) <= keep:
             return
         for record in valid[:-keep]:
-            remove_under(self.pfs_run / "ckpt", ckpt_dir(self.pfs_run, record["id"]))
+            remove_under(layout.pfs_ckpts_dir(self.pfs_run),
+                         layout.pfs_ckpt_dir(self.pfs_run, record["id"]))
             record["level"] = "purged"
             self.events.emit("purged", ckpt=record["id"], seq=record["seq"], level="pfs")
         self._persist()
@@ -344,19 +343,14 @@ class Coordinator:
             self.send(rank, msg)
 
     def _persist(self) -> None:
-        self.journal.write("coordinator.json", {"version": 1, "next_seq": self.next_seq,
+        self.journal.write(layout.COORDINATOR_STATE, {"version": 1, "next_seq": self.next_seq,
                                                 "ckpts": self.ckpts})
 
     def _write_index(self) -> None:
-        rows = [{"id": r["id"], "seq": r["seq"], "state": _index_state(r["level"]),
-                 "bytes": _record_bytes(r), "flushed_at": r["times"].get("flushed")}
-                for r in sorted(self.ckpts.values(), key=lambda r: r["seq"])
-                if r["level"] in ("flushed", "failed", "purged")]
-        current = self._newest(("flushed",))
-        makedirs(self.pfs_run)
-        write_json(self.pfs_run / "index.json", {
-            "format": INDEX_FORMAT, "version": 1, "run": self.config.run,
-            "current": current["id"] if current else None, "checkpoints": rows})
+        rows = [Row(r["id"], r["seq"], state_of_level(r["level"]), _record_bytes(r),
+                    r["times"].get("flushed"))
+                for r in self.ckpts.values() if r["level"] in ("flushed", "failed", "purged")]
+        write_index(self.pfs_run, Index.build(self.config.run, rows))
 
     def _write_index_quietly(self) -> None:
         try:
@@ -386,10 +380,10 @@ class Coordinator:
     def write_status(self) -> None:
         """Into the journal always; onto the PFS when it takes writes."""
         status = self.status()
-        self.journal.write("status.json", status)
+        self.journal.write(layout.STATUS, status)
         try:
             makedirs(self.pfs_run)
-            write_json(self.pfs_run / "status.json", status)
+            write_json(layout.pfs_status_path(self.pfs_run), status)
         except OSError:
             pass
         self.dirty = False
@@ -425,10 +419,3 @@ def _record_bytes(record: dict[str, Any]) -> int:
         return record.get("bytes", 0)           # adopted from the PFS index
     return sum(_part_bytes(m) for m in record["captured"].values())
 
-
-def _index_state(level: str) -> str:
-    return {"flushed": "valid"}.get(level, level)
-
-
-def read_index(pfs_run: Path) -> dict[str, Any]:
-    return read_json(pfs_run / "index.json")

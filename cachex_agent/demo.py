@@ -24,6 +24,7 @@ import click
 
 from . import config as configuration
 from .errors import OperationError
+from .layout import node_dir_name, pfs_stop_file
 from .model.history import event_files, load_history
 from .model.predict import fit_system
 from .model.summary import fit_text
@@ -92,7 +93,7 @@ def agents_up(cfg: configuration.Config, since: float) -> bool:
 
 def stop_agents(cfg: configuration.Config, agents: subprocess.Popen[bytes],
                 timeout: float) -> int:
-    stop = cfg.node_paths(0).pfs / "control" / "stop"
+    stop = pfs_stop_file(cfg.node_paths(0).pfs)
     stop.parent.mkdir(parents=True, exist_ok=True)
     stop.write_text("{}")
     try:
@@ -177,7 +178,7 @@ def _lose_node_zero(cfg: configuration.Config, root: Path, agents: subprocess.Po
 
 def _drill(cfg: configuration.Config, config_path: Path, root: Path, ckpt: str,
            nodes: int) -> None:
-    before = {n: _files(cfg.node_paths(n).spool / ckpt) for n in range(nodes)}
+    before = {n: _files(cfg.node_paths(n).spool_dir(ckpt)) for n in range(nodes)}
     shutil.rmtree(root / "node0")
     shutil.rmtree(f"{STAGE}/node0", ignore_errors=True)
     (root / "node0" / "spool").mkdir(parents=True)
@@ -193,7 +194,7 @@ def _drill(cfg: configuration.Config, config_path: Path, root: Path, ckpt: str,
     click.echo("\n".join("  " + line for line in out.strip().splitlines()))
     metadata = before[0][".metadata"]
     for node, files in before.items():
-        if _files(cfg.node_paths(node).spool / ckpt) != {**files, ".metadata": metadata}:
+        if _files(cfg.node_paths(node).spool_dir(ckpt)) != {**files, ".metadata": metadata}:
             raise OperationError(f"node {node}: recovered files of {ckpt} differ")
     click.echo(f"demo: every shard and the metadata of {ckpt} are back, byte for byte")
 
@@ -227,10 +228,10 @@ def _check(cfg: configuration.Config, root: Path, agents_code: int) -> None:
     manifest = require_global(cfg, newest)
     export(manifest, cfg.node_paths(0).pfs, exported, per_node=True)
     for node in range(len(manifest.nodes)):
-        spool = cfg.node_paths(node).spool / newest
+        spool = cfg.node_paths(node).spool_dir(newest)
         own = {e.path for e in manifest.node_files(node)}     # not the mirrored globals
         if {p: b for p, b in _files(spool).items() if p in own} != _files(
-                exported / f"node-{node:05d}"):
+                exported / node_dir_name(node)):
             raise OperationError(f"export of {newest}, node {node}, differs from {spool}")
     click.echo(f"demo: {len(flushed)} checkpoints on the PFS, all verified; {newest} exported"
                f" to {exported} and identical to the trainer's files; agents exited with"

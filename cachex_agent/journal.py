@@ -1,4 +1,4 @@
-"""The agent's durable state on node-local storage (`<cache>/<run>/journal/`).
+"""The agent's durable state on node-local storage (`<cache>/<run>/journal/`, layout.py).
 
     state.json              one entry per checkpoint this node handled: seq, state, stamps
     manifests/<ckpt>.json   this node's local manifest (copy of what is in the stage)
@@ -17,20 +17,19 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from .fsutil import derived_name, makedirs, read_json, write_json
+from .fsutil import makedirs, read_json, write_json
+from .layout import (
+    JOURNAL_STATE,
+    ckpt_dir,
+    global_manifests_dir,
+    journal_global_manifest_path,
+    local_manifest_path,
+    local_manifests_dir,
+)
 from .manifest import GlobalManifest, LocalManifest
 from .safepath import UnsafeInput, checkpoint_id, relative_paths
 
 LOCAL_STATES = ("capturing", "captured", "flushed", "failed")
-
-
-def manifest_path(journal: Path, ckpt: str) -> Path:
-    """`manifests/<ckpt>.json` (a hash for a checkpoint name too long for the suffix)."""
-    return journal / "manifests" / derived_name(ckpt, ".json")
-
-
-def global_path(journal: Path, ckpt: str) -> Path:
-    return journal / "global" / derived_name(ckpt, ".json")
 
 
 class Journal:
@@ -38,11 +37,11 @@ class Journal:
         """`places`: the directories a checkpoint's `source` may be in (stage, spool);
         an entry whose source is anything but `<place>/<ckpt>` is refused."""
         self.root = makedirs(root)
-        makedirs(root / "manifests")
-        makedirs(root / "global")
+        makedirs(local_manifests_dir(root))
+        makedirs(global_manifests_dir(root))
         self._lock = threading.Lock()
-        self.entries: dict[str, dict[str, Any]] = self._load("state.json").get("ckpts", {})
-        self._check(root / "state.json", places)
+        self.entries: dict[str, dict[str, Any]] = self._load(JOURNAL_STATE).get("ckpts", {})
+        self._check(root / JOURNAL_STATE, places)
 
     def _check(self, where: Path, places: tuple[Path, ...]) -> None:
         """Every checkpoint id and path read back is joined to a directory later."""
@@ -51,7 +50,7 @@ class Journal:
             relative_paths(entry.get("global_files", []), where, f"global file of {ckpt}")
             source = entry.get("source")
             if places and source is not None and source not in {
-                    str(place / ckpt) for place in places}:
+                    str(ckpt_dir(place, ckpt)) for place in places}:
                 raise UnsafeInput(f"{where}: unsafe source {source!r} of {ckpt} (not in"
                                   f" {' or '.join(map(str, places))})")
 
@@ -65,26 +64,29 @@ class Journal:
     def update(self, ckpt: str, **fields: Any) -> None:
         with self._lock:
             self.entries.setdefault(ckpt, {}).update(fields)
-            write_json(self.root / "state.json", {"version": 1, "ckpts": self.entries})
+            self._save()
 
     def forget(self, ckpt: str) -> None:
         with self._lock:
             self.entries.pop(ckpt, None)
-            write_json(self.root / "state.json", {"version": 1, "ckpts": self.entries})
-            manifest_path(self.root, ckpt).unlink(missing_ok=True)
+            self._save()
+            local_manifest_path(self.root, ckpt).unlink(missing_ok=True)
+
+    def _save(self) -> None:
+        write_json(self.root / JOURNAL_STATE, {"version": 1, "ckpts": self.entries})
 
     def save_manifest(self, manifest: LocalManifest) -> None:
-        manifest.save(manifest_path(self.root, manifest.ckpt))
+        manifest.save(local_manifest_path(self.root, manifest.ckpt))
 
     def manifest(self, ckpt: str) -> LocalManifest | None:
-        path = manifest_path(self.root, ckpt)
+        path = local_manifest_path(self.root, ckpt)
         return LocalManifest.load(path, ckpt) if path.exists() else None
 
     def save_global(self, manifest: GlobalManifest) -> None:
-        write_json(global_path(self.root, manifest.ckpt), manifest.to_json())
+        write_json(journal_global_manifest_path(self.root, manifest.ckpt), manifest.to_json())
 
     def global_manifest(self, ckpt: str) -> GlobalManifest | None:
-        path = global_path(self.root, ckpt)
+        path = journal_global_manifest_path(self.root, ckpt)
         return GlobalManifest.load(path, ckpt) if path.exists() else None
 
     def read(self, name: str) -> dict[str, Any]:

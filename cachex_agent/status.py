@@ -14,40 +14,36 @@ from __future__ import annotations
 
 import json
 import time
-from pathlib import Path
 from typing import Any
 
 from .config import Config
 from .errors import OperationError
 from .fsutil import read_json
+from .index import read_index
+from .layout import index_path, status_paths
 
 STALE_PERIODS = 5           # missed heartbeats before a running status is taken as dead
 DEFAULT_PERIOD = 2.0        # status files written before the heartbeat existed
 ACTIVE = ("running", "draining")
 
 
-def status_sources(config: Config) -> list[Path]:
-    node0 = config.node_paths(0)
-    return [node0.journal / "status.json", node0.pfs / "status.json"]
-
-
 def load_status(config: Config) -> dict[str, Any]:
+    node0 = config.node_paths(0)
     found = []
-    for path in status_sources(config):
+    for path in status_paths(node0):
         try:
             found.append(read_json(path))
         except (OSError, json.JSONDecodeError):
             continue
     if found:
         return with_liveness(max(found, key=lambda s: s.get("updated", 0)))
-    index_path = config.node_paths(0).pfs / "index.json"
     try:
-        index = read_json(index_path)
-    except (OSError, json.JSONDecodeError):
-        places = ", ".join(str(p) for p in [*status_sources(config), index_path])
+        index = read_index(node0.pfs)
+    except (OSError, ValueError):       # none, or not an index: an unsafe one raises
+        places = ", ".join(str(p) for p in [*status_paths(node0), index_path(node0.pfs)])
         raise OperationError(f"run {config.run}: no status found (looked in {places})") from None
-    rows = [{"id": r["id"], "seq": r["seq"], "level": "flushed" if r["state"] == "valid"
-             else r["state"], "bytes": r["bytes"]} for r in index["checkpoints"]]
+    rows = [{"id": r.id, "seq": r.seq, "level": r.level, "bytes": r.bytes}
+            for r in index.checkpoints]
     return {"run": config.run, "state": "unknown (from the PFS index)", "checkpoints": rows,
             "updated": None}
 

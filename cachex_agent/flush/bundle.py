@@ -1,6 +1,6 @@
 """The PFS bundle: one HDF5 file per node per checkpoint.
 
-Layout of `<pfs>/<run>/ckpt/<ckpt>/node-NNNNN.h5`:
+Inside a bundle (`<pfs>/<run>/ckpt/<ckpt>/node-NNNNN.h5`, layout.bundle_path):
 
     /                attributes format="cachex-bundle", version=1, run, ckpt, seq, node,
                      host, rank, algorithm, captured_at, complete (set True last)
@@ -51,10 +51,6 @@ _STRING = h5py.string_dtype()       # variable-length UTF-8, what h5py writes fo
 
 class BundleError(OperationError):
     """A bundle, or the data it is written from, is not what its manifest says."""
-
-
-def bundle_name(node: int) -> str:
-    return f"node-{node:05d}.h5"
 
 
 # ---------------------------------------------------------------------------- writing

@@ -30,20 +30,13 @@ from ..config import Flush
 from ..errors import OperationError, describe
 from ..events import EventLog
 from ..fsutil import makedirs
+from ..layout import bundle_path
 from ..manifest import LocalManifest
-from .bundle import BundleError, bundle_name, is_complete, read_manifest, write_bundle
+from .bundle import BundleError, is_complete, read_manifest, write_bundle
 from .throttle import TokenBucket
 
 log = logging.getLogger(__name__)
 Report = Callable[[dict[str, Any]], None]
-
-
-def ckpt_dir(pfs_run: Path, ckpt: str) -> Path:
-    return pfs_run / "ckpt" / ckpt
-
-
-def bundle_path(pfs_run: Path, ckpt: str, node: int) -> Path:
-    return ckpt_dir(pfs_run, ckpt) / bundle_name(node)
 
 
 class Flusher:

@@ -26,10 +26,10 @@ from typing import Any
 from ..config import Config, render
 from ..errors import OperationError
 from ..events import read_events
+from ..layout import EVENTS, events_path, journal_dir, run_dir
 
 STAGES = ("write", "capture", "replicate", "flush")
 LEVELS = ("captured", "replicated", "flushed")
-EVENTS_FILE = "events.jsonl"
 
 
 @dataclass(frozen=True)
@@ -81,7 +81,7 @@ def event_files(paths: Iterable[Path]) -> list[Path]:
         if path.is_file():
             found.append(path)
         elif path.is_dir():
-            found.extend(sorted(path.rglob(EVENTS_FILE)))
+            found.extend(sorted(path.rglob(EVENTS)))
         else:
             raise OperationError(f"{path}: no such file or directory")
     return found
@@ -90,9 +90,10 @@ def event_files(paths: Iterable[Path]) -> list[Path]:
 def config_event_files(config: Config) -> list[Path]:
     """Every node's event file of the configured run: the cache template, any node."""
     values = {"node": "*", "rank": "*", "host": "*", "run": config.run, "job": "*"}
-    pattern = Path(render(config.paths.cache, values, "paths.cache")) / config.run / "journal"
+    cache = Path(render(config.paths.cache, values, "paths.cache"))
+    pattern = events_path(journal_dir(run_dir(cache, config.run)))
     root = Path(pattern.anchor)
-    return sorted(root.glob(str(pattern.relative_to(root) / EVENTS_FILE)))
+    return sorted(root.glob(str(pattern.relative_to(root))))
 
 
 def load_history(files: Iterable[Path]) -> History:

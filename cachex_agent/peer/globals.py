@@ -22,14 +22,11 @@ from mpi4py import MPI
 from ..checksum import copy_with_checksum, hasher
 from ..errors import OperationError
 from ..fsutil import atomic_open, fsync_dir, makedirs, temp_name, trainer_mode
+from ..layout import global_files_dir
 from ..manifest import FileEntry
 
 log = logging.getLogger(__name__)
 DATA_TAG = 9
-
-
-def global_dir(journal: Path, ckpt: str) -> Path:
-    return journal / "global" / ckpt / "files"
 
 
 class GlobalFiles:
@@ -96,7 +93,7 @@ class GlobalFiles:
         return True
 
     def keep(self, ckpt: str, entry: FileEntry, data: np.ndarray) -> None:
-        target = global_dir(self.journal, ckpt) / entry.path
+        target = global_files_dir(self.journal, ckpt) / entry.path
         makedirs(target.parent)
         with atomic_open(target) as handle:
             handle.write(memoryview(data))

@@ -26,8 +26,9 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from ..config import Config, NodePaths
+from ..config import Config
 from ..events import EventLog
+from ..layout import NodePaths
 from ..manifest import LocalManifest
 from .partners import incoming
 from .store import ReplicaStore

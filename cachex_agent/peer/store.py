@@ -3,8 +3,7 @@
     <cache>/<run>/replicas/node-<owner>/<ckpt>/...             the owner's files
     <cache>/<run>/replicas/node-<owner>/<ckpt>.manifest.json   written last
 
-(The manifest sits beside the directory, not in it, so a trainer file called
-`manifest.json` cannot collide with it.) One writer thread does all disk work, in the
+(layout.py names them.) One writer thread does all disk work, in the
 order the slots were filled, so a file's checksum is computed as its bytes arrive; the
 main thread only queues work (`begin`, `slot`, `end`) and forwards what the writer
 `post`s: a `credit` once a slot's bytes are on disk (the owner may refill it), and an
@@ -34,32 +33,19 @@ from ..errors import describe
 from ..events import EventLog
 from ..fsutil import (
     create_file,
-    derived_name,
     fsync_dir,
     fsync_tree,
     makedirs,
     partial_path,
     remove_under,
 )
+from ..layout import replica_dir, replica_manifest_path, replica_manifest_paths
 from ..manifest import LocalManifest
 from ..safepath import UnsafeInput
 from .window import ReceiveWindow
 
 log = logging.getLogger(__name__)
 Post = Callable[[dict[str, Any]], None]
-MANIFEST_SUFFIX = ".manifest.json"
-
-
-def owner_dir(root: Path, owner: int) -> Path:
-    return root / f"node-{owner:05d}"
-
-
-def replica_dir(root: Path, owner: int, ckpt: str) -> Path:
-    return owner_dir(root, owner) / ckpt
-
-
-def manifest_path(root: Path, owner: int, ckpt: str) -> Path:
-    return owner_dir(root, owner) / derived_name(ckpt, MANIFEST_SUFFIX)
 
 
 def held_replicas(root: Path) -> dict[int, list[LocalManifest]]:
@@ -67,16 +53,15 @@ def held_replicas(root: Path) -> dict[int, list[LocalManifest]]:
 
     A manifest must name the checkpoint and the owner it is stored under (UnsafeInput)."""
     found: dict[int, list[LocalManifest]] = {}
-    for directory in sorted(root.glob("node-*")) if root.is_dir() else []:
-        for path in directory.glob(f"*{MANIFEST_SUFFIX}"):
-            try:
-                manifest = LocalManifest.load(path)
-            except (OSError, ValueError):
-                continue
-            if manifest_path(root, manifest.node, manifest.ckpt) != path:
-                raise UnsafeInput(f"{path}: node {manifest.node}'s {manifest.ckpt!r} is not"
-                                  " the replica stored here")
-            found.setdefault(manifest.node, []).append(manifest)
+    for path in replica_manifest_paths(root):
+        try:
+            manifest = LocalManifest.load(path)
+        except (OSError, ValueError):
+            continue
+        if replica_manifest_path(root, manifest.node, manifest.ckpt) != path:
+            raise UnsafeInput(f"{path}: node {manifest.node}'s {manifest.ckpt!r} is not"
+                              " the replica stored here")
+        found.setdefault(manifest.node, []).append(manifest)
     return {owner: sorted(items, key=lambda m: m.seq) for owner, items in found.items()}
 
 
@@ -92,7 +77,7 @@ def commit_replica(root: Path, manifest: LocalManifest, partial: Path,
     remove_under(root, final)
     os.rename(partial, final)
     fsync_dir(final.parent)
-    retry(lambda: manifest.save(manifest_path(root, manifest.node, manifest.ckpt)))
+    retry(lambda: manifest.save(replica_manifest_path(root, manifest.node, manifest.ckpt)))
 
 
 @dataclass
@@ -277,7 +262,7 @@ class ReplicaStore:
                 self._delete(owner, manifest, reason="keep.replica")
 
     def _delete(self, owner: int, manifest: LocalManifest, reason: str) -> None:
-        manifest_path(self.root, owner, manifest.ckpt).unlink(missing_ok=True)
+        replica_manifest_path(self.root, owner, manifest.ckpt).unlink(missing_ok=True)
         remove_under(self.root, replica_dir(self.root, owner, manifest.ckpt))
         self.events.emit("evicted", ckpt=manifest.ckpt, seq=manifest.seq, owner=owner,
                          level="replica", reason=reason)

@@ -8,21 +8,24 @@ from this machine is reported as such, never as good.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 from ..config import Config
 from ..errors import OperationError
-from ..flush.flusher import ckpt_dir
 from ..fsutil import read_json
-from ..journal import global_path, manifest_path
+from ..layout import (
+    journal_global_manifest_path,
+    local_manifest_path,
+    pfs_manifest_path,
+    status_paths,
+)
 from ..manifest import GlobalManifest, LocalManifest
 
 
 def global_manifest(config: Config, ckpt: str) -> GlobalManifest | None:
     """From the PFS, else from the coordinator's journal."""
     node0 = config.node_paths(0)
-    for path in (ckpt_dir(node0.pfs, ckpt) / "manifest.json",
-                 global_path(node0.journal, ckpt)):
+    for path in (pfs_manifest_path(node0.pfs, ckpt),
+                 journal_global_manifest_path(node0.journal, ckpt)):
         try:
             return GlobalManifest.load(path, ckpt)
         except (OSError, json.JSONDecodeError):
@@ -33,7 +36,7 @@ def global_manifest(config: Config, ckpt: str) -> GlobalManifest | None:
 def local_manifests(config: Config, ckpt: str, nodes: int) -> dict[int, LocalManifest]:
     found = {}
     for node in range(nodes):
-        path = manifest_path(config.node_paths(node).journal, ckpt)
+        path = local_manifest_path(config.node_paths(node).journal, ckpt)
         try:
             found[node] = LocalManifest.load(path, ckpt)
         except (OSError, json.JSONDecodeError):
@@ -42,8 +45,7 @@ def local_manifests(config: Config, ckpt: str, nodes: int) -> dict[int, LocalMan
 
 
 def node_count(config: Config) -> int:
-    for path in (config.node_paths(0).journal / "status.json",
-                 config.node_paths(0).pfs / "status.json"):
+    for path in status_paths(config.node_paths(0)):
         try:
             return int(read_json(path)["nodes"])
         except (OSError, KeyError, ValueError, json.JSONDecodeError):
@@ -54,11 +56,7 @@ def node_count(config: Config) -> int:
 def require_global(config: Config, ckpt: str) -> GlobalManifest:
     manifest = global_manifest(config, ckpt)
     if manifest is None:
-        where = ckpt_dir(config.node_paths(0).pfs, ckpt) / "manifest.json"
+        where = pfs_manifest_path(config.node_paths(0).pfs, ckpt)
         raise OperationError(f"{ckpt}: no global manifest at {where} (not flushed, or not"
                              " this run: see `cachex ls`)")
     return manifest
-
-
-def stage_dir(config: Config, node: int, ckpt: str, host: str | None = None) -> Path:
-    return config.node_paths(node, host=host).stage / ckpt

@@ -7,8 +7,8 @@ from pathlib import Path
 
 from ..errors import OperationError
 from ..flush.bundle import extract, read_manifest
-from ..flush.flusher import bundle_path
 from ..fsutil import makedirs
+from ..layout import bundle_path, node_dir_name
 from ..manifest import GlobalManifest
 
 
@@ -27,7 +27,7 @@ def export(manifest: GlobalManifest, pfs_run: Path, dest: Path, per_node: bool =
     total = 0
     for node in manifest.nodes:
         index = node["node"]
-        target = dest / f"node-{index:05d}" if per_node else dest
+        target = dest / node_dir_name(index) if per_node else dest
         wanted = {e.path for e in manifest.node_files(index)} - (set() if per_node else seen)
         seen |= wanted
         entries = extract(bundle_path(pfs_run, manifest.ckpt, index), target, only=wanted)

@@ -12,36 +12,35 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
-from ..config import Config, NodePaths
+from .. import layout
+from ..config import Config
 from ..flush.bundle import is_complete, read_manifest, verify_bundle
-from ..flush.flusher import bundle_path, ckpt_dir
-from ..journal import global_path
+from ..layout import NodePaths, bundle_path, replica_dir
 from ..manifest import FileEntry, GlobalManifest
-from ..peer.globals import global_dir
-from ..peer.store import held_replicas, replica_dir
+from ..peer.store import held_replicas
 from ..safepath import UnsafeInput
 from .plan import Copy
 from .verify import check_files
 
 
 def journal_manifests(paths: NodePaths) -> dict[str, GlobalManifest]:
-    return _manifests(paths.journal / "global", "*.json",
-                      lambda ckpt: global_path(paths.journal, ckpt))
+    return _manifests(lambda: layout.journal_global_manifest_paths(paths.journal),
+                      lambda ckpt: layout.journal_global_manifest_path(paths.journal, ckpt))
 
 
 def pfs_manifests(pfs_run: Path) -> dict[str, GlobalManifest]:
-    return _manifests(pfs_run / "ckpt", "*/manifest.json",
-                      lambda ckpt: ckpt_dir(pfs_run, ckpt) / "manifest.json")
+    return _manifests(lambda: layout.pfs_manifest_paths(pfs_run),
+                      lambda ckpt: layout.pfs_manifest_path(pfs_run, ckpt))
 
 
-def _manifests(directory: Path, pattern: str, stored_at: Callable[[str], Path]
+def _manifests(listing: Callable[[], list[Path]], stored_at: Callable[[str], Path]
                ) -> dict[str, GlobalManifest]:
     """Every readable global manifest; an unreadable place (PFS down) gives none. A
     manifest with an unsafe name, or not stored where its name says (`stored_at`),
     raises UnsafeInput."""
     found = {}
     try:
-        candidates = sorted(directory.glob(pattern))
+        candidates = listing()
     except OSError:
         return found
     for path in candidates:
@@ -62,7 +61,8 @@ def local_copies(paths: NodePaths, node: int, manifests: dict[str, GlobalManifes
     copies = []
     for ckpt, manifest in manifests.items():
         own = manifest.node_files(node) if node < len(manifest.nodes) else []
-        for kind, directory in (("spool", paths.spool / ckpt), ("stage", paths.stage / ckpt)):
+        for kind, directory in (("spool", paths.spool_dir(ckpt)),
+                                ("stage", paths.stage_dir(ckpt))):
             if kind not in exclude and own and _intact(directory, own):
                 copies.append(Copy(ckpt, node, kind, node, _paths(own)))
         copies += _journal_globals(paths, node, manifest, exclude)
@@ -78,7 +78,8 @@ def _journal_globals(paths: NodePaths, node: int, manifest: GlobalManifest,
     entries = [FileEntry(e["path"], e["size"], e["mode"], e["checksum"])
                for e in manifest.files if e["path"] in manifest.global_files]
     owners = {e["node"] for e in manifest.files if e["path"] in manifest.global_files}
-    if len(owners) != 1 or not _intact(global_dir(paths.journal, manifest.ckpt), entries):
+    if len(owners) != 1 or not _intact(
+            layout.global_files_dir(paths.journal, manifest.ckpt), entries):
         return []
     return [Copy(manifest.ckpt, owners.pop(), "journal", node, _paths(entries))]
 
@@ -120,9 +121,9 @@ def bundle_ok(pfs_run: Path, manifest: GlobalManifest, node: int) -> bool:
 def source_dir(config: Config, copy: Copy, host: str | None = None) -> Path:
     """Where a non-PFS copy's files are, on its holder."""
     paths = config.node_paths(copy.holder, host=host)
-    return {"spool": paths.spool / copy.ckpt, "stage": paths.stage / copy.ckpt,
+    return {"spool": paths.spool_dir(copy.ckpt), "stage": paths.stage_dir(copy.ckpt),
             "replica": replica_dir(paths.replicas, copy.owner, copy.ckpt),
-            "journal": global_dir(paths.journal, copy.ckpt)}[copy.kind]
+            "journal": layout.global_files_dir(paths.journal, copy.ckpt)}[copy.kind]
 
 
 def _intact(directory: Path, entries: list[FileEntry]) -> bool:

@@ -38,9 +38,7 @@ from ..collective import agree, arrive
 from ..config import Config
 from ..errors import OperationError
 from ..flush.bundle import extract
-from ..flush.flusher import bundle_path
 from ..fsutil import (
-    derived_name,
     fsync_dir,
     fsync_tree,
     makedirs,
@@ -48,6 +46,13 @@ from ..fsutil import (
     remove_under,
     temp_name,
     trainer_mode,
+)
+from ..layout import (
+    bundle_path,
+    ckpt_dir,
+    recover_partial_dir,
+    recover_partial_dirs,
+    set_aside_dir,
 )
 from ..manifest import FileEntry, GlobalManifest, LocalManifest
 from ..peer.globals import mirror_file
@@ -59,7 +64,6 @@ from . import holdings
 from .plan import Copy, Move, Plan, choose
 
 DATA_TAG = 21
-PARTIAL_PREFIX = ".cachex-recover-"
 SLOWEST_RATE = 10 << 20     # bytes/s: a rank moving its part slower than this is stuck
 
 
@@ -192,11 +196,11 @@ def _restore(comm: Any, config: Config, node: int, rank_of: dict[int, int], plan
     directory, renamed into place at the end (module docstring)."""
     moved: dict[str, int] = {}
     spool = config.node_paths(node).spool
-    final = spool / plan.ckpt
+    final = ckpt_dir(spool, plan.ckpt)
     in_place = any(m.target == m.owner == m.source.holder == node and m.source.kind == "spool"
                    for m in plan.moves)
     _remove_partials(spool)
-    directory = final if in_place else makedirs(spool / partial_name(plan.ckpt))
+    directory = final if in_place else makedirs(recover_partial_dir(spool, plan.ckpt))
     entries = {(e["node"], e["path"]): _entry(e) for e in plan.manifest.files}
     ordered = sorted(plan.moves, key=lambda m: (m.local, m.owner != m.target))
     for move in ordered:
@@ -215,15 +219,9 @@ def _restore(comm: Any, config: Config, node: int, rank_of: dict[int, int], plan
     return moved
 
 
-def partial_name(ckpt: str) -> str:
-    """The hidden directory a recovery assembles `ckpt` in (a digest when the name with
-    its prefix would not fit in one component)."""
-    return derived_name(ckpt, prefix=PARTIAL_PREFIX)
-
-
 def _remove_partials(spool: Path) -> None:
     """What an earlier recovery killed midway left behind."""
-    for entry in spool.glob(f"{PARTIAL_PREFIX}*") if spool.is_dir() else []:
+    for entry in recover_partial_dirs(spool):
         if entry.is_symlink():
             entry.unlink()
         else:
@@ -372,9 +370,9 @@ def _set_aside(spool: Path, plan: Plan, manifests: dict[str, GlobalManifest]) ->
     newer = [name for name in checkpoint_names(spool) if name in newer_seq or (
         name not in manifests and natural_key(name) > natural_key(plan.ckpt))]
     for ckpt in newer:
-        aside = spool / derived_name(ckpt, prefix=".cachex-unrecoverable-")
+        aside = set_aside_dir(spool, ckpt)
         remove_under(spool, aside)
-        os.rename(spool / ckpt, aside)
+        os.rename(ckpt_dir(spool, ckpt), aside)
     if newer:
         fsync_dir(spool)
     return newer

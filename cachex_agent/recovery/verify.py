@@ -9,11 +9,10 @@ from ..checksum import file_checksum
 from ..config import Config
 from ..errors import OperationError
 from ..flush.bundle import verify_bundle
-from ..flush.flusher import bundle_path
+from ..layout import bundle_path, replica_dir, replica_manifest_path
 from ..manifest import FileEntry
 from ..peer.partners import replication_map
-from ..peer.store import manifest_path, replica_dir
-from .catalog import global_manifest, local_manifests, node_count, stage_dir
+from .catalog import global_manifest, local_manifests, node_count
 
 
 @dataclass
@@ -50,7 +49,7 @@ def verify(config: Config, ckpt: str) -> list[Finding]:
 
 def _stage(config: Config, ckpt: str, node: int, host: str | None,
            files: list[FileEntry]) -> Finding:
-    directory = stage_dir(config, node, ckpt, host)
+    directory = config.node_paths(node, host=host).stage_dir(ckpt)
     here = host in (None, socket.gethostname())     # another host's stage is not visible
     finding = Finding("stage", node, str(directory), here and directory.is_dir())
     if finding.checked:
@@ -74,7 +73,7 @@ def _replica(config: Config, ckpt: str, owner: int, partner: int, host: str,
     directory = replica_dir(root, owner, ckpt)
     here = host == socket.gethostname()
     finding = Finding("replica", owner, f"{directory} (on node {partner})", here)
-    if here and not manifest_path(root, owner, ckpt).exists():
+    if here and not replica_manifest_path(root, owner, ckpt).exists():
         finding.checked, finding.note = False, "not held (not replicated, or evicted)"
     if finding.checked:
         finding.problems = check_files(directory, files)

@@ -16,9 +16,9 @@ from support import virtual_nodes_config
 from cachex_agent.checksum import file_checksum
 from cachex_agent.config import load
 from cachex_agent.events import EventLog
+from cachex_agent.layout import replica_dir, replica_manifest_path
 from cachex_agent.manifest import FileEntry, LocalManifest
 from cachex_agent.peer.partners import incoming, partner_map, replication_map
-from cachex_agent.peer.store import manifest_path, replica_dir
 from cachex_agent.topology import place_in
 
 pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(180)]
@@ -115,7 +115,7 @@ def check_replicas(root: Path, cfg, ckpts=("c1",)) -> list[str]:
         for ckpt in ckpts:
             source = cfg.node_paths(owner).stage / ckpt
             replica = replica_dir(cfg.node_paths(comm.rank).replicas, owner, ckpt)
-            if not manifest_path(cfg.node_paths(comm.rank).replicas, owner, ckpt).exists():
+            if not replica_manifest_path(cfg.node_paths(comm.rank).replicas, owner, ckpt).exists():
                 problems.append(f"{replica}: no manifest")
                 continue
             for path in sorted(source.rglob("*")):      # replicas are private (0600)

@@ -14,7 +14,6 @@ from cachex_agent.checksum import file_checksum
 from cachex_agent.errors import OperationError
 from cachex_agent.flush.bundle import (
     BundleError,
-    bundle_name,
     extract,
     is_complete,
     read_manifest,
@@ -22,6 +21,7 @@ from cachex_agent.flush.bundle import (
     write_bundle,
 )
 from cachex_agent.flush.throttle import TokenBucket
+from cachex_agent.layout import bundle_name
 from cachex_agent.manifest import FileEntry, LocalManifest
 from cachex_agent.safepath import UnsafeInput
 

@@ -23,10 +23,10 @@ from click.testing import CliRunner
 from cachex_agent import cli
 from cachex_agent import config as configuration
 from cachex_agent.checksum import file_checksum
-from cachex_agent.flush.bundle import bundle_name, write_bundle
+from cachex_agent.flush.bundle import write_bundle
 from cachex_agent.fsutil import write_json
+from cachex_agent.layout import bundle_name
 from cachex_agent.manifest import FileEntry, GlobalManifest, LocalManifest
-from cachex_agent.recovery.catalog import stage_dir
 
 RUN = "run1"
 CKPT = "step_00100"
@@ -267,7 +267,7 @@ def flush_by_hand(cfg: configuration.Config, ckpt: str,
     pfs_ckpt.mkdir(parents=True, exist_ok=True)
     parts = []
     for node, files in per_node.items():
-        staged = stage_dir(cfg, node, ckpt)
+        staged = cfg.node_paths(node).stage_dir(ckpt)
         manifest = LocalManifest(run=cfg.run, ckpt=ckpt, seq=int(ckpt.rsplit("_", 1)[1]),
                                  node=node, host=hosts[node] if hosts else socket.gethostname(),
                                  rank=node,
@@ -321,7 +321,8 @@ def test_verify_a_good_checkpoint(cfg, config_file, flushed):
         assert any(" pfs " in line and " ok " in line and str(pfs_ckpt / bundle_name(node))
                    in line for line in lines), result.stdout
         assert any(" stage " in line and " ok " in line
-                   and str(stage_dir(cfg, node, CKPT)) in line for line in lines), result.stdout
+                   and str(cfg.node_paths(node).stage_dir(CKPT)) in line
+                   for line in lines), result.stdout
     assert "BAD" not in result.stdout
     assert f"{CKPT}: verified 4 copies" in result.stdout
 
@@ -345,7 +346,7 @@ def test_verify_finds_a_flipped_byte_in_a_bundle(monkeypatch, capsys, cfg, confi
 
 @pytest.mark.timeout(20)
 def test_verify_finds_a_changed_stage_copy(monkeypatch, capsys, cfg, config_file, flushed):
-    staged = stage_dir(cfg, 0, CKPT) / "optim/rank0/state.bin"
+    staged = cfg.node_paths(0).stage_dir(CKPT) / "optim/rank0/state.bin"
     data = bytearray(staged.read_bytes())
     data[0] ^= 1
     staged.write_bytes(bytes(data))
@@ -375,11 +376,11 @@ pfs = "{tmp_path}/pfs"
 domain = "rank"
 """)
     cfg = configuration.load(shared, environ={})
-    assert stage_dir(cfg, 0, CKPT) == stage_dir(cfg, 1, CKPT)
+    assert cfg.node_paths(0).stage_dir(CKPT) == cfg.node_paths(1).stage_dir(CKPT)
     flush_by_hand(cfg, CKPT, NODE_FILES, global_files=[".metadata"],
                   hosts=[socket.gethostname(), "nid0001"])      # node 1 is another machine
     for name in set(NODE_FILES[1]) - set(NODE_FILES[0]):     # these live on node 1 only
-        (stage_dir(cfg, 1, CKPT) / name).unlink()
+        (cfg.node_paths(1).stage_dir(CKPT) / name).unlink()
 
     result = invoke(shared, "verify", CKPT)
     assert "BAD" not in result.stdout and result.exit_code == 0, (

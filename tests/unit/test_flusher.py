@@ -19,7 +19,8 @@ import pytest
 from cachex_agent.config import Flush
 from cachex_agent.events import EventLog, read_events
 from cachex_agent.flush.bundle import extract, read_manifest, verify_bundle
-from cachex_agent.flush.flusher import Flusher, bundle_path, ckpt_dir
+from cachex_agent.flush.flusher import Flusher
+from cachex_agent.layout import bundle_path, pfs_ckpt_dir
 from cachex_agent.manifest import LocalManifest
 from cachex_agent.stage.capture import capture_copy, list_files
 
@@ -136,7 +137,7 @@ def test_flush_writes_the_bundle_and_reports(tmp_path, pfs_run, events, make_flu
 
     target = pfs_run / "ckpt" / CKPT / "node-00001.h5"
     assert target == bundle_path(pfs_run, CKPT, NODE)
-    assert target.parent == ckpt_dir(pfs_run, CKPT)
+    assert target.parent == pfs_ckpt_dir(pfs_run, CKPT)
     assert target.is_file()
     assert verify_bundle(target, manifest.files) == []
     assert read_manifest(target).files == manifest.files
@@ -286,7 +287,7 @@ def test_missing_staged_copy_is_a_final_error(tmp_path, pfs_run, events, make_fl
     assert str(stage) in errors[0]["error"]
     assert reports.of("flushed") == []
     assert not bundle_path(pfs_run, CKPT, NODE).exists()
-    leftover = ckpt_dir(pfs_run, CKPT)
+    leftover = pfs_ckpt_dir(pfs_run, CKPT)
     assert not leftover.exists() or list(leftover.iterdir()) == []
     assert [e["final"] for e in flush_events(events.path) if e["event"] == "flush_error"] == [True]
     assert flusher.close(timeout=1) == []

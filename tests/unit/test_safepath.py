@@ -10,8 +10,8 @@ import pytest
 from cachex_agent.errors import OperationError
 from cachex_agent.fsutil import remove_under
 from cachex_agent.journal import Journal
+from cachex_agent.layout import recover_partial_dir
 from cachex_agent.manifest import FileEntry, GlobalManifest, LocalManifest
-from cachex_agent.recovery.rebuild import partial_name
 from cachex_agent.safepath import UnsafeInput, checkpoint_id, index, relative_path
 from cachex_agent.stage.rules import make_rule
 
@@ -118,11 +118,11 @@ def test_remove_under_refuses_anything_not_strictly_below_its_root(tmp_path: Pat
 
 
 def test_agents_never_take_a_recovery_partial_for_a_checkpoint(tmp_path: Path):
-    partial = tmp_path / partial_name("step_1")
+    partial = recover_partial_dir(tmp_path, "step_1")
     partial.mkdir()
     (partial / ".metadata").write_bytes(b"m")
     (tmp_path / "step_1").mkdir()
     (tmp_path / "step_1" / ".metadata").write_bytes(b"m")
     assert make_rule("dcp", 0.0, []).committed(tmp_path) == ["step_1"]
-    assert partial_name("s" * 255).startswith(".cachex-recover-")
-    assert len(partial_name("s" * 255).encode()) <= 255
+    long = recover_partial_dir(tmp_path, "s" * 255).name
+    assert long.startswith(".cachex-recover-") and len(long.encode()) <= 255

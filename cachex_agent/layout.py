@@ -1,0 +1,201 @@
+"""The on-disk layout: the one module that names cachex's files and directories.
+
+    <spool>/<ckpt>/                          the trainer's checkpoint (the trainer owns it)
+    <spool>/.cachex-recover-<ckpt>/          a recovery assembling <ckpt>
+    <spool>/.cachex-unrecoverable-<ckpt>/    newer than what a recovery restored: set aside
+    <stage>/<run>/<ckpt>/                    the captured copy
+    <cache>/<run>/journal/                   the agent's durable state (journal.py):
+        state.json  coordinator.json  status.json  events.jsonl  stop
+        manifests/<ckpt>.json                this node's local manifest
+        global/<ckpt>.json                   the global manifest
+        global/<ckpt>/files/<path>           global files mirrored to every node
+    <cache>/<run>/replicas/node-<owner>/<ckpt>/                partners' parts
+    <cache>/<run>/replicas/node-<owner>/<ckpt>.manifest.json   written last
+    <pfs>/<run>/index.json  status.json  control/stop
+    <pfs>/<run>/ckpt/<ckpt>/manifest.json  node-<NNNNN>.h5
+
+A name too long for one component with its suffix or prefix is replaced by a hash
+(fsutil.derived_name). Functions take the root they build under (a node's NodePaths, a
+PFS run directory, a journal, a replica root) and do no I/O, except the listings, which
+read a directory.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from .fsutil import derived_name
+
+INDEX = "index.json"
+STATUS = "status.json"
+MANIFEST = "manifest.json"          # the global manifest, in a PFS checkpoint directory
+JOURNAL_STATE = "state.json"
+COORDINATOR_STATE = "coordinator.json"
+EVENTS = "events.jsonl"
+STOP = "stop"
+REPLICA_MANIFEST_SUFFIX = ".manifest.json"
+RECOVER_PREFIX = ".cachex-recover-"
+SET_ASIDE_PREFIX = ".cachex-unrecoverable-"
+
+
+@dataclass(frozen=True)
+class NodePaths:
+    """Where one node's data lives. `stage`, `cache` and `pfs` are already per run."""
+
+    spool: Path
+    stage: Path
+    cache: Path
+    pfs: Path
+
+    @classmethod
+    def of_run(cls, spool: Path, stage: Path, cache: Path, pfs: Path, run: str) -> NodePaths:
+        """From the rendered roots: everything but the trainer's spool is per run."""
+        return cls(spool, run_dir(stage, run), run_dir(cache, run), run_dir(pfs, run))
+
+    @property
+    def journal(self) -> Path:
+        return journal_dir(self.cache)
+
+    @property
+    def replicas(self) -> Path:
+        return self.cache / "replicas"
+
+    def spool_dir(self, ckpt: str) -> Path:
+        return ckpt_dir(self.spool, ckpt)
+
+    def stage_dir(self, ckpt: str) -> Path:
+        return ckpt_dir(self.stage, ckpt)
+
+
+def run_dir(root: Path, run: str) -> Path:
+    """A run's directory under a rendered stage, cache or PFS root."""
+    return root / run
+
+
+def ckpt_dir(root: Path, ckpt: str) -> Path:
+    """A checkpoint's directory in a spool or a stage."""
+    return root / ckpt
+
+
+def journal_dir(cache_run: Path) -> Path:
+    return cache_run / "journal"
+
+
+def node_dir_name(node: int) -> str:
+    """`node-NNNNN`: a node's replicas, bundle, and exported part are named so."""
+    return f"node-{node:05d}"
+
+
+# ------------------------------------------------------------------------ spool
+def recover_partial_dir(spool: Path, ckpt: str) -> Path:
+    return spool / derived_name(ckpt, prefix=RECOVER_PREFIX)
+
+
+def recover_partial_dirs(spool: Path) -> list[Path]:
+    return sorted(spool.glob(f"{RECOVER_PREFIX}*")) if spool.is_dir() else []
+
+
+def set_aside_dir(spool: Path, ckpt: str) -> Path:
+    return spool / derived_name(ckpt, prefix=SET_ASIDE_PREFIX)
+
+
+# ---------------------------------------------------------------------- journal
+def local_manifests_dir(journal: Path) -> Path:
+    return journal / "manifests"
+
+
+def global_manifests_dir(journal: Path) -> Path:
+    return journal / "global"
+
+
+def local_manifest_path(journal: Path, ckpt: str) -> Path:
+    return local_manifests_dir(journal) / derived_name(ckpt, ".json")
+
+
+def journal_global_manifest_path(journal: Path, ckpt: str) -> Path:
+    return global_manifests_dir(journal) / derived_name(ckpt, ".json")
+
+
+def journal_global_manifest_paths(journal: Path) -> list[Path]:
+    return sorted(global_manifests_dir(journal).glob("*.json"))
+
+
+def global_files_dir(journal: Path, ckpt: str) -> Path:
+    return global_manifests_dir(journal) / ckpt / "files"
+
+
+def events_path(journal: Path) -> Path:
+    return journal / EVENTS
+
+
+def journal_status_path(journal: Path) -> Path:
+    return journal / STATUS
+
+
+def journal_stop_file(journal: Path) -> Path:
+    return journal / STOP
+
+
+# --------------------------------------------------------------------- replicas
+def replica_owner_dir(replicas: Path, owner: int) -> Path:
+    return replicas / node_dir_name(owner)
+
+
+def replica_dir(replicas: Path, owner: int, ckpt: str) -> Path:
+    return replica_owner_dir(replicas, owner) / ckpt
+
+
+def replica_manifest_path(replicas: Path, owner: int, ckpt: str) -> Path:
+    """Beside the replica's directory, not in it: a trainer file called `manifest.json`
+    cannot collide with it."""
+    return replica_owner_dir(replicas, owner) / derived_name(ckpt, REPLICA_MANIFEST_SUFFIX)
+
+
+def replica_manifest_paths(replicas: Path) -> list[Path]:
+    """Every replica manifest under `replicas`, by owner directory."""
+    owners = sorted(replicas.glob("node-*")) if replicas.is_dir() else []
+    return [path for owner in owners for path in owner.glob(f"*{REPLICA_MANIFEST_SUFFIX}")]
+
+
+# -------------------------------------------------------------------------- PFS
+def index_path(pfs_run: Path) -> Path:
+    return pfs_run / INDEX
+
+
+def pfs_status_path(pfs_run: Path) -> Path:
+    return pfs_run / STATUS
+
+
+def status_paths(paths: NodePaths) -> list[Path]:
+    """The coordinator's status: in its journal, and on the PFS when it takes writes."""
+    return [journal_status_path(paths.journal), pfs_status_path(paths.pfs)]
+
+
+def pfs_stop_file(pfs_run: Path) -> Path:
+    return pfs_run / "control" / STOP
+
+
+def pfs_ckpts_dir(pfs_run: Path) -> Path:
+    """The directory holding every flushed checkpoint's directory."""
+    return pfs_run / "ckpt"
+
+
+def pfs_ckpt_dir(pfs_run: Path, ckpt: str) -> Path:
+    return pfs_ckpts_dir(pfs_run) / ckpt
+
+
+def pfs_manifest_path(pfs_run: Path, ckpt: str) -> Path:
+    return pfs_ckpt_dir(pfs_run, ckpt) / MANIFEST
+
+
+def pfs_manifest_paths(pfs_run: Path) -> list[Path]:
+    return sorted(pfs_ckpts_dir(pfs_run).glob(f"*/{MANIFEST}"))
+
+
+def bundle_name(node: int) -> str:
+    return f"{node_dir_name(node)}.h5"
+
+
+def bundle_path(pfs_run: Path, ckpt: str, node: int) -> Path:
+    return pfs_ckpt_dir(pfs_run, ckpt) / bundle_name(node)
