@@ -33,7 +33,7 @@ def all_ok(comm, ok) -> bool:
 def config(root: Path, extra: str):
     path = root / f"cfg-{os.getpid()}.toml"
     path.write_text(virtual_nodes_config(root, "r", f'''[agent]
-timeout = "30s"
+timeout = "60s"
 {extra}'''))
     return load(path, environ={})
 
@@ -99,8 +99,10 @@ def run_replication(root: Path, cfg, sizes_of_rank, ckpts=("c1",)) -> dict:
                   for p, q in replicator.queues.items()}
         print(f"rank {comm.rank}: deadline hit; results {sorted(results)}, queues {queued},"
               f" store busy {replicator.store.busy()}", file=sys.stderr, flush=True)
-    finished = comm.allreduce(len(results) == len(ckpts), op=MPI.LAND)
-    replicator.close(free=finished)         # freeing is collective: not with a rank stuck
+    # freeing is collective: every rank frees, or none (a rank stuck, or one that took a
+    # slow partner for dead, would leave the others waiting in Free)
+    free = comm.allreduce(len(results) == len(ckpts) and not replicator.dead, op=MPI.LAND)
+    replicator.close(free=free)
     events.close()
     return results
 
