@@ -189,6 +189,8 @@ def remove_under(root: str | os.PathLike[str], path: str | os.PathLike[str]) -> 
 
 
 def remove_tree(path: str | os.PathLike[str]) -> None:
+    if not os.path.lexists(path):
+        return              # nothing changes in the parent: no fsync to pay
     shutil.rmtree(path, ignore_errors=True)
     parent = Path(path).parent
     if parent.exists():
