@@ -55,6 +55,8 @@ from cachex_agent.stage.capture import capture_copy  # noqa: E402
 
 MiB = 1024 * 1024
 BIN = Path(sys.executable).parent
+#: events between the marker and `captured`: the coordinator heard it, the capture began
+PHASES = ("committed", "capture_start", "captured")
 TARGET_COPY = 0.8           # capture >= 0.8x cp -r
 TARGET_LATENCY = 0.025      # seconds, marker to captured
 TARGET_CPU = 0.030          # CPU seconds of the agent per checkpoint
@@ -98,7 +100,7 @@ def bench_copy(root: Path, total: int, count: int, repeat: int) -> dict[str, Any
     relpaths = write_files(src, total, count)
     runs: dict[str, list[tuple[float, float]]] = {"cp": [], "capture": []}
     kinds = {"cp": lambda dst: subprocess.run(["cp", "-r", str(src), str(dst)], check=True),
-             "capture": lambda dst: capture_copy(src, dst, relpaths, 8 * MiB)}
+             "capture": lambda dst: capture_copy(src, dst, relpaths)}
     for rep in range(repeat):
         order = list(kinds) if rep % 2 == 0 else list(reversed(kinds))
         for kind in order:
@@ -194,8 +196,9 @@ class AgentRun:
                 total += runtime
         return total / 1e9
 
-    def checkpoint(self, ckpt: str, size: int) -> tuple[float, float]:
-        """Write one checkpoint and commit it; (latency to `captured`, agent CPU s)."""
+    def checkpoint(self, ckpt: str, size: int) -> tuple[float, float, dict[str, float]]:
+        """Write one checkpoint and commit it; (latency to `captured`, agent CPU s, where
+        the latency went: seconds from the marker to each event on the way)."""
         directory = self.spool / ckpt
         write_files(directory, size, 4, seed=len(ckpt))
         temp = directory / ".metadata.tmp"
@@ -208,7 +211,9 @@ class AgentRun:
         self.wait_event(lambda e: e["event"] == "level_captured" and e["ckpt"] == ckpt, 60)
         used = self.cpu() - cpu
         self.wait_event(lambda e: e["event"] == "level_flushed" and e["ckpt"] == ckpt, 60)
-        return captured["t"] - start, used
+        marks = {e["event"]: e["t"] - start for e in self.events()
+                 if e.get("ckpt") == ckpt and e["event"] in PHASES}
+        return captured["t"] - start, used, marks
 
     def idle(self, seconds: float) -> float:
         """CPU share (percent of one core) over `seconds` with nothing to do."""
@@ -233,20 +238,26 @@ def bench_agent(root: Path, journal_root: Path, size: int, count: int, idle: flo
     agent = AgentRun(root, journal_root)
     try:
         agent.checkpoint("step_0", size)            # warm-up: imports, first flush
-        latencies, cpus = [], []
+        latencies, cpus, phases = [], [], []
         for i in range(1, count + 1):
-            latency, cpu = agent.checkpoint(f"step_{i}", size)
+            latency, cpu, marks = agent.checkpoint(f"step_{i}", size)
             latencies.append(latency)
             cpus.append(cpu)
+            phases.append(marks)
+            steps = ", ".join(f"{name} {1000 * marks[name]:.1f}" for name in PHASES
+                              if name in marks)
             print(f"  checkpoint {i}/{count}: latency {1000 * latency:5.1f} ms,"
-                  f" agent cpu {1000 * cpu:5.1f} ms", flush=True)
+                  f" agent cpu {1000 * cpu:5.1f} ms (ms after the marker: {steps})",
+                  flush=True)
         idle_pct = agent.idle(idle)
         print(f"  idle: {idle_pct:.2f}% of a core over {idle:g} s", flush=True)
     finally:
         agent.close()
     return {"bytes": size, "checkpoints": count,
             "latency": statistics.median(latencies), "latencies": latencies,
-            "cpu": statistics.median(cpus), "cpus": cpus, "idle_percent": idle_pct}
+            "cpu": statistics.median(cpus), "cpus": cpus, "idle_percent": idle_pct,
+            "phases": {name: statistics.median(m[name] for m in phases if name in m)
+                       for name in PHASES if any(name in m for m in phases)}}
 
 
 # --------------------------------------------------------------------------- main
@@ -301,6 +312,8 @@ def report(results: dict[str, Any]) -> None:
         print(f"  8 MiB checkpoint: latency median {1000 * agent['latency']:.1f} ms"
               f" (target <= {1000 * TARGET_LATENCY:.0f}), agent cpu median"
               f" {1000 * agent['cpu']:.1f} ms (target <= {1000 * TARGET_CPU:.0f})")
+        steps = ", ".join(f"{name} {1000 * t:.1f}" for name, t in agent["phases"].items())
+        print(f"  medians, ms after the marker: {steps}")
         print(f"  idle agent: {agent['idle_percent']:.2f}% of a core"
               f" (target <= {TARGET_IDLE})")
     print("ratios")
