@@ -49,6 +49,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from cachex_agent.agent import IDLE_AFTER  # noqa: E402
 from cachex_agent.config import parse_size  # noqa: E402
 from cachex_agent.events import read_events  # noqa: E402
 from cachex_agent.stage.capture import capture_copy  # noqa: E402
@@ -216,7 +217,9 @@ class AgentRun:
         return captured["t"] - start, used, marks
 
     def idle(self, seconds: float) -> float:
-        """CPU share (percent of one core) over `seconds` with nothing to do."""
+        """CPU share (percent of one core) over `seconds` with nothing to do, from
+        IDLE_AFTER on (until then the agent keeps its busy tick: work may follow)."""
+        time.sleep(IDLE_AFTER)
         cpu, start = self.cpu(flush=True), time.monotonic()
         time.sleep(seconds)
         return 100 * (self.cpu(flush=True) - cpu) / (time.monotonic() - start)

@@ -355,7 +355,7 @@ class Agent:
     def _drain_inbox(self) -> int:
         """Forward or handle the worker threads' messages; return how many."""
         count = 0
-        while True:
+        while self.inbox.queue:     # unlocked look: a put it misses wakes the next tick
             try:
                 msg = self.inbox.get_nowait()
             except queue.Empty:
@@ -371,6 +371,7 @@ class Agent:
                 self._after_replicate(msg)
                 msg = {**msg, "dead": sorted(self.replicator.dead) if self.replicator else []}
             self._to_coordinator(msg)
+        return count
 
     def _wait_requests(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
