@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Callable
 
@@ -15,6 +16,13 @@ CHUNK = 8 * 1024 * 1024
 #: it, the hash and the write that empties it (8 MiB went through memory three times and
 #: cost a third more CPU than 1 MiB when copying tmpfs to tmpfs)
 COPY_CHUNK = 1024 * 1024
+
+
+def copy_buffer(size: int = COPY_CHUNK) -> mmap.mmap:
+    """A page-aligned buffer for copies: the kernel's copies into and out of it cost
+    about a third less CPU than with a bytearray, whose bytes start 16 bytes into a
+    page (measured tmpfs to tmpfs)."""
+    return mmap.mmap(-1, size)
 
 
 def hasher() -> xxhash.xxh3_128:
@@ -34,11 +42,11 @@ def file_checksum(path: str | os.PathLike[str], chunk: int = CHUNK) -> str:
 def copy_with_checksum(src: str | os.PathLike[str], dst: str | os.PathLike[str],
                        chunk: int = COPY_CHUNK,
                        on_bytes: Callable[[int], None] | None = None,
-                       buffer: bytearray | None = None) -> tuple[int, str]:
+                       buffer: mmap.mmap | None = None) -> tuple[int, str]:
     """Copy `src` to `dst` (created 0600, fsynced), return (bytes, checksum) of what was
-    read. `buffer` (reused across files) saves allocating and faulting in a new one."""
+    read. `buffer` (`copy_buffer`, reused across files) saves mapping a new one."""
     digest = hasher()
-    buffer = bytearray(chunk) if buffer is None else buffer
+    buffer = copy_buffer(chunk) if buffer is None else buffer
     view = memoryview(buffer)
     total = 0
     with open(src, "rb", buffering=0) as fin, open_private(dst, buffering=0) as fout:

@@ -18,11 +18,12 @@ later reader).
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from ..checksum import COPY_CHUNK, copy_with_checksum, file_checksum
+from ..checksum import COPY_CHUNK, copy_buffer, copy_with_checksum, file_checksum
 from ..errors import OperationError
 from ..fsutil import fsync_dir, fsync_tree, makedirs, partial_path, remove_under, trainer_mode
 from ..manifest import FileEntry
@@ -78,7 +79,7 @@ def capture_copy(src: Path, dst: Path, relpaths: Iterable[str], chunk: int = COP
     partial = partial_path(dst)
     remove_under(dst.parent, partial)
     makedirs(partial)
-    buffer = bytearray(chunk)
+    buffer = copy_buffer(chunk)
     try:
         entries = [_copy_one(src, partial, rel, buffer, on_bytes) for rel in relpaths]
         fsync_tree(partial)
@@ -103,7 +104,7 @@ def capture_reference(src: Path, relpaths: Iterable[str]) -> list[FileEntry]:
     return entries
 
 
-def _copy_one(src: Path, dst: Path, rel: str, buffer: bytearray,
+def _copy_one(src: Path, dst: Path, rel: str, buffer: mmap.mmap,
               on_bytes: Callable[[int], None] | None) -> FileEntry:
     source, target = src / rel, dst / rel
     makedirs(target.parent)
