@@ -3,6 +3,8 @@
 Threads and who does what:
   main     every MPI call (messages to and from the coordinator), the coordinator's
            decisions on rank 0, stop requests; ticks every `agent.poll` seconds
+           (IDLE_TICK after IDLE_AFTER seconds with nothing to do), and at once
+           when a worker thread puts a message into the inbox
   watch    the spool (inotify + rescans): commit markers -> inbox
   capture  one checkpoint at a time: spool -> stage, checksums, local manifest
   flush-*  stage -> PFS bundles (flush.flusher), low priority, throttled
@@ -85,7 +87,7 @@ class Inbox(queue.Queue):  # type: ignore[type-arg]
         """Sleep up to `timeout` seconds, less if something is put meanwhile."""
         if select.select([self._wake_r], [], [], timeout)[0]:
             try:
-                os.read(self._wake_r, 4096)
+                os.read(self._wake_r, 1 << 16)     # a pipe's worth: every wake-up so far
             except BlockingIOError:
                 pass
 
