@@ -3,6 +3,8 @@
 Threads and who does what:
   main     every MPI call (messages to and from the coordinator), the coordinator's
            decisions on rank 0, stop requests; ticks every `agent.poll` seconds
+           (IDLE_TICK after IDLE_AFTER seconds with nothing to do), and at once
+           when a worker thread puts a message into the inbox
   watch    the spool (inotify + rescans): commit markers -> inbox
   capture  one checkpoint at a time: spool -> stage, checksums, local manifest
   flush-*  stage -> PFS bundles (flush.flusher), low priority, throttled
@@ -17,6 +19,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import select
 import signal
 import threading
 import time
@@ -61,6 +64,34 @@ PEER_TAG = 8      # replication protocol (peer/replicator.py)
 MEMORY_RESERVE = 1 << 30    # capture by reference when the copy would leave less than this
 CAPTURE_ATTEMPTS = 3        # captures of a part that keeps changing before it fails
 TEST_FAIL_CAPTURE = "CACHEX_TEST_FAIL_CAPTURE"  # tests: this rank's capture thread raises
+IDLE_AFTER = 2.0    # seconds without a message or work in flight before the loop slows down
+IDLE_TICK = 0.1     # the slowed tick: a first message from another agent waits this long
+
+
+class Inbox(queue.Queue):  # type: ignore[type-arg]
+    """The worker threads' messages to the main thread. A put wakes the main loop at
+    once, through a pipe: the signal handler puts too, and a pipe write is safe there.
+    The pipe lives as long as the process (a late put from a worker must not write to a
+    descriptor reused since)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        super().put(item, block, timeout)
+        try:
+            os.write(self._wake_w, b"x")
+        except BlockingIOError:
+            pass                # full of wake-ups already
+
+    def wait(self, timeout: float) -> None:
+        """Sleep up to `timeout` seconds, less if something is put meanwhile."""
+        if select.select([self._wake_r], [], [], timeout)[0]:
+            try:
+                os.read(self._wake_r, 1 << 16)     # a pipe's worth: every wake-up so far
+            except BlockingIOError:
+                pass
 
 
 def exit_watchdog(bound: float) -> threading.Timer:
@@ -120,7 +151,7 @@ class Agent:
         self.events = EventLog(events_path(self.paths.journal), run=config.run,
                                node=self.node, rank=self.rank, host=self.placement.host)
         self._remove_stale()
-        self.inbox: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.inbox = Inbox()
         self.captures: queue.Queue[dict[str, Any] | None] = queue.Queue()
         self.announced: dict[str, dict[str, Any]] = {}
         self._queued: set[str] = set()        # announced, capture not finished
@@ -131,6 +162,7 @@ class Agent:
         self._drained_sent = False
         self._stop_checked = 0.0
         self._born = time.time()
+        self._active = time.monotonic()     # when the main loop last had something to do
         self.exit_now = False
         self._requests: list[Any] = []
         self._signals = 0
@@ -188,9 +220,9 @@ class Agent:
         self.watcher.start()
         try:
             while not self.exit_now:
-                self._step()
-                busy = self.replicator is not None and self.replicator.busy()
-                time.sleep(0.001 if busy else self.config.agent.poll)
+                if self._step():
+                    self._active = time.monotonic()
+                self.inbox.wait(self._tick())
         finally:
             # leaving waits on the other agents (the window's free is collective)
             watchdog = exit_watchdog(2 * self.config.agent.timeout)
@@ -206,9 +238,23 @@ class Agent:
             watchdog.cancel()
         return 0
 
-    def _step(self) -> None:
-        self._drain_inbox()
-        self._receive()
+    def _tick(self) -> float:
+        """How long the main loop sleeps (a worker's message ends the sleep at once)."""
+        if self.replicator is not None and self.replicator.busy():
+            return 0.001        # credits and slots: the partner waits on this loop
+        if time.monotonic() - self._active < IDLE_AFTER:
+            return self.config.agent.poll
+        # nothing for a while: fewer wake-ups, each costs as much as a step
+        return max(self.config.agent.poll, IDLE_TICK)
+
+    def _busy(self) -> bool:
+        """Work in flight that messages from other agents move on."""
+        return bool(self._requests or self._queued or self.draining or self.globals.busy()
+                    or (self.replicator is not None and self.replicator.busy()))
+
+    def _step(self) -> bool:
+        """One turn of the main loop; True if it had anything to do."""
+        moved = self._drain_inbox() + self._receive()
         if self.replicator is not None:
             self.replicator.pump()
         for header in self.globals.poll():
@@ -221,6 +267,7 @@ class Agent:
         if self.draining:
             self._check_drained()
         self._requests = [r for r in self._requests if not r.Test()]
+        return bool(moved) or self._busy()
 
     def _resume(self) -> None:
         """Tell the coordinator what the journal says is still in flight, then catch up
@@ -267,16 +314,21 @@ class Agent:
     def _to_coordinator(self, msg: dict[str, Any]) -> None:
         self._send(0, {**msg, "node": self.node})
 
-    def _receive(self) -> None:
+    def _receive(self) -> int:
+        """Handle the messages from other agents that arrived; return how many."""
         status = MPI.Status()
+        count = 0
         while self._probe(PEER_TAG, status):
             source = status.Get_source()
             msg = self.comm.recv(source=source, tag=PEER_TAG)
             self._refusing(source, msg, self._on_peer_message)
+            count += 1
         while self._probe(TAG, status):
             source = status.Get_source()
             msg = self.comm.recv(source=source, tag=TAG)
             self._refusing(source, msg, self._on_message)
+            count += 1
+        return count
 
     def _refusing(self, source: int, msg: Any, handle: Any) -> None:
         """Handle a message whose names are safe; refuse any other with one line."""
@@ -304,12 +356,15 @@ class Agent:
         return any(self.comm.iprobe(source=MPI.ANY_SOURCE, tag=tag, status=status)
                    for _ in range(2))
 
-    def _drain_inbox(self) -> None:
-        while True:
+    def _drain_inbox(self) -> int:
+        """Forward or handle the worker threads' messages; return how many."""
+        count = 0
+        while self.inbox.queue:     # unlocked look: a put it misses wakes the next tick
             try:
                 msg = self.inbox.get_nowait()
             except queue.Empty:
-                return
+                return count
+            count += 1
             kind = msg["type"]
             if kind in ("credit", "ack"):           # the replica store answers an owner
                 self._send_peer(self.ranks_by_node[msg.pop("owner")], msg)
@@ -320,6 +375,7 @@ class Agent:
                 self._after_replicate(msg)
                 msg = {**msg, "dead": sorted(self.replicator.dead) if self.replicator else []}
             self._to_coordinator(msg)
+        return count
 
     def _wait_requests(self, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -589,8 +645,7 @@ class Agent:
             reason = f"memory short: {total} bytes would leave less than {MEMORY_RESERVE}"
         else:
             try:
-                return target, capture_copy(source, target, relpaths,
-                                            self.config.flush.chunk), "copy", ""
+                return target, capture_copy(source, target, relpaths), "copy", ""
             except OSError as exc:
                 if not is_stage_full(exc):
                     raise

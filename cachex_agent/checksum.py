@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import mmap
 import os
 from collections.abc import Callable
 
@@ -11,6 +12,17 @@ from .fsutil import open_private
 
 ALGORITHM = "xxh3-128"
 CHUNK = 8 * 1024 * 1024
+#: the copy's buffer: small enough to stay in a core's cache between the read that fills
+#: it, the hash and the write that empties it (8 MiB went through memory three times and
+#: cost a third more CPU than 1 MiB when copying tmpfs to tmpfs)
+COPY_CHUNK = 1024 * 1024
+
+
+def copy_buffer(size: int = COPY_CHUNK) -> mmap.mmap:
+    """A page-aligned buffer for copies: the kernel's copies into and out of it cost
+    about a third less CPU than with a bytearray, whose bytes start 16 bytes into a
+    page (measured tmpfs to tmpfs)."""
+    return mmap.mmap(-1, size)
 
 
 def hasher() -> xxhash.xxh3_128:
@@ -28,12 +40,13 @@ def file_checksum(path: str | os.PathLike[str], chunk: int = CHUNK) -> str:
 
 
 def copy_with_checksum(src: str | os.PathLike[str], dst: str | os.PathLike[str],
-                       chunk: int = CHUNK,
-                       on_bytes: Callable[[int], None] | None = None) -> tuple[int, str]:
+                       chunk: int = COPY_CHUNK,
+                       on_bytes: Callable[[int], None] | None = None,
+                       buffer: mmap.mmap | None = None) -> tuple[int, str]:
     """Copy `src` to `dst` (created 0600, fsynced), return (bytes, checksum) of what was
-    read."""
+    read. `buffer` (`copy_buffer`, reused across files) saves mapping a new one."""
     digest = hasher()
-    buffer = bytearray(chunk)
+    buffer = copy_buffer(chunk) if buffer is None else buffer
     view = memoryview(buffer)
     total = 0
     with open(src, "rb", buffering=0) as fin, open_private(dst, buffering=0) as fout:

@@ -158,8 +158,10 @@ def atomic_open(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
 
 
 def write_json(path: str | os.PathLike[str], data: Any) -> None:
+    # No indent: json's C encoder handles only that; the pure-Python one it falls back
+    # to was most of an agent's CPU per checkpoint (journal, status, index, manifests).
     with atomic_open(path) as handle:
-        handle.write(json.dumps(data, indent=1, sort_keys=True).encode() + b"\n")
+        handle.write(json.dumps(data, sort_keys=True).encode() + b"\n")
 
 
 def read_json(path: str | os.PathLike[str]) -> Any:
@@ -189,6 +191,8 @@ def remove_under(root: str | os.PathLike[str], path: str | os.PathLike[str]) -> 
 
 
 def remove_tree(path: str | os.PathLike[str]) -> None:
+    if not os.path.lexists(path):
+        return              # nothing changes in the parent: no fsync to pay
     shutil.rmtree(path, ignore_errors=True)
     parent = Path(path).parent
     if parent.exists():

@@ -18,11 +18,12 @@ later reader).
 from __future__ import annotations
 
 import errno
+import mmap
 import os
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from ..checksum import copy_with_checksum, file_checksum
+from ..checksum import COPY_CHUNK, copy_buffer, copy_with_checksum, file_checksum
 from ..errors import OperationError
 from ..fsutil import fsync_dir, fsync_tree, makedirs, partial_path, remove_under, trainer_mode
 from ..manifest import FileEntry
@@ -72,14 +73,15 @@ def list_files(ckpt_dir: Path, ignore: Callable[[str], bool] = lambda _: False) 
     return sorted(found)
 
 
-def capture_copy(src: Path, dst: Path, relpaths: Iterable[str], chunk: int,
+def capture_copy(src: Path, dst: Path, relpaths: Iterable[str], chunk: int = COPY_CHUNK,
                  on_bytes: Callable[[int], None] | None = None) -> list[FileEntry]:
     """Copy `relpaths` from `src` into the new directory `dst`; return their entries."""
     partial = partial_path(dst)
     remove_under(dst.parent, partial)
     makedirs(partial)
+    buffer = copy_buffer(chunk)
     try:
-        entries = [_copy_one(src, partial, rel, chunk, on_bytes) for rel in relpaths]
+        entries = [_copy_one(src, partial, rel, buffer, on_bytes) for rel in relpaths]
         fsync_tree(partial)
         remove_under(dst.parent, dst)
         os.rename(partial, dst)
@@ -102,12 +104,12 @@ def capture_reference(src: Path, relpaths: Iterable[str]) -> list[FileEntry]:
     return entries
 
 
-def _copy_one(src: Path, dst: Path, rel: str, chunk: int,
+def _copy_one(src: Path, dst: Path, rel: str, buffer: mmap.mmap,
               on_bytes: Callable[[int], None] | None) -> FileEntry:
     source, target = src / rel, dst / rel
     makedirs(target.parent)
     before = _identity(source)
-    size, checksum = copy_with_checksum(source, target, chunk, on_bytes)
+    size, checksum = copy_with_checksum(source, target, on_bytes=on_bytes, buffer=buffer)
     _check_unchanged(source, before)
     if size != before[1]:
         raise PartChanged(f"{source}: size changed during capture ({before[1]} -> {size})")

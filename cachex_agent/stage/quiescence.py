@@ -5,9 +5,10 @@ says the trainer *thinks* it is done; an agent captures a node's files only afte
 process holds them open for writing and (optionally) their sizes and mtimes have stopped
 changing for a settle time.
 
-Limits worth knowing: psutil sees only the processes this user may inspect (everything
-when run as root, the user's own processes otherwise), and a writer that uses a shared
-writable mmap without an open descriptor is invisible. The settle time covers both.
+Limits worth knowing: /proc shows the descriptors of the processes this user may
+inspect (everything when run as root, the user's own processes otherwise), and a writer
+that uses a shared writable mmap without an open descriptor is invisible. The settle
+time covers both. Linux only (/proc), like the watcher's inotify.
 """
 
 from __future__ import annotations
@@ -16,10 +17,8 @@ import errno
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
-
-import psutil
 
 from ..errors import OperationError
 
@@ -39,8 +38,7 @@ __all__ = [
 #: keeps size and mtime.
 FileState = tuple[int, int, int]
 
-# Modes psutil reports when it has no flags (non-Linux); anything but plain "r" writes.
-_WRITE_MODES = frozenset({"w", "a", "r+", "w+", "a+"})
+_PROC = "/proc"
 
 
 class QuiescenceTimeout(OperationError):
@@ -82,81 +80,61 @@ class DirectoryTimeout(OperationError):
 def open_for_write(paths: Iterable[str | os.PathLike[str]]) -> set[Path]:
     """The subset of `paths` that some process currently holds open for writing.
 
-    One pass over all processes. Paths are matched by their resolved name first; a
-    writer whose name does not match (bind mounts, containers, hard links) is matched by
-    device and inode. Processes that vanish or deny access are skipped.
+    One pass over /proc. A descriptor is matched by the device and inode its link in
+    /proc/<pid>/fd reaches, so a writer that knows the file by another name (symlinks,
+    hard links, bind mounts, another mount namespace) matches too; only a match's
+    access mode is read. Processes and descriptors that vanish or deny access are
+    skipped.
     """
-    by_name: dict[str, list[Path]] = {}
+    wanted: dict[tuple[int, int], list[Path]] = {}
     for path in paths:
-        by_name.setdefault(os.path.realpath(path), []).append(Path(path))
-    if not by_name:
-        return set()
-    index: _InodeIndex | None = None     # built on the first writer seen, if any
-    found: set[Path] = set()
-    wanted = sum(len(v) for v in by_name.values())
-    for proc in psutil.process_iter():
         try:
-            handles = proc.open_files()
-        except (psutil.Error, OSError):
-            continue
-        for handle in handles:
-            if not _is_write_handle(handle):
-                continue
-            if index is None:
-                index = _InodeIndex(by_name)
-            if handle.path in by_name:
-                found.update(index.same_file(handle.path))
-            else:
-                found.update(index.by_inode.get(_handle_inode(proc.pid, handle), ()))
-        if len(found) == wanted:
-            break
+            st = os.stat(path)
+        except OSError:
+            continue        # gone: nobody writes it under this name any more
+        wanted.setdefault((st.st_dev, st.st_ino), []).append(Path(path))
+    found: set[Path] = set()
+    if not wanted:
+        return found
+    for pid in _pids():
+        for fd, key in _descriptors(pid):
+            if key in wanted and _writes(pid, fd):
+                found.update(wanted.pop(key))
+                if not wanted:
+                    return found
     return found
 
 
-class _InodeIndex:
-    """The wanted paths by (device, inode), so that hard links and names from other
-    mount namespaces match too."""
-
-    def __init__(self, by_name: dict[str, list[Path]]) -> None:
-        self.by_name = by_name
-        self.key_of: dict[str, tuple[int, int]] = {}
-        self.by_inode: dict[tuple[int, int] | None, list[Path]] = {}
-        for name, originals in by_name.items():
-            try:
-                st = os.stat(name)
-            except OSError:
-                continue
-            key = (st.st_dev, st.st_ino)
-            self.key_of[name] = key
-            self.by_inode.setdefault(key, []).extend(originals)
-
-    def same_file(self, name: str) -> list[Path]:
-        key = self.key_of.get(name)
-        return self.by_inode.get(key, self.by_name[name]) if key else self.by_name[name]
+def _pids() -> list[str]:
+    return [name for name in os.listdir(_PROC) if name.isdigit()]
 
 
-def _is_write_handle(handle: object) -> bool:
-    flags = getattr(handle, "flags", -1)
-    if isinstance(flags, int) and flags >= 0:
-        return (flags & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
-    return getattr(handle, "mode", "r") in _WRITE_MODES
-
-
-def _handle_inode(pid: int, handle: object) -> tuple[int, int] | None:
-    # /proc/<pid>/fd/<n> reaches the open file itself even when its name is not
-    # resolvable from our mount namespace.
-    candidates = []
-    fd = getattr(handle, "fd", -1)
-    if isinstance(fd, int) and fd >= 0:
-        candidates.append(f"/proc/{pid}/fd/{fd}")
-    candidates.append(getattr(handle, "path", ""))
-    for candidate in candidates:
+def _descriptors(pid: str) -> Iterator[tuple[str, tuple[int, int]]]:
+    """(fd, (device, inode)) of each open descriptor of `pid` this user may see."""
+    directory = f"{_PROC}/{pid}/fd"
+    try:
+        fds = os.listdir(directory)
+    except OSError:         # gone, or another user's process
+        return
+    for fd in fds:
         try:
-            st = os.stat(candidate)
-        except (OSError, ValueError):
+            st = os.stat(f"{directory}/{fd}")
+        except OSError:     # closed since listed
             continue
-        return (st.st_dev, st.st_ino)
-    return None
+        yield fd, (st.st_dev, st.st_ino)
+
+
+def _writes(pid: str, fd: str) -> bool:
+    """Was descriptor `fd` of `pid` opened for writing? (fdinfo's octal `flags`)"""
+    try:
+        with open(f"{_PROC}/{pid}/fdinfo/{fd}", "rb") as handle:
+            info = handle.read()
+    except OSError:
+        return False
+    for line in info.splitlines():
+        if line.startswith(b"flags:"):
+            return (int(line.split()[1], 8) & os.O_ACCMODE) in (os.O_WRONLY, os.O_RDWR)
+    return False
 
 
 def snapshot(directory: str | os.PathLike[str],

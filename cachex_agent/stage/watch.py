@@ -33,6 +33,7 @@ except ImportError:  # pragma: no cover - inotify_simple is a dependency, but be
 _MIN_PERIOD = 0.05        # floor of the settle-driven polling period
 _SPOOL_POLL = 0.5         # how often to look for a spool that does not exist yet
 _COALESCE = 0.01          # gather a burst of events into one evaluation
+_BURST = 0.05             # events this soon after an evaluation are part of a burst
 _STOP_JOIN = 10.0         # bound on stop(): a rule stuck on a hung file system
 
 
@@ -63,6 +64,7 @@ class SpoolWatcher:
         self._wds: dict[int, Path] = {}
         self._inotify_broken = INotify is None
         self._next_due = 0.0
+        self._evaluated = 0.0       # monotonic time of the last evaluation
         self._last_error = ""
 
     # -- public API ---------------------------------------------------------------
@@ -139,7 +141,8 @@ class SpoolWatcher:
                 return []
             finally:
                 # After the rule ran: it may just have started a settle timer.
-                self._next_due = time.monotonic() + self._period()
+                self._evaluated = time.monotonic()
+                self._next_due = self._evaluated + self._period()
             self._last_error = ""
             new = []
             for ckpt_id in ids:
@@ -291,7 +294,10 @@ class SpoolWatcher:
             self._drain_wake()
         if inotify is None or inotify.fileno() not in readable:
             return False
-        time.sleep(_COALESCE)
+        if time.monotonic() - self._evaluated < _BURST:
+            # the trainer is writing: one evaluation for the burst, not one per file; a
+            # first event (the marker after a quiet spell) is looked at at once
+            time.sleep(_COALESCE)
         self._handle(inotify.read(timeout=0))
         return True
 
