@@ -85,13 +85,20 @@ def _check_range(number: float, low: float, high: float, key: str, value: Any,
         raise ConfigError(f"{key}: expected {show(low)} to {show(high)}, got {_shown(value)}")
 
 
+_UNITS = (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB))
+
+
 def _format_size(size: float) -> str:
     """4KiB, 1GiB (exact: how the limits are written), else 2.3TiB, else 3000."""
-    units = (("TiB", TiB), ("GiB", GiB), ("MiB", MiB), ("KiB", KiB))
-    for name, unit in units:
+    for name, unit in _UNITS:
         if size and size % unit == 0:
             return f"{int(size // unit)}{name}"
-    for name, unit in units:
+    return _approximate_size(size)
+
+
+def _approximate_size(size: float) -> str:
+    """2.3TiB: a reading that moves (free memory) shows alike on every agent."""
+    for name, unit in _UNITS:
         if size >= unit:
             return f"{size / unit:.1f}{name}"
     return f"{size:g}"
@@ -351,7 +358,7 @@ def check_memory(config: Config, agents: int = 1, available: int | None = None,
             "peer.slot, peer.slots, peer.copies, flush.chunk, flush.concurrency")
     where = f"{agents} agents on {host or socket.gethostname()}" if agents > 1 else "the agent"
     raise ConfigError(f"{keys}: {where} would allocate {_format_size(need)} at start;"
-                      f" {_format_size(available)} is available and"
+                      f" {_approximate_size(available)} is available and"
                       f" {_format_size(MEMORY_RESERVE)} is kept for the trainer")
 
 
