@@ -157,9 +157,13 @@ def atomic_open(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
         raise
 
 
-def write_json(path: str | os.PathLike[str], data: Any) -> None:
+def write_json(path: str | os.PathLike[str], data: Any, compact: bool = False) -> None:
+    """`compact` for large machine-read files (a global manifest, coordinator.json, O(nodes)):
+    without indentation json uses its C encoder, three times faster."""
+    text = (json.dumps(data, sort_keys=True, separators=(",", ":")) if compact
+            else json.dumps(data, indent=1, sort_keys=True))
     with atomic_open(path) as handle:
-        handle.write(json.dumps(data, indent=1, sort_keys=True).encode() + b"\n")
+        handle.write(text.encode() + b"\n")
 
 
 def read_json(path: str | os.PathLike[str]) -> Any:

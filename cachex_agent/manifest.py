@@ -7,7 +7,7 @@ only renamed manifests (fsutil.write_json). Formats are versioned.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +92,10 @@ class GlobalManifest:
         return sum(entry["size"] for entry in self.files)
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": GLOBAL_FORMAT, "version": VERSION, **asdict(self)}
+        """Shares the lists of plain dicts with the manifest: `asdict` would deep-copy
+        every file entry of every node, the coordinator's largest cost at scale."""
+        return {"format": GLOBAL_FORMAT, "version": VERSION,
+                **{f.name: getattr(self, f.name) for f in fields(self)}}
 
     @classmethod
     def from_json(cls, data: dict[str, Any], source: object = "global manifest",
@@ -125,7 +128,7 @@ class GlobalManifest:
         first = parts[0]
         nodes = [{"node": p.node, "host": p.host, "rank": p.rank, "bundle": bundles[p.node],
                   "bytes": p.bytes, "files": len(p.files)} for p in parts]
-        files = [{"node": p.node, **asdict(entry)} for p in parts for entry in p.files]
+        files = [{"node": p.node, **vars(entry)} for p in parts for entry in p.files]
         return cls(run=first.run, ckpt=first.ckpt, seq=first.seq, nodes=nodes, files=files,
                    global_files=sorted(global_files), times=dict(times))
 
