@@ -6,6 +6,7 @@ only renamed manifests (fsutil.write_json). Formats are versioned.
 
 from __future__ import annotations
 
+import copy
 import time
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
@@ -92,10 +93,12 @@ class GlobalManifest:
         return sum(entry["size"] for entry in self.files)
 
     def to_json(self) -> dict[str, Any]:
-        """Shares the lists of plain dicts with the manifest: `asdict` would deep-copy
-        every file entry of every node, the coordinator's largest cost at scale."""
-        return {"format": GLOBAL_FORMAT, "version": VERSION,
-                **{f.name: getattr(self, f.name) for f in fields(self)}}
+        """A copy one level deep (its entries are flat): `asdict` deep-copies every value
+        of every file entry of every node, the coordinator's largest cost at scale."""
+        data = {f.name: copy.copy(getattr(self, f.name)) for f in fields(self)}
+        data["nodes"] = [dict(part) for part in self.nodes]
+        data["files"] = [dict(entry) for entry in self.files]
+        return {"format": GLOBAL_FORMAT, "version": VERSION, **data}
 
     @classmethod
     def from_json(cls, data: dict[str, Any], source: object = "global manifest",
