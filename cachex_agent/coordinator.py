@@ -51,6 +51,10 @@ Send = Callable[[int, dict[str, Any]], None]
 LEVELS = ("written", "captured", "replicated", "flushed")   # plus failed, evicted, purged
 IN_FLIGHT = LEVELS[:-1]
 HEARTBEAT = 2.0     # seconds between status writes of a running coordinator, at most
+FINAL = ("flushed", "failed", "evicted", "purged")  # no message moves these on
+# Finished checkpoints (failed, evicted, purged) the journal, status and index keep, newest
+# first: enough for an agent that restarted with a stale entry, and the files stay bounded.
+HISTORY = 16
 
 
 class Coordinator:
@@ -82,6 +86,7 @@ class Coordinator:
         self.dirty = True
         self._last_status = 0.0
         self.unprotected: list[dict[str, Any]] = []     # what agents left at start, why
+        self.announced: set[str] = set()    # told to every agent by this coordinator
         self.chooser = PathChooser(config, len(ranks_by_node), can_replicate)
 
     def _from_index(self) -> dict[str, Any]:
@@ -113,8 +118,8 @@ class Coordinator:
         ckpt = msg["ckpt"]
         if ckpt in self.ckpts:
             record = self.ckpts[ckpt]
-            if record["level"] in IN_FLIGHT:
-                self._announce(record)          # an agent restarted: it may need it again
+            if record["level"] in IN_FLIGHT:    # an agent restarted: it may need it again
+                self._announce(record, self.ranks[node] if ckpt in self.announced else None)
             return
         if self.state != "running":
             return
@@ -137,14 +142,22 @@ class Coordinator:
     def _capture_deadline(self) -> float:
         return self.clock() + self.config.commit.timeout + self.config.agent.timeout
 
-    def _announce(self, record: dict[str, Any]) -> None:
-        self._broadcast({"type": "commit", "ckpt": record["id"], "seq": record["seq"],
-                         "global_files": record["global_files"], "flush": record["flush"],
-                         "path": record["path"]})
+    def _announce(self, record: dict[str, Any], rank: int | None = None) -> None:
+        """To every agent the first time in this coordinator's life; later (a marker from
+        each node that saw the checkpoint's marker, at scale) only to the one asking, else
+        N markers cost N broadcasts."""
+        msg = {"type": "commit", "ckpt": record["id"], "seq": record["seq"],
+               "global_files": record["global_files"], "flush": record["flush"],
+               "path": record["path"]}
+        if rank is not None:
+            self.send(rank, msg)
+            return
+        self.announced.add(record["id"])
+        self._broadcast(msg)
 
     def _on_captured(self, node: int, msg: dict[str, Any]) -> None:
         record = self.ckpts.get(msg["ckpt"])
-        if record is None or record["level"] in ("failed", "purged"):
+        if record is None or record["level"] not in IN_FLIGHT:
             return
         record["captured"][str(node)] = msg["manifest"]
         if msg.get("mode", "copy") != "copy":   # status says why a part is not staged
@@ -217,6 +230,7 @@ class Coordinator:
         record = self.ckpts.get(msg["ckpt"])
         if record is not None and record["level"] in IN_FLIGHT:
             record["level"] = "evicted"
+            self._finish(record)
             self._persist()
 
     def _on_unprotected(self, node: int, msg: dict[str, Any]) -> None:
@@ -271,11 +285,30 @@ class Coordinator:
         self.events.emit(f"level_{level}", ckpt=record["id"], seq=record["seq"],
                          bytes=_record_bytes(record), path=record["path"],
                          latency=record["times"][level] - record["times"]["written"])
+        if level in FINAL:
+            self._finish(record)
         self._persist()
+
+    def _finish(self, record: dict[str, Any]) -> None:
+        """A checkpoint no message moves on keeps its totals, not every node's manifest
+        (those are in the global manifest): coordinator.json, rewritten at every level
+        of every checkpoint, does not grow with nodes times checkpoints. Older finished
+        ones than HISTORY (valid ones on the PFS excepted) are forgotten."""
+        record["bytes"] = _record_bytes(record)
+        record["counts"] = {key: len(record.get(key, {}))
+                            for key in ("captured", "replicated", "flushed")}
+        for key in ("captured", "replicated", "flushed", "progress"):
+            record[key] = {}
+        record.pop("capture", None)
+        finished = sorted((r for r in self.ckpts.values() if r["level"] in FINAL[1:]),
+                          key=lambda r: r["seq"])
+        for old in finished[:-HISTORY]:
+            del self.ckpts[old["id"]]
 
     def _fail(self, record: dict[str, Any], reason: str) -> None:
         record["level"] = "failed"
         record["reason"] = reason
+        self._finish(record)
         self.events.emit("failed", ckpt=record["id"], seq=record["seq"], reason=reason)
         log.error("checkpoint %s failed: %s", record["id"], reason)
         self._broadcast({"type": "failed", "ckpt": record["id"], "reason": reason})
@@ -290,7 +323,8 @@ class Coordinator:
         manifest = self._global_manifest(record)
         try:
             makedirs(layout.pfs_ckpt_dir(self.pfs_run, record["id"]))
-            write_json(layout.pfs_manifest_path(self.pfs_run, record["id"]), manifest.to_json())
+            write_json(layout.pfs_manifest_path(self.pfs_run, record["id"]), manifest.to_json(),
+                       compact=True)
             record["level"] = "flushed"
             self._write_index()
         except OSError as exc:
@@ -320,6 +354,7 @@ class Coordinator:
             remove_under(layout.pfs_ckpts_dir(self.pfs_run),
                          layout.pfs_ckpt_dir(self.pfs_run, record["id"]))
             record["level"] = "purged"
+            self._finish(record)
             self.events.emit("purged", ckpt=record["id"], seq=record["seq"], level="pfs")
         self._persist()
         self._write_index_quietly()
@@ -344,7 +379,7 @@ class Coordinator:
 
     def _persist(self) -> None:
         self.journal.write(layout.COORDINATOR_STATE, {"version": 1, "next_seq": self.next_seq,
-                                                "ckpts": self.ckpts})
+                                                      "ckpts": self.ckpts}, compact=True)
 
     def _write_index(self) -> None:
         rows = [Row(r["id"], r["seq"], state_of_level(r["level"]), _record_bytes(r),
@@ -364,9 +399,9 @@ class Coordinator:
             rows.append({
                 "id": record["id"], "seq": record["seq"], "level": record["level"],
                 "bytes": _record_bytes(record), "times": record["times"],
-                "nodes_captured": len(record["captured"]),
-                "nodes_replicated": len(record.get("replicated", {})),
-                "nodes_flushed": len(record["flushed"]),
+                "nodes_captured": _count(record, "captured"),
+                "nodes_replicated": _count(record, "replicated"),
+                "nodes_flushed": _count(record, "flushed"),
                 "flush": record["flush"], "path": record["path"],
                 "errors": record["errors"], "capture": record.get("capture", {}),
                 "progress": record["progress"], "reason": record.get("reason")})
@@ -403,6 +438,11 @@ def _empty_record(ckpt: str, seq: int, level: str, **fields: Any) -> dict[str, A
     return {"id": ckpt, "seq": seq, "level": level, "global_files": [], "flush": True,
             "path": "peer", "times": {}, "captured": {}, "replicated": {}, "flushed": {},
             "errors": {}, "progress": {}, **fields}
+
+
+def _count(record: dict[str, Any], key: str) -> int:
+    """Nodes that reported `key`, also of a finished record (its maps emptied)."""
+    return len(record.get(key, {})) or record.get("counts", {}).get(key, 0)
 
 
 def _part_bytes(manifest: dict[str, Any]) -> int:

@@ -157,11 +157,13 @@ def atomic_open(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
         raise
 
 
-def write_json(path: str | os.PathLike[str], data: Any) -> None:
-    # No indent: json's C encoder handles only that; the pure-Python one it falls back
-    # to was most of an agent's CPU per checkpoint (journal, status, index, manifests).
+def write_json(path: str | os.PathLike[str], data: Any, compact: bool = False) -> None:
+    """No indent: json's C encoder handles only that; the pure-Python one it falls back
+    to was most of an agent's CPU per checkpoint. `compact` also drops the spaces, for
+    large machine-read files (a global manifest, coordinator.json: O(nodes))."""
+    separators = (",", ":") if compact else None
     with atomic_open(path) as handle:
-        handle.write(json.dumps(data, sort_keys=True).encode() + b"\n")
+        handle.write(json.dumps(data, sort_keys=True, separators=separators).encode() + b"\n")
 
 
 def read_json(path: str | os.PathLike[str]) -> Any:

@@ -83,7 +83,8 @@ class Journal:
         return LocalManifest.load(path, ckpt) if path.exists() else None
 
     def save_global(self, manifest: GlobalManifest) -> None:
-        write_json(journal_global_manifest_path(self.root, manifest.ckpt), manifest.to_json())
+        write_json(journal_global_manifest_path(self.root, manifest.ckpt), manifest.to_json(),
+                   compact=True)
 
     def global_manifest(self, ckpt: str) -> GlobalManifest | None:
         path = journal_global_manifest_path(self.root, ckpt)
@@ -92,5 +93,5 @@ class Journal:
     def read(self, name: str) -> dict[str, Any]:
         return self._load(name)
 
-    def write(self, name: str, data: dict[str, Any]) -> None:
-        write_json(self.root / name, data)
+    def write(self, name: str, data: dict[str, Any], compact: bool = False) -> None:
+        write_json(self.root / name, data, compact)
