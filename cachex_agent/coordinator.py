@@ -291,7 +291,8 @@ class Coordinator:
 
     def _finish(self, record: dict[str, Any]) -> None:
         """A checkpoint no message moves on keeps its totals, not every node's manifest
-        (those are in the global manifest): coordinator.json, rewritten at every level
+        (those are in the global manifest; how a node captured, when not a plain copy,
+        stays for `cachex status`): coordinator.json, rewritten at every level
         of every checkpoint, does not grow with nodes times checkpoints. Older finished
         ones than HISTORY (valid ones on the PFS excepted) are forgotten."""
         record["bytes"] = _record_bytes(record)
@@ -299,7 +300,6 @@ class Coordinator:
                             for key in ("captured", "replicated", "flushed")}
         for key in ("captured", "replicated", "flushed", "progress"):
             record[key] = {}
-        record.pop("capture", None)
         finished = sorted((r for r in self.ckpts.values() if r["level"] in FINAL[1:]),
                           key=lambda r: r["seq"])
         for old in finished[:-HISTORY]:
