@@ -1,4 +1,4 @@
-# Every target does its own set-up: a fresh clone needs only python3 (>= 3.10).
+# Every target does its own set-up: a fresh clone needs only python3 (>= 3.11).
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed
@@ -10,7 +10,7 @@ NP     ?= 4
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[mpi,test,torch]'
+	$(PY) -m pip install -q -e '.[mpi,model,test,torch]'
 	touch $@
 
 venv: $(STAMP)

@@ -18,6 +18,7 @@ from typing import Any
 
 import click
 
+from . import __version__
 from . import config as configuration
 from .errors import CachexError, ConfigError, OperationError
 from .fsutil import makedirs, write_json
@@ -63,6 +64,10 @@ def _checkpoint_argument(value: str | None, name: str) -> str | None:
         raise ConfigError(str(exc)) from None
 
 
+# the `[model]` extra: the model's fits and the report's figures, never the data path
+OPTIONAL_MODULES = ("scipy", "matplotlib")
+
+
 def _run_guarded(func: Callable[[], Any], prog: str = "cachex", report: bool = True) -> None:
     """`report=False`: exit with the code, silently (another process says it)."""
     try:
@@ -71,6 +76,12 @@ def _run_guarded(func: Callable[[], Any], prog: str = "cachex", report: bool = T
         if report:
             click.echo(f"{prog}: error: {exc}", err=True)
         sys.exit(exc.exit_code)
+    except ModuleNotFoundError as exc:
+        if (exc.name or "").partition(".")[0] not in OPTIONAL_MODULES:
+            raise
+        click.echo(f"{prog}: error: this command needs {exc.name}: pip install"
+                   " 'cachex-agent[model]'", err=True)
+        sys.exit(1)
 
 
 def _setup_logging(level: str, prefix: str) -> None:
@@ -80,6 +91,7 @@ def _setup_logging(level: str, prefix: str) -> None:
 
 # ------------------------------------------------------------------ cachex-agent
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="cachex-agent")
 @config_options
 @click.option("-v", "--verbose", count=True, help="more log output")
 @click.option("-q", "--quiet", is_flag=True, help="warnings and errors only")
@@ -152,6 +164,7 @@ def _click_main(command: click.Command) -> None:
 
 # ------------------------------------------------------------------------ cachex
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.version_option(__version__, prog_name="cachex")
 def main_group() -> None:
     """cachex: inspect and operate the checkpoint tier."""
 

@@ -25,6 +25,7 @@ import click
 from . import config as configuration
 from .errors import OperationError
 from .layout import node_dir_name, pfs_stop_file
+from .model.distributions import have_scipy
 from .model.history import event_files, load_history
 from .model.predict import fit_system
 from .model.summary import fit_text
@@ -240,6 +241,10 @@ def _check(cfg: configuration.Config, root: Path, agents_code: int) -> None:
 
 def _model(root: Path) -> None:
     """The durability model fitted on this run's events: what `cachex model fit` says."""
+    if not have_scipy():
+        click.echo("demo: the durability model is skipped: its libraries are the [model]"
+                   " extra (pip install 'cachex-agent[model]')")
+        return
     history = load_history(event_files([root]))
     model = fit_system(history)
     click.echo(f"demo: the durability model, fitted on this run's events (cachex model fit"

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 from ..config import Config
+from .distributions import have_scipy
 from .history import StageSample
 from .plan import Rates, evaluate
 from .predict import SystemModel
@@ -65,6 +66,9 @@ class PathChooser:
             return Choice(self.mode, f"model.path = {self.mode}")
         if not self.can_replicate:
             return Choice("direct", "no partner in another failure domain (flush-only)")
+        if not have_scipy():
+            return Choice("peer", "the model's libraries are not installed"
+                                  " (pip install 'cachex-agent[model]'): the default path")
         short = [s for s in LEARNED if len(self.samples[s]) < MIN_SAMPLES]
         if short or size <= 0:
             return Choice("peer", f"learning: too few samples of {', '.join(short) or 'size'}")

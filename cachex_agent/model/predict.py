@@ -31,11 +31,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from scipy import special
 
 from ..errors import OperationError
 from ..fsutil import atomic_open
-from .distributions import FAMILIES
+from .distributions import FAMILIES, scipy_module
 from .durability import cdf_of_max, quantile_of_max
 from .history import LEVELS, STAGES, History
 from .stages import StageModel, fit_stage
@@ -180,7 +179,7 @@ def _slowest_node(models: list[StageModel], part: float, nodes: int, samples: in
         var += np.expm1(sigma * sigma) * np.exp(2 * loc + sigma * sigma)
     s2 = np.log1p(var / (mean * mean))
     u = rng.uniform(size=samples) ** (1.0 / nodes)
-    return np.exp(np.log(mean) - s2 / 2 + np.sqrt(s2) * special.ndtri(u))
+    return np.exp(np.log(mean) - s2 / 2 + np.sqrt(s2) * scipy_module("special").ndtri(u))
 
 
 def fit_system(history: History, criterion: str = "aic",

@@ -71,9 +71,10 @@ class Cluster:
     """N virtual nodes on this machine: spools, stage, cache and a PFS under `root`."""
 
     def __init__(self, root: Path, nodes: int = 4, extra: str = "", rule: str = "dcp",
-                 agent_timeout: str = "20s", commit: str = "", model: str = 'path = "peer"'
-                 ) -> None:
-        self.root, self.nodes = root, nodes
+                 agent_timeout: str = "20s", commit: str = "", model: str = 'path = "peer"',
+                 bin: Path = BIN) -> None:
+        """`bin`: where `mpiexec`, `cachex-agent` and `cachex` come from (another venv)."""
+        self.root, self.nodes, self.bin = root, nodes, bin
         for node in range(nodes):
             (root / f"node{node}" / "spool").mkdir(parents=True, exist_ok=True)
         (root / "pfs").mkdir(exist_ok=True)
@@ -108,7 +109,8 @@ timeout = "{agent_timeout}"
         log = (self.root / "agents.log").open("ab")
         since = time.time()
         self.agents = subprocess.Popen(
-            [*prefix, str(MPIEXEC), "-n", str(self.nodes), str(BIN / "cachex-agent"), "--config",
+            [*prefix, str(self.bin / "mpiexec"), "-n", str(self.nodes),
+             str(self.bin / "cachex-agent"), "--config",
              str(self.config), *args], stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, env={**os.environ, **(env or {})})
         wait_for(lambda: self._started(since), 60, "agents to start")
@@ -134,7 +136,7 @@ timeout = "{agent_timeout}"
         return proc
 
     def cachex(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
-        return subprocess.run([str(BIN / "cachex"), *args, "--config", str(self.config)],
+        return subprocess.run([str(self.bin / "cachex"), *args, "--config", str(self.config)],
                               capture_output=True, text=True, timeout=timeout)
 
     def stop(self, timeout: float = 60) -> int:
