@@ -13,7 +13,8 @@ message. Every name read from a manifest, bundle or replica store is checked whe
 parsed (safepath.py): an unsafe one fails the recovery before anything is written.
 
 Each node's checkpoint is assembled in a hidden directory of its spool
-(`.cachex-recover-<ckpt>`, never taken for a checkpoint by agents or resume code) and
+(`.<ckpt>.tmp-cachex-partial`, fsutil's name for a directory assembled before its
+rename: never taken for a checkpoint by agents or resume code) and
 renamed to `<spool>/<ckpt>` once every file is there, verified; then the spool is
 fsynced. A crash midway leaves nothing under the real name, and the next recovery
 removes the hidden directory. A node whose own spool copy is intact keeps it in place
@@ -43,6 +44,7 @@ from ..fsutil import (
     fsync_tree,
     makedirs,
     open_private,
+    remove_temporaries,
     remove_under,
     temp_name,
     trainer_mode,
@@ -51,7 +53,6 @@ from ..layout import (
     bundle_path,
     ckpt_dir,
     recover_partial_dir,
-    recover_partial_dirs,
     set_aside_dir,
 )
 from ..manifest import FileEntry, GlobalManifest, LocalManifest
@@ -199,7 +200,7 @@ def _restore(comm: Any, config: Config, node: int, rank_of: dict[int, int], plan
     final = ckpt_dir(spool, plan.ckpt)
     in_place = any(m.target == m.owner == m.source.holder == node and m.source.kind == "spool"
                    for m in plan.moves)
-    _remove_partials(spool)
+    remove_temporaries(spool)           # what a recovery killed midway left
     directory = final if in_place else makedirs(recover_partial_dir(spool, plan.ckpt))
     entries = {(e["node"], e["path"]): _entry(e) for e in plan.manifest.files}
     ordered = sorted(plan.moves, key=lambda m: (m.local, m.owner != m.target))
@@ -217,15 +218,6 @@ def _restore(comm: Any, config: Config, node: int, rank_of: dict[int, int], plan
                     for p in m.paths]
         _put_in_place(spool, directory, final, expected)
     return moved
-
-
-def _remove_partials(spool: Path) -> None:
-    """What an earlier recovery killed midway left behind."""
-    for entry in recover_partial_dirs(spool):
-        if entry.is_symlink():
-            entry.unlink()
-        else:
-            remove_under(spool, entry)
 
 
 def _put_in_place(spool: Path, partial: Path, final: Path, expected: list[FileEntry]) -> None:
