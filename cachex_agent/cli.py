@@ -259,7 +259,7 @@ def _recovery_summary(outcome: Any) -> str:
              f" moved {human_size(total)} ({sources}) in {outcome.move_seconds:.2f}s"
              f" ({human_size(rate)}/s); verified every copy and planned in"
              f" {outcome.plan_seconds:.2f}s; re-replicated"
-             f" {human_size(outcome.replicated_bytes)}; {outcome.seconds:.1f}s in all"]
+             f" {human_size(outcome.replicated_bytes)}; {outcome.seconds:.2f}s in all"]
     if outcome.moved_aside:
         lines.append(f"moved aside newer, unrecoverable: {', '.join(outcome.moved_aside)}")
     return "\n".join(lines)
