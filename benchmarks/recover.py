@@ -165,7 +165,7 @@ def recover(config: Path, *args: str, profile: Path | None = None
         raise SystemExit(f"cachex recover failed ({result.returncode}):\n{result.stdout}"
                          f"{result.stderr}")
     return wall, _seconds(r"([\d.]+)s in all", result.stdout), _seconds(
-        r"moved .* in ([\d.]+)s", result.stdout) + _seconds(r"planned in ([\d.]+)s",
+        r"moved [^;]*? in ([\d.]+)s \(", result.stdout) + _seconds(r"planned in ([\d.]+)s",
                                                           result.stdout), result.stdout
 
 
