@@ -3,11 +3,16 @@
 Collective over the recovery job (one rank per node, replacements included; or one
 process for one node). Call order, every rank:
   1. manifests   every journal's global manifests (+ the PFS on rank 0), merged, shared
-  2. holdings    each rank verifies what it holds (spool, stage, replicas, journal)
+  2. holdings    each rank lists what it holds (spool, stage, replicas, journal) whole,
+                 by size: checksums are read once, in step 4
   3. plan        rank 0 picks the checkpoint and the source of every part; shared
-  4. moves       in the plan's order: local copies, PFS extraction, and transfers from
-                 a surviving holder to the target over MPI (raw buffers, bounded waits)
+  4. moves       in the plan's order: checks in place, local copies, PFS extraction,
+                 and transfers from a surviving holder to the target over MPI (raw
+                 buffers, bounded waits), each file checksummed as it is moved
+                 (transfer.py); files that fail come from their next copy in another
+                 round, until none fails or one has no copy left
   5. redundancy  every node's restored part is copied to its partners' replica stores
+                 (a replica not read in step 4 is checked first)
 Every step ends with an agreement: a failure anywhere fails every rank with the same
 message. Every name read from a manifest, bundle or replica store is checked where it is
 parsed (safepath.py): an unsafe one fails the recovery before anything is written.
