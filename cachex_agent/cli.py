@@ -270,9 +270,10 @@ def _recovery_summary(outcome: Any) -> str:
                         sorted(outcome.bytes_by_kind.items())) or "all in place"
     lines = [f"recovered {outcome.plan.ckpt}: {len(outcome.plan.manifest.files)} files;"
              f" moved {human_size(total)} ({sources}) in {outcome.move_seconds:.2f}s"
-             f" ({human_size(rate)}/s); verified every copy and planned in"
-             f" {outcome.plan_seconds:.2f}s; re-replicated"
-             f" {human_size(outcome.replicated_bytes)}; {outcome.seconds:.1f}s in all"]
+             f" ({human_size(rate)}/s), each file verified as it moved; listed copies and"
+             f" planned in {outcome.plan_seconds:.2f}s; re-replicated"
+             f" {human_size(outcome.replicated_bytes)}; {outcome.seconds:.2f}s in all"]
+    lines += [f"taken from another copy: {note}" for note in outcome.fallbacks]
     if outcome.moved_aside:
         lines.append(f"moved aside newer, unrecoverable: {', '.join(outcome.moved_aside)}")
     return "\n".join(lines)

@@ -1,7 +1,7 @@
 """The on-disk layout: the one module that names cachex's files and directories.
 
     <spool>/<ckpt>/                          the trainer's checkpoint (the trainer owns it)
-    <spool>/.cachex-recover-<ckpt>/          a recovery assembling <ckpt>
+    <spool>/.<ckpt>.tmp-cachex-partial/      a recovery assembling <ckpt> (fsutil.partial_path)
     <spool>/.cachex-unrecoverable-<ckpt>/    newer than what a recovery restored: set aside
     <stage>/<run>/<ckpt>/                    the captured copy
     <cache>/<run>/journal/                   the agent's durable state (journal.py):
@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from .fsutil import derived_name
+from .fsutil import derived_name, partial_path
 
 INDEX = "index.json"
 STATUS = "status.json"
@@ -35,7 +35,6 @@ COORDINATOR_STATE = "coordinator.json"
 EVENTS = "events.jsonl"
 STOP = "stop"
 REPLICA_MANIFEST_SUFFIX = ".manifest.json"
-RECOVER_PREFIX = ".cachex-recover-"
 SET_ASIDE_PREFIX = ".cachex-unrecoverable-"
 
 
@@ -89,11 +88,9 @@ def node_dir_name(node: int) -> str:
 
 # ------------------------------------------------------------------------ spool
 def recover_partial_dir(spool: Path, ckpt: str) -> Path:
-    return spool / derived_name(ckpt, prefix=RECOVER_PREFIX)
-
-
-def recover_partial_dirs(spool: Path) -> list[Path]:
-    return sorted(spool.glob(f"{RECOVER_PREFIX}*")) if spool.is_dir() else []
+    """fsutil's partial name: what an interrupted recovery left is a temporary like any
+    other (fsutil.is_temporary), removed by fsutil.remove_temporaries."""
+    return partial_path(ckpt_dir(spool, ckpt))
 
 
 def set_aside_dir(spool: Path, ckpt: str) -> Path:

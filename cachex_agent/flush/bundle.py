@@ -289,13 +289,15 @@ def _compare(path: Path, found: dict[str, FileEntry], expected: list[FileEntry])
     return problems
 
 
-def extract(path: Path, dest: Path, only: set[str] | None = None) -> list[FileEntry]:
+def extract(path: Path, dest: Path, only: set[str] | None = None,
+            failed: dict[str, str] | None = None) -> list[FileEntry]:
     """Write the bundle's files (or those named in `only`) under `dest`; return them.
 
     Each file lands atomically (temp, fsync, rename) at its relative path with its mode,
     streamed in chunks and checked against its checksum on the way (BundleError on a
     mismatch, a name in `only` that the bundle lacks; UnsafeInput for an unsafe path,
-    before anything is written).
+    before anything is written). With `failed`, a file whose bytes do not match is left
+    out and its problem recorded there (path -> problem), the others extracted.
     """
     dest = Path(dest)
     written: list[FileEntry] = []
@@ -311,8 +313,14 @@ def extract(path: Path, dest: Path, only: set[str] | None = None) -> list[FileEn
         for name, entry in chosen:
             target = dest / entry.path
             makedirs(target.parent)
-            _extract_one(path, h5py.h5d.open(group, name), entry, raw, target)
             parents.add(target.parent)
+            try:
+                _extract_one(path, h5py.h5d.open(group, name), entry, raw, target)
+            except BundleError as exc:
+                if failed is None:
+                    raise
+                failed[entry.path] = str(exc)
+                continue
             written.append(entry)
     for parent in parents:
         fsync_dir(parent)

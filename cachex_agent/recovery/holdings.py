@@ -1,9 +1,10 @@
-"""What one node holds, verified: the input of a recovery plan (recovery/plan.py).
+"""What one node holds: the input of a recovery plan (recovery/plan.py).
 
 Global manifests come from the node's journal (every agent keeps them from the moment
 a checkpoint is captured everywhere) and, on rank 0, from the PFS. A copy is reported
-only when every file of it is present with the size and checksum of the manifest: a
-corrupted copy is skipped, and a better one is chosen.
+when every file of it is present with the size of the manifest; checksums are not read
+here but as the files are moved (recovery/transfer.py), once, and a file that turns out
+corrupt is taken from the next copy.
 """
 
 from __future__ import annotations
@@ -14,13 +15,12 @@ from pathlib import Path
 
 from .. import layout
 from ..config import Config
-from ..flush.bundle import is_complete, read_manifest, verify_bundle
+from ..flush.bundle import is_complete, read_manifest
 from ..layout import NodePaths, bundle_path, replica_dir
 from ..manifest import FileEntry, GlobalManifest
 from ..peer.store import held_replicas
 from ..safepath import UnsafeInput
 from .plan import Copy
-from .verify import check_files
 
 
 def journal_manifests(paths: NodePaths) -> dict[str, GlobalManifest]:
@@ -99,7 +99,7 @@ def _replicas(paths: NodePaths, node: int, manifests: dict[str, GlobalManifest])
 
 
 def pfs_copies(pfs_run: Path, manifests: dict[str, GlobalManifest]) -> list[Copy]:
-    """Complete bundles whose manifest matches (checksums are checked when chosen)."""
+    """Complete bundles whose manifest matches (checksums are checked as extracted)."""
     copies = []
     for ckpt, manifest in manifests.items():
         for node in range(len(manifest.nodes)):
@@ -113,11 +113,6 @@ def pfs_copies(pfs_run: Path, manifests: dict[str, GlobalManifest]) -> list[Copy
     return copies
 
 
-def bundle_ok(pfs_run: Path, manifest: GlobalManifest, node: int) -> bool:
-    path = bundle_path(pfs_run, manifest.ckpt, node)
-    return not verify_bundle(path, manifest.node_files(node))
-
-
 def source_dir(config: Config, copy: Copy, host: str | None = None) -> Path:
     """Where a non-PFS copy's files are, on its holder."""
     paths = config.node_paths(copy.holder, host=host)
@@ -127,7 +122,12 @@ def source_dir(config: Config, copy: Copy, host: str | None = None) -> Path:
 
 
 def _intact(directory: Path, entries: list[FileEntry]) -> bool:
-    return directory.is_dir() and not check_files(directory, entries)
+    """Every file there with its size (a cheap test; the checksums come with the move)."""
+    try:
+        return all((directory / e.path).stat().st_size == e.size
+                   and (directory / e.path).is_file() for e in entries)
+    except OSError:
+        return False
 
 
 def _paths(entries: list[FileEntry]) -> tuple[str, ...]:

@@ -59,12 +59,17 @@ class Plan:
         lines.append(f"recovering {self.ckpt} (seq {self.seq}) on {len(self.manifest.nodes)}"
                      " nodes:")
         for move in self.moves:
-            where = ("its own " + move.source.kind if move.source.holder == move.target
-                     else "the PFS bundle" if move.source.kind == "pfs"
-                     else f"{move.source.kind} on node {move.source.holder}")
             count = f"{len(move.paths)} file{'s' if len(move.paths) != 1 else ''}"
-            lines.append(f"  node {move.target}: {count} of node {move.owner} from {where}")
+            lines.append(f"  node {move.target}: {count} of node {move.owner} from"
+                         f" {where(move.source, move.target)}")
         return lines
+
+
+def where(copy: Copy, target: int) -> str:
+    """The copy as node `target` sees it: its own spool, replica on node 3, the PFS."""
+    return ("its own " + copy.kind if copy.holder == target
+            else "the PFS bundle" if copy.kind == "pfs"
+            else f"{copy.kind} on node {copy.holder}")
 
 
 def choose(manifests: dict[str, GlobalManifest], copies: list[Copy], nodes: int,
@@ -123,6 +128,17 @@ def _best(copies: list[Copy], owner: int, target: int, paths: tuple[str, ...]) -
     if not whole:
         return None
     return min(whole, key=lambda c: (c.holder != target, PREFERENCE[c.kind], c.holder))
+
+
+def next_source(copies: list[Copy], target: int, owner: int, path: str,
+                tried: set[Copy]) -> Copy | None:
+    """Where `target` takes `path` of `owner`'s part from after the copies in `tried`
+    failed for it: its own copies first, then the plan's order of kinds."""
+    left = [c for c in copies if c.owner == owner and path in c.paths and c not in tried
+            and (c.kind != "journal" or c.holder == target)]
+    if not left:
+        return None
+    return min(left, key=lambda c: (c.holder != target, PREFERENCE.get(c.kind, 1), c.holder))
 
 
 def _global_source(copies: list[Copy], target: int, owner: int, paths: tuple[str, ...]

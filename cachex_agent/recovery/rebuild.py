@@ -3,17 +3,23 @@
 Collective over the recovery job (one rank per node, replacements included; or one
 process for one node). Call order, every rank:
   1. manifests   every journal's global manifests (+ the PFS on rank 0), merged, shared
-  2. holdings    each rank verifies what it holds (spool, stage, replicas, journal)
+  2. holdings    each rank lists what it holds (spool, stage, replicas, journal) whole,
+                 by size: checksums are read once, in step 4
   3. plan        rank 0 picks the checkpoint and the source of every part; shared
-  4. moves       in the plan's order: local copies, PFS extraction, and transfers from
-                 a surviving holder to the target over MPI (raw buffers, bounded waits)
+  4. moves       in the plan's order: checks in place, local copies, PFS extraction,
+                 and transfers from a surviving holder to the target over MPI (raw
+                 buffers, bounded waits), each file checksummed as it is moved
+                 (transfer.py); files that fail come from their next copy in another
+                 round, until none fails or one has no copy left
   5. redundancy  every node's restored part is copied to its partners' replica stores
+                 (a replica not read in step 4 is checked first)
 Every step ends with an agreement: a failure anywhere fails every rank with the same
 message. Every name read from a manifest, bundle or replica store is checked where it is
 parsed (safepath.py): an unsafe one fails the recovery before anything is written.
 
 Each node's checkpoint is assembled in a hidden directory of its spool
-(`.cachex-recover-<ckpt>`, never taken for a checkpoint by agents or resume code) and
+(`.<ckpt>.tmp-cachex-partial`, fsutil's name for a directory assembled before its
+rename: never taken for a checkpoint by agents or resume code) and
 renamed to `<spool>/<ckpt>` once every file is there, verified; then the spool is
 fsynced. A crash midway leaves nothing under the real name, and the next recovery
 removes the hidden directory. A node whose own spool copy is intact keeps it in place
@@ -30,40 +36,32 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-from mpi4py import MPI
-
-from ..checksum import CHUNK, hasher
 from ..collective import agree, arrive
 from ..config import Config
-from ..errors import OperationError
-from ..flush.bundle import extract
+from ..errors import OperationError, describe
+from ..flush.bundle import BundleError, extract
 from ..fsutil import (
     fsync_dir,
     fsync_tree,
     makedirs,
-    open_private,
+    remove_temporaries,
     remove_under,
-    temp_name,
-    trainer_mode,
 )
 from ..layout import (
     bundle_path,
     ckpt_dir,
     recover_partial_dir,
-    recover_partial_dirs,
+    replica_dir,
     set_aside_dir,
 )
 from ..manifest import FileEntry, GlobalManifest, LocalManifest
-from ..peer.globals import mirror_file
 from ..peer.partners import replication_map
 from ..peer.store import commit_replica, partial_dir
 from ..stage.rules import checkpoint_names, natural_key
 from ..topology import place_in
-from . import holdings
-from .plan import Copy, Move, Plan, choose
+from . import holdings, transfer
+from .plan import Copy, Move, Plan, choose, next_source, where
 
-DATA_TAG = 21
 SLOWEST_RATE = 10 << 20     # bytes/s: a rank moving its part slower than this is stuck
 
 
@@ -73,9 +71,10 @@ class Outcome:
     bytes_by_kind: dict[str, int] = field(default_factory=dict)
     replicated_bytes: int = 0
     seconds: float = 0.0            # the whole recovery
-    plan_seconds: float = 0.0       # listing and verifying every copy, planning
-    move_seconds: float = 0.0       # bringing the files into the spools
+    plan_seconds: float = 0.0       # listing every copy, planning
+    move_seconds: float = 0.0       # bringing the files into the spools, verified
     moved_aside: list[str] = field(default_factory=list)
+    fallbacks: list[str] = field(default_factory=list)     # files taken from another copy
 
 
 def recover(config: Config, comm: Any, want: str | None = None,
@@ -91,16 +90,16 @@ def recover(config: Config, comm: Any, want: str | None = None,
     if dry_run:
         return outcome
     _arrive(comm, config, "rank exchange")
-    ranks = comm.allgather((node, placement.rank))
-    rank_of = dict(ranks)
-    work = _work_bound(config, plan)
-    moved = agree(comm, "restore", lambda: _restore(comm, config, node, rank_of, plan), work)
+    rank_of = dict(comm.allgather((node, placement.rank)))
+    restore = _Restore(comm, config, node, rank_of, plan, copies)
+    moved = restore.run()
+    outcome.fallbacks = restore.notes()
     outcome.move_seconds = time.monotonic() - start - outcome.plan_seconds
     outcome.moved_aside = agree(comm, "set aside", lambda: _set_aside(paths.spool, plan,
                                                                     manifests),
                                 config.agent.timeout)
-    replicated = agree(comm, "re-replication", lambda: _rereplicate(
-        comm, config, placement, rank_of, plan, copies), work)
+    replicated = _rereplicate(comm, config, placement, rank_of, plan, copies,
+                              restore.verified())
     _arrive(comm, config, "recovery totals")
     for part in comm.allgather(moved):
         for kind, count in part.items():
@@ -165,7 +164,7 @@ def _plan(comm: Any, config: Config, manifests: dict[str, GlobalManifest],
     answer: Plan | str = ""
     if comm.Get_rank() == 0:
         try:
-            answer = _checked_plan(config, manifests, copies, nodes, want, exclude)
+            answer = choose(manifests, copies, nodes, want, exclude)
         except OperationError as exc:
             answer = str(exc)
     _arrive(comm, config, "plan")
@@ -175,57 +174,138 @@ def _plan(comm: Any, config: Config, manifests: dict[str, GlobalManifest],
     return answer
 
 
-def _checked_plan(config: Config, manifests: dict[str, GlobalManifest], copies: list[Copy],
-                  nodes: int, want: str | None, exclude: frozenset[str]) -> Plan:
-    """A PFS bundle is verified only when a plan needs it; a bad one is dropped."""
-    pfs = config.node_paths(0).pfs
-    while True:
-        plan = choose(manifests, copies, nodes, want, exclude)
-        bad = [m.source for m in plan.moves if m.source.kind == "pfs"
-               and not holdings.bundle_ok(pfs, plan.manifest, m.source.owner)]
-        if not bad:
-            return plan
-        copies = [c for c in copies if c not in bad]
+# ---------------------------------------------------------------------- restore
+#: a file that did not arrive intact: (target, owner, path, the copy it came from, why,
+#: said by the copy's holder); the holder's reason is the more precise one
+Problem = tuple[int, int, str, Copy, str, bool]
 
 
-def _restore(comm: Any, config: Config, node: int, rank_of: dict[int, int], plan: Plan
-             ) -> dict[str, int]:
-    """Transfers first, in the plan's order on every rank (so no rank waits on another
-    that is busy extracting from a slow PFS), then the moves each node does alone; a
-    node's own part before the global files of others. Files land in a hidden partial
-    directory, renamed into place at the end (module docstring)."""
-    moved: dict[str, int] = {}
-    spool = config.node_paths(node).spool
-    final = ckpt_dir(spool, plan.ckpt)
-    in_place = any(m.target == m.owner == m.source.holder == node and m.source.kind == "spool"
-                   for m in plan.moves)
-    _remove_partials(spool)
-    directory = final if in_place else makedirs(recover_partial_dir(spool, plan.ckpt))
-    entries = {(e["node"], e["path"]): _entry(e) for e in plan.manifest.files}
-    ordered = sorted(plan.moves, key=lambda m: (m.local, m.owner != m.target))
-    for move in ordered:
-        files = [entries[(move.owner, p)] for p in move.paths]
-        if move.target == node:
-            n = _receive_move(comm, config, move, files, directory, rank_of)
-            moved[move.source.kind] = moved.get(move.source.kind, 0) + n
-        elif move.source.holder == node:
-            _send_files(comm, config, move.source, files, rank_of[move.target])
-    if in_place:
-        fsync_dir(final)
-    else:
-        expected = [entries[(m.owner, p)] for m in plan.moves if m.target == node
-                    for p in m.paths]
-        _put_in_place(spool, directory, final, expected)
-    return moved
+class _Restore:
+    """Every node's files into its spool, each checked as it is moved; collective.
+
+    Rounds: the plan's moves, then, for every file that did not arrive intact, the next
+    copy of that file (plan.next_source), until every file is in or one has no copy
+    left. Files land in a hidden partial directory renamed into place at the end (module
+    docstring). Transfers come first in a round, in the same order on every rank (so no
+    rank waits on another busy extracting from a slow PFS), then the moves each node does
+    alone; a node's own part before the global files of others."""
+
+    def __init__(self, comm: Any, config: Config, node: int, rank_of: dict[int, int],
+                 plan: Plan, copies: list[Copy]) -> None:
+        self.comm, self.config, self.node, self.rank_of = comm, config, node, rank_of
+        self.plan, self.copies = plan, copies
+        self.entries = {(e["node"], e["path"]): _entry(e) for e in plan.manifest.files}
+        self.spool = config.node_paths(node).spool
+        self.final = ckpt_dir(self.spool, plan.ckpt)
+        self.in_place = any(m.target == m.owner == m.source.holder == node
+                            and m.source.kind == "spool" for m in plan.moves)
+        self.directory = self.final if self.in_place else recover_partial_dir(self.spool,
+                                                                              plan.ckpt)
+        self.used: list[Copy] = []
+        self.failed: dict[tuple[int, int, str], dict[Copy, str]] = {}
+        self.taken: dict[tuple[int, int, str], Copy] = {}
+
+    def run(self) -> dict[str, int]:
+        work = _work_bound(self.config, self.plan)
+        agree(self.comm, "restore", self._prepare, self.config.agent.timeout)
+        moved: dict[str, int] = {}
+        moves = self.plan.moves
+        while moves:
+            self.used += [m.source for m in moves]
+            mine = agree(self.comm, "restore", lambda m=moves: self._round(m, moved), work)
+            _arrive(self.comm, self.config, "restore check")
+            moves = self._retries([p for part in self.comm.allgather(mine) for p in part])
+        agree(self.comm, "restore", self._complete, work)
+        return moved
+
+    def _prepare(self) -> None:
+        remove_temporaries(self.spool)          # what a recovery killed midway left
+        makedirs(self.directory)
+
+    def _round(self, moves: list[Move], moved: dict[str, int]) -> list[Problem]:
+        found: list[Problem] = []
+        for move in sorted(moves, key=lambda m: (m.local, m.owner != m.target)):
+            files = [self.entries[(move.owner, p)] for p in move.paths]
+            if move.target == self.node:
+                problems = self._receive(move, files)
+                if move.source.holder != self.node or move.source.kind != "spool":
+                    moved[move.source.kind] = moved.get(move.source.kind, 0) + sum(
+                        e.size for e in files if e.path not in problems)
+            elif move.source.holder == self.node:
+                problems = transfer.send_files(
+                    self.comm, holdings.source_dir(self.config, move.source), files,
+                    self.rank_of[move.target], self.config.agent.timeout,
+                    f"node {move.target}")
+            else:
+                continue
+            found += [(move.target, move.owner, path, move.source, why,
+                       move.source.holder == self.node) for path, why in problems.items()]
+        return found
+
+    def _receive(self, move: Move, files: list[FileEntry]) -> transfer.Problems:
+        source, timeout = move.source, self.config.agent.timeout
+        if source.kind == "spool" and source.holder == move.target:
+            return transfer.check_in_place(self.directory, files)
+        if source.kind == "pfs":
+            return _extract(bundle_path(self.config.node_paths(0).pfs, source.ckpt,
+                                        source.owner), self.directory, files)
+        if source.holder == move.target:
+            return transfer.copy_local(holdings.source_dir(self.config, source), files,
+                                       self.directory)
+        return transfer.receive_files(self.comm, files, self.directory,
+                                      self.rank_of[source.holder], timeout,
+                                      f"node {source.holder}")
+
+    def _retries(self, found: list[Problem]) -> list[Move]:
+        """The next copy of each file that failed (the same on every rank: every rank
+        has every problem, in rank order); OperationError when one has none left."""
+        for target, owner, path, copy, why, said_by_holder in found:
+            reasons = self.failed.setdefault((target, owner, path), {})
+            if said_by_holder or copy not in reasons:
+                reasons[copy] = why
+        groups: dict[tuple[int, int, Copy], list[str]] = {}
+        for key in dict.fromkeys((target, owner, path) for target, owner, path, *_ in found):
+            target, owner, path = key
+            source = next_source(self.copies, target, owner, path, set(self.failed[key]))
+            if source is None:
+                tried = "; ".join(f"{where(c, target)}: {w}" for c, w in self.failed[key].items())
+                raise OperationError(f"node {owner}'s file {path!r} (for node {target}) has"
+                                     f" no intact copy left ({tried})")
+            self.taken[key] = source
+            groups.setdefault((target, owner, source), []).append(path)
+        return [Move(t, o, c, tuple(paths)) for (t, o, c), paths in groups.items()]
+
+    def _complete(self) -> None:
+        """Every file arrived, checksummed on the way: make the tree durable, then rename
+        it to the checkpoint's name (replacing a copy that was not intact) and fsync the
+        spool, so the name only ever shows a whole checkpoint."""
+        if self.in_place:
+            fsync_tree(self.final)
+            return
+        expected = [self.entries[(m.owner, p)] for m in self.plan.moves
+                    if m.target == self.node for p in m.paths]
+        _put_in_place(self.spool, self.directory, self.final, expected)
+
+    def notes(self) -> list[str]:
+        """Each file taken from another copy than planned, and why."""
+        return [f"node {t}: {path} of node {o}: "
+                + "; ".join(f"{where(c, t)}: {why}" for c, why in reasons.items())
+                + f"; taken from {where(self.taken[(t, o, path)], t)}"
+                for (t, o, path), reasons in self.failed.items()]
+
+    def verified(self) -> set[Copy]:
+        """Copies read whole during the restore with no file failing."""
+        bad = {c for reasons in self.failed.values() for c in reasons}
+        return {c for c in self.used if c not in bad}
 
 
-def _remove_partials(spool: Path) -> None:
-    """What an earlier recovery killed midway left behind."""
-    for entry in recover_partial_dirs(spool):
-        if entry.is_symlink():
-            entry.unlink()
-        else:
-            remove_under(spool, entry)
+def _extract(bundle: Path, directory: Path, files: list[FileEntry]) -> transfer.Problems:
+    failed: transfer.Problems = {}
+    try:
+        extract(bundle, directory, only={e.path for e in files}, failed=failed)
+    except (BundleError, OSError) as exc:       # the whole bundle: every file from elsewhere
+        return {e.path: describe(exc) for e in files}
+    return failed
 
 
 def _put_in_place(spool: Path, partial: Path, final: Path, expected: list[FileEntry]) -> None:
@@ -244,105 +324,50 @@ def _put_in_place(spool: Path, partial: Path, final: Path, expected: list[FileEn
     fsync_dir(spool)
 
 
-def _receive_move(comm: Any, config: Config, move: Move, files: list[FileEntry],
-                  spool: Path, rank_of: dict[int, int]) -> int:
-    source = move.source
-    if source.kind in ("spool",) and source.holder == move.target:
-        return 0                                    # already in place, verified
-    if source.kind == "pfs":
-        pfs = config.node_paths(0).pfs
-        extract(bundle_path(pfs, source.ckpt, source.owner), spool, only=set(move.paths))
-    elif source.holder == move.target:
-        directory = holdings.source_dir(config, source)
-        for entry in files:
-            _copy_in(directory / entry.path, spool / entry.path, entry)
-    else:
-        _receive_files(comm, config, files, spool, rank_of[source.holder], source.holder)
-    return sum(e.size for e in files)
-
-
-# -------------------------------------------------------------------- transfers
-def _send_files(comm: Any, config: Config, source: Copy, files: list[FileEntry],
-                dest: int) -> None:
-    directory = holdings.source_dir(config, source)
-    buffer = np.empty(CHUNK, dtype=np.uint8)
-    for entry in files:
-        with open(directory / entry.path, "rb", buffering=0) as handle:
-            left = entry.size
-            while left:
-                n = handle.readinto(memoryview(buffer)[:min(left, CHUNK)])
-                if not n:
-                    raise OperationError(f"{directory / entry.path}: shorter than its manifest")
-                _wait(comm.Isend([buffer[:n], MPI.BYTE], dest, DATA_TAG), config, dest)
-                left -= n
-
-
-def _receive_files(comm: Any, config: Config, files: list[FileEntry], spool: Path,
-                   source_rank: int, source_node: int, trainer_modes: bool = True) -> None:
-    """`trainer_modes`: the files get the trainer's permission bits (a spool), else they
-    stay private (a replica store)."""
-    buffer = np.empty(CHUNK, dtype=np.uint8)
-    for entry in files:
-        target = spool / entry.path
-        makedirs(target.parent)
-        temp = temp_name(target)
-        digest = hasher()
-        with open_private(temp, buffering=0) as out:
-            left = entry.size
-            while left:
-                n = min(left, CHUNK)
-                _wait(comm.Irecv([buffer[:n], MPI.BYTE], source_rank, DATA_TAG), config,
-                      source_rank, f"node {source_node}")
-                digest.update(memoryview(buffer)[:n])
-                out.write(memoryview(buffer)[:n])
-                left -= n
-            os.fsync(out.fileno())
-        _finish_file(temp, target, entry, digest.hexdigest(), trainer_modes)
-
-
-def _copy_in(source: Path, target: Path, entry: FileEntry) -> None:
-    makedirs(target.parent)
-    mirror_file(source, target, entry.checksum, entry.mode)
-
-
-def _finish_file(temp: Path, target: Path, entry: FileEntry, checksum: str,
-                 trainer_modes: bool) -> None:
-    if checksum != entry.checksum:
-        temp.unlink(missing_ok=True)
-        raise OperationError(f"{target}: checksum differs from the manifest after transfer")
-    if trainer_modes:
-        os.chmod(temp, trainer_mode(entry.mode))
-    os.replace(temp, target)
-
-
-def _wait(request: Any, config: Config, peer: int, name: str | None = None) -> None:
-    deadline = time.monotonic() + config.agent.timeout
-    while not request.Test():
-        if time.monotonic() > deadline:
-            request.Cancel()
-            raise OperationError(f"{name or f'rank {peer}'} did not answer within"
-                                 f" {config.agent.timeout:.0f}s")
-        time.sleep(0.0002)
-
-
 # ------------------------------------------------------------------- redundancy
 def _rereplicate(comm: Any, config: Config, placement: Any, rank_of: dict[int, int],
-                 plan: Plan, copies: list[Copy]) -> int:
-    """Each node's part goes to its partners again, unless they hold it verified."""
+                 plan: Plan, copies: list[Copy], verified: set[Copy]) -> int:
+    """Each node's part goes to its partners again, unless they hold it intact."""
     pmap = replication_map(config, list(placement.hosts))
     if pmap is None:
         return 0
-    held = {(c.owner, c.holder) for c in copies if c.kind == "replica" and c.ckpt == plan.ckpt}
+    work = _work_bound(config, plan)
+    held = set(agree(comm, "re-replication", lambda: _intact_replicas(
+        config, placement.node, plan, copies, verified), work))
+    _arrive(comm, config, "re-replication")
+    held = {pair for part in comm.allgather(held) for pair in part}
+    return agree(comm, "re-replication", lambda: _send_parts(
+        comm, config, placement, rank_of, plan, pmap, held), work)
+
+
+def _intact_replicas(config: Config, node: int, plan: Plan, copies: list[Copy],
+                     verified: set[Copy]) -> list[tuple[int, int]]:
+    """(owner, this node) for each replica of the plan's checkpoint this node holds
+    intact: read during the restore, or now (only its size was checked before)."""
+    root = config.node_paths(node).replicas
+    intact = []
+    for copy in copies:
+        if copy.kind == "replica" and copy.ckpt == plan.ckpt and copy.holder == node and (
+                copy in verified or not transfer.check_in_place(
+                    replica_dir(root, copy.owner, copy.ckpt),
+                    plan.manifest.node_files(copy.owner))):
+            intact.append((copy.owner, node))
+    return intact
+
+
+def _send_parts(comm: Any, config: Config, placement: Any, rank_of: dict[int, int],
+                plan: Plan, pmap: Any, held: set[tuple[int, int]]) -> int:
     node, moved = placement.node, 0
-    entries = {(e["node"], e["path"]): _entry(e) for e in plan.manifest.files}
     for owner in range(placement.nodes):
-        files = [entries[(owner, e.path)] for e in plan.manifest.node_files(owner)]
-        spool_copy = Copy(plan.ckpt, owner, "spool", owner, tuple(e.path for e in files))
+        files = plan.manifest.node_files(owner)
         for partner in pmap[owner]:
             if (owner, partner) in held:
                 continue
             if node == owner:
-                _send_files(comm, config, spool_copy, files, rank_of[partner])
+                problems = transfer.send_files(
+                    comm, ckpt_dir(config.node_paths(node).spool, plan.ckpt), files,
+                    rank_of[partner], config.agent.timeout, f"node {partner}")
+                _fail_on(problems, f"node {owner}'s restored part")
             elif node == partner:
                 root = config.node_paths(node).replicas
                 moved += _receive_replica(comm, config, root, plan, owner, files,
@@ -350,12 +375,21 @@ def _rereplicate(comm: Any, config: Config, placement: Any, rank_of: dict[int, i
     return moved
 
 
+def _fail_on(problems: transfer.Problems, what: str) -> None:
+    if problems:
+        path, why = next(iter(problems.items()))
+        raise OperationError(f"{what}: {len(problems)} files not sent or received intact"
+                             f" (first: {path}: {why})")
+
+
 def _receive_replica(comm: Any, config: Config, root: Path, plan: Plan, owner: int,
                      files: list[FileEntry], owner_rank: int) -> int:
     partial = partial_dir(root, owner, plan.ckpt)
     remove_under(root, partial)
     makedirs(partial)
-    _receive_files(comm, config, files, partial, owner_rank, owner, trainer_modes=False)
+    _fail_on(transfer.receive_files(comm, files, partial, owner_rank, config.agent.timeout,
+                                    f"node {owner}", trainer_modes=False),
+             f"node {owner}'s part, re-replicated")
     part = next(n for n in plan.manifest.nodes if n["node"] == owner)
     manifest = LocalManifest(run=plan.manifest.run, ckpt=plan.ckpt, seq=plan.seq, node=owner,
                              host=part["host"], rank=part["rank"], files=files)

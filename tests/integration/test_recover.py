@@ -139,20 +139,42 @@ def test_falls_back_to_an_older_checkpoint_and_says_why(cluster):
     assert (c.spool(2) / ".cachex-unrecoverable-step_00008").is_dir()
 
 
-def test_a_corrupted_replica_is_skipped_for_a_good_copy(cluster):
+def flip_byte(path) -> None:
+    data = bytearray(path.read_bytes())
+    data[123] ^= 0x01
+    path.write_bytes(bytes(data))
+
+
+def test_a_replica_found_corrupt_in_transfer_gives_that_file_from_the_pfs(cluster):
     c = trained(cluster, 4)
     before = snapshot(c, "step_00004")
     lose_node(c, 0)
     shard = c.root / "node1/nvme/t/replicas/node-00000/step_00004/__0_1.distcp"
-    data = bytearray(shard.read_bytes())
-    data[123] ^= 0x01
-    shard.write_bytes(bytes(data))
+    flip_byte(shard)
     result = recover(c)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "node 0: 9 files of node 0 from the PFS bundle" in result.stdout, result.stdout
+    # the replica is chosen (only sizes are checked before the move) and found corrupt as
+    # it is moved: that one file comes from the next copy, the reason in the summary
+    assert "node 0: 9 files of node 0 from replica on node 1" in result.stdout, result.stdout
+    assert ("taken from another copy: node 0: __0_1.distcp of node 0: replica on node 1:"
+            " checksum mismatch; taken from the PFS bundle") in result.stdout, result.stdout
     assert files_of(c.spool(0) / "step_00004") == before[0]
     # the bad replica was replaced by a good one
     assert shard.read_bytes() == before[0]["__0_1.distcp"]
+
+
+def test_a_corrupt_file_kept_in_place_comes_from_the_nodes_stage(cluster):
+    c = trained(cluster, 4)
+    before = snapshot(c, "step_00004")
+    lose_node(c, 0)
+    flip_byte(c.spool(2) / "step_00004" / "__4_0.distcp")      # a survivor's own file
+    result = recover(c)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "node 2: 8 files of node 2 from its own spool" in result.stdout, result.stdout
+    assert ("node 2: __4_0.distcp of node 2: its own spool: checksum mismatch; taken from"
+            " its own stage") in result.stdout, result.stdout
+    for node, files in expected_after(before).items():
+        assert files_of(c.spool(node) / "step_00004") == files
 
 
 def test_recovery_on_another_node_count_is_refused(cluster):

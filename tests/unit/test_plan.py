@@ -6,7 +6,7 @@ import pytest
 
 from cachex_agent.errors import OperationError
 from cachex_agent.manifest import FileEntry, GlobalManifest, LocalManifest
-from cachex_agent.recovery.plan import Copy, choose
+from cachex_agent.recovery.plan import Copy, choose, next_source
 
 
 def manifest(ckpt: str, seq: int, nodes: int = 3) -> GlobalManifest:
@@ -86,3 +86,16 @@ def test_nothing_recoverable_names_every_reason():
     with pytest.raises(OperationError) as caught:
         choose(MANIFESTS, [own("s2", 1)], nodes=3)
     assert "s2:" in str(caught.value) and "s1:" in str(caught.value)
+
+
+def test_a_file_that_failed_comes_from_the_next_copy_own_copies_first():
+    copies = [replica("s1", 0, 1), replica("s1", 0, 2), pfs("s1", 0), own("s1", 0, "stage")]
+    path = "__0_0.distcp"
+    tried = {replica("s1", 0, 1)}
+    assert next_source(copies, 0, 0, path, tried) == own("s1", 0, "stage")
+    tried.add(own("s1", 0, "stage"))
+    assert next_source(copies, 0, 0, path, tried) == replica("s1", 0, 2)
+    tried.add(replica("s1", 0, 2))
+    assert next_source(copies, 0, 0, path, tried) == pfs("s1", 0)
+    assert next_source(copies, 0, 0, path, {*tried, pfs("s1", 0)}) is None
+    assert next_source(copies, 0, 0, "not/in/any/copy", set()) is None

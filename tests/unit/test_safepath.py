@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from cachex_agent.errors import OperationError
-from cachex_agent.fsutil import remove_under
+from cachex_agent.fsutil import is_temporary, remove_under
 from cachex_agent.journal import Journal
 from cachex_agent.layout import recover_partial_dir
 from cachex_agent.manifest import FileEntry, GlobalManifest, LocalManifest
@@ -43,7 +43,7 @@ def test_non_strings_are_refused(value):
 
 @pytest.mark.parametrize("value", ["../ckpt/step_1", "/abs/step_1", "a/b", ".hidden",
                                    "step_1.tmp", "tmp-step_1", "lost+found", "",
-                                   ".cachex-recover-step_1"])
+                                   ".step_1.tmp-cachex-partial"])
 def test_unsafe_checkpoint_ids_are_refused(value):
     with pytest.raises(UnsafeInput, match="unsafe checkpoint id"):
         checkpoint_id(value, "f")
@@ -124,5 +124,6 @@ def test_agents_never_take_a_recovery_partial_for_a_checkpoint(tmp_path: Path):
     (tmp_path / "step_1").mkdir()
     (tmp_path / "step_1" / ".metadata").write_bytes(b"m")
     assert make_rule("dcp", 0.0, []).committed(tmp_path) == ["step_1"]
+    assert partial.name == ".step_1.tmp-cachex-partial" and is_temporary(partial.name)
     long = recover_partial_dir(tmp_path, "s" * 255).name
-    assert long.startswith(".cachex-recover-") and len(long.encode()) <= 255
+    assert is_temporary(long) and len(long.encode()) <= 255
