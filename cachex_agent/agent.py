@@ -44,6 +44,7 @@ from .manifest import FileEntry, GlobalManifest, LocalManifest
 from .peer.globals import GlobalFiles, mirror_file
 from .peer.partners import replication_map
 from .peer.replicator import Replicator
+from .runlock import RunLock
 from .safepath import UnsafeInput, checkpoint_id, index, relative_path, relative_paths
 from .stage.capture import (
     CaptureError,
@@ -66,6 +67,7 @@ CAPTURE_ATTEMPTS = 3        # captures of a part that keeps changing before it f
 TEST_FAIL_CAPTURE = "CACHEX_TEST_FAIL_CAPTURE"  # tests: this rank's capture thread raises
 IDLE_AFTER = 2.0    # seconds without a message or work in flight before the loop slows down
 IDLE_TICK = 0.1     # the slowed tick: a first message from another agent waits this long
+RUN_LOCK_STALE = 60.0   # seconds without a refresh before another job takes the run over
 
 
 class Inbox(queue.Queue):  # type: ignore[type-arg]
@@ -150,6 +152,10 @@ class Agent:
             self.paths.journal, (self.paths.stage, self.paths.spool)))
         self.events = EventLog(events_path(self.paths.journal), run=config.run,
                                node=self.node, rank=self.rank, host=self.placement.host)
+        # before any agent touches the PFS: a second job on this run removes nothing
+        self.run_lock = agree(comm, "run lock", lambda: RunLock.acquire(
+            self.paths.pfs, max(RUN_LOCK_STALE, 2 * config.agent.timeout))
+            if self.rank == 0 else None)
         self._remove_stale()
         self.inbox = Inbox()
         self.captures: queue.Queue[dict[str, Any] | None] = queue.Queue()
@@ -235,6 +241,8 @@ class Agent:
             if self.replicator is not None:
                 self.replicator.close(free=not self._dead_agents)
             self.events.close()
+            if self.run_lock is not None:
+                self.run_lock.release()
             watchdog.cancel()
         return 0
 

@@ -23,7 +23,7 @@ from . import config as configuration
 from .errors import CachexError, ConfigError, OperationError
 from .fsutil import makedirs, write_json
 from .layout import journal_stop_file, pfs_stop_file
-from .topology import agents_on_host, launch_rank
+from .topology import agents_on_host, check_one_job, launch_rank
 
 
 def _overrides(values: tuple[str, ...]) -> dict[str, str]:
@@ -111,10 +111,10 @@ def agent_command(cfg: configuration.Config, verbose: int, quiet: bool) -> None:
     _setup_logging(level, f"{comm.Get_rank()}@{socket.gethostname()}")
     try:
         # before the window and the directories: every agent refuses together
-        agree(comm, "memory check", lambda: _raise_if(short_of_memory))
+        agree(comm, "start-up check", lambda: _start_checks(comm.Get_size(), short_of_memory))
         agent = Agent(cfg, comm)
     except CachexError as exc:
-        if comm.Get_rank() == 0:        # every rank raised the same agreed error
+        if comm.Get_rank() == 0 and launch_rank() == 0:   # said once, also by lone agents
             click.echo(f"cachex-agent: error: {exc}", err=True)
         sys.exit(exc.exit_code)
     except Exception as exc:    # a bug on this rank alone: the others would wait on it
@@ -127,6 +127,11 @@ def agent_command(cfg: configuration.Config, verbose: int, quiet: bool) -> None:
         agent.fatal("main thread", exc)     # never leave other agents waiting on a dead one
     exit_watchdog(2 * cfg.agent.timeout)    # MPI finalize, at exit, waits on every agent
     sys.exit(code)
+
+
+def _start_checks(world: int, short_of_memory: ConfigError | None) -> None:
+    check_one_job(world)
+    _raise_if(short_of_memory)
 
 
 def _memory_error(cfg: configuration.Config) -> ConfigError | None:

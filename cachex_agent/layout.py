@@ -11,7 +11,7 @@
         global/<ckpt>/files/<path>           global files mirrored to every node
     <cache>/<run>/replicas/node-<owner>/<ckpt>/                partners' parts
     <cache>/<run>/replicas/node-<owner>/<ckpt>.manifest.json   written last
-    <pfs>/<run>/index.json  status.json  control/stop
+    <pfs>/<run>/index.json  status.json  control/stop  coordinator.lock
     <pfs>/<run>/ckpt/<ckpt>/manifest.json  node-<NNNNN>.h5
 
 A name too long for one component with its suffix or prefix is replaced by a hash
@@ -32,6 +32,7 @@ STATUS = "status.json"
 MANIFEST = "manifest.json"          # the global manifest, in a PFS checkpoint directory
 JOURNAL_STATE = "state.json"
 COORDINATOR_STATE = "coordinator.json"
+RUN_LOCK = "coordinator.lock"
 EVENTS = "events.jsonl"
 STOP = "stop"
 REPLICA_MANIFEST_SUFFIX = ".manifest.json"
@@ -158,6 +159,11 @@ def replica_manifest_paths(replicas: Path) -> list[Path]:
 # -------------------------------------------------------------------------- PFS
 def index_path(pfs_run: Path) -> Path:
     return pfs_run / INDEX
+
+
+def run_lock_path(pfs_run: Path) -> Path:
+    """Held by the run's one coordinator (runlock.py)."""
+    return pfs_run / RUN_LOCK
 
 
 def pfs_status_path(pfs_run: Path) -> Path:

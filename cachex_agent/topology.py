@@ -40,6 +40,37 @@ def agents_on_host() -> int:
     return max(_launcher_number(_LOCAL_SIZE_VARS, 1), 1)
 
 
+def launched_size(env: dict[str, str] | None = None) -> tuple[int, str] | None:
+    """How many agents the launcher started, and who says so; None when nobody does.
+
+    An MPI launcher (Hydra sets MPI_LOCALNRANKS, Open MPI OMPI_COMM_WORLD_SIZE) forms the
+    job itself: its size is the one to match (its ranks inherit the `SLURM_STEP_*` of the
+    helper step it ran them in, which counts proxies, not ranks). A task started by srun
+    itself is one of SLURM_STEP_NUM_TASKS; PMI_SIZE is what srun's PMI plugin says."""
+    env = os.environ if env is None else env
+    if "MPI_LOCALNRANKS" in env or "OMPI_COMM_WORLD_SIZE" in env:
+        names: tuple[str, ...] = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE")
+    else:
+        names = ("SLURM_STEP_NUM_TASKS", "PMI_SIZE")
+    for name in names:
+        if env.get(name, "").isdigit():
+            return int(env[name]), name
+    return None
+
+
+def check_one_job(world: int, env: dict[str, str] | None = None) -> None:
+    """ConfigError when MPI formed fewer or more agents than the launcher started: a PMI
+    mismatch (e.g. `srun --mpi=` not matching mpi4py's MPI) starts every agent alone,
+    each its own coordinator of the same run."""
+    launched = launched_size(env)
+    if launched is not None and launched[0] != world:
+        count, name = launched
+        raise ConfigError(f"MPI formed a job of {world} agent{'s' if world != 1 else ''} but"
+                          f" the launcher started {count} ({name}={count}): the agents are"
+                          " not one MPI job; use the `srun --mpi=` plugin (or mpiexec) of"
+                          " the MPI that mpi4py was built with")
+
+
 @dataclass(frozen=True)
 class Placement:
     rank: int

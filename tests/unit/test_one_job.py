@@ -1,0 +1,86 @@
+"""One MPI job (topology.check_one_job) and one coordinator per run (runlock.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from cachex_agent.errors import ConfigError
+from cachex_agent.runlock import RunLock
+from cachex_agent.topology import check_one_job, launched_size
+
+HYDRA_IN_SLURM = {"MPI_LOCALNRANKS": "2", "PMI_SIZE": "8", "SLURM_STEP_NUM_TASKS": "1"}
+SRUN_PMI2 = {"PMI_SIZE": "4", "SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "2"}
+SRUN_NO_PMI = {"SLURM_STEP_NUM_TASKS": "4", "SLURM_PROCID": "0"}
+OPEN_MPI = {"OMPI_COMM_WORLD_SIZE": "6", "SLURM_STEP_NUM_TASKS": "2"}
+
+
+@pytest.mark.parametrize(("env", "expected"), [
+    (HYDRA_IN_SLURM, (8, "PMI_SIZE")),     # Hydra's ranks see the proxies' step, not theirs
+    (SRUN_PMI2, (4, "SLURM_STEP_NUM_TASKS")),
+    (SRUN_NO_PMI, (4, "SLURM_STEP_NUM_TASKS")),
+    (OPEN_MPI, (6, "OMPI_COMM_WORLD_SIZE")),
+    ({}, None),
+    ({"SLURM_STEP_NUM_TASKS": "x"}, None),
+])
+def test_the_launcher_size_comes_from_whoever_formed_the_job(env, expected):
+    assert launched_size(env) == expected
+
+
+def test_lone_agents_of_a_pmi_mismatch_are_refused_with_the_count():
+    with pytest.raises(ConfigError) as caught:
+        check_one_job(1, SRUN_NO_PMI)
+    assert str(caught.value).startswith("MPI formed a job of 1 agent but the launcher"
+                                        " started 4 (SLURM_STEP_NUM_TASKS=4)")
+    check_one_job(8, HYDRA_IN_SLURM)
+    check_one_job(3, {})
+
+
+def _holder(tmp_path, **record) -> None:
+    (tmp_path / "coordinator.lock").write_text(json.dumps(record))
+
+
+def test_a_live_coordinator_of_another_job_keeps_the_run(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "200")
+    _holder(tmp_path, job="slurm:100", host="other-host", pid=1, t=time.time())
+    with pytest.raises(ConfigError) as caught:
+        RunLock.acquire(tmp_path, stale=60)
+    message = str(caught.value)
+    assert f"{tmp_path}/coordinator.lock: run" in message
+    assert "coordinated by job slurm:100 on other-host (pid 1" in message
+    assert "a second coordinator refuses" in message
+
+
+def test_a_lock_is_taken_over_by_its_own_job_a_dead_process_or_when_stale(tmp_path,
+                                                                         monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "100")
+    _holder(tmp_path, job="slurm:100", host="other-host", pid=1, t=0)
+    RunLock.acquire(tmp_path, stale=60).release()
+
+    monkeypatch.setenv("SLURM_JOB_ID", "200")
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    _holder(tmp_path, job="slurm:100", host=os.uname().nodename, pid=dead.pid, t=0)
+    RunLock.acquire(tmp_path, stale=60).release()
+
+    _holder(tmp_path, job="slurm:100", host="other-host", pid=1, t=0)
+    old = time.time() - 120
+    os.utime(tmp_path / "coordinator.lock", (old, old))
+    lock = RunLock.acquire(tmp_path, stale=60)
+    assert json.loads((tmp_path / "coordinator.lock").read_text())["job"] == "slurm:200"
+    assert (tmp_path / "coordinator.lock").stat().st_mode & 0o777 == 0o600
+    lock.release()
+    assert not (tmp_path / "coordinator.lock").exists()
+
+
+def test_release_leaves_a_lock_that_another_coordinator_took_over(tmp_path, monkeypatch):
+    monkeypatch.setenv("SLURM_JOB_ID", "100")
+    lock = RunLock.acquire(tmp_path, stale=60)
+    _holder(tmp_path, job="slurm:300", host="h", pid=1, t=time.time())
+    lock.release()
+    assert json.loads((tmp_path / "coordinator.lock").read_text())["job"] == "slurm:300"
