@@ -55,6 +55,26 @@ def config_options(func: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
+class Duration(click.ParamType):
+    """`90`, `90s`, `5min`: what the configuration accepts for a time."""
+    name = "duration"
+
+    def convert(self, value: Any, param: Any, ctx: Any) -> float:
+        if isinstance(value, float):
+            return value
+        try:
+            return configuration.parse_duration(value, f"--{param.name}" if param else "time")
+        except ConfigError as exc:
+            self.fail(str(exc), param, ctx)
+
+
+JSON_SCHEMA = 1     # the version of every --json output; bumped on incompatible changes
+
+
+def _echo_json(data: dict[str, Any]) -> None:
+    click.echo(json.dumps({"schema": JSON_SCHEMA, **data}, indent=1))
+
+
 def _checkpoint_argument(value: str | None, name: str) -> str | None:
     """A checkpoint id given on the command line is a usage error when unsafe."""
     from .safepath import UnsafeInput, checkpoint_id
@@ -197,20 +217,32 @@ def ls_command(cfg: configuration.Config, as_json: bool) -> None:
 @main_group.command("verify")
 @config_options
 @click.argument("ckpt")
-def verify_command(cfg: configuration.Config, ckpt: str) -> None:
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def verify_command(cfg: configuration.Config, ckpt: str, as_json: bool) -> None:
     """Check the checksums of every copy of CKPT visible from this machine."""
     from .recovery.verify import verify
     findings = verify(cfg, _checkpoint_argument(ckpt, "CKPT"))
+    bad = [f for f in findings if f.checked and f.problems]
+    if as_json:
+        _echo_json({"ckpt": ckpt, "ok": not bad and any(f.checked for f in findings),
+                    "copies": [{"level": f.level, "node": f.node, "where": f.where,
+                                "checked": f.checked, "ok": f.ok, "problems": f.problems,
+                                "note": None if f.checked else f.note} for f in findings]})
+    else:
+        _say_findings(ckpt, findings)
+    if bad or not any(f.checked for f in findings):
+        raise OperationError(f"{ckpt}: {len(bad)} bad copies" if bad
+                             else f"{ckpt}: no copy visible from this machine")
+    if not as_json:
+        click.echo(f"{ckpt}: verified {sum(f.ok for f in findings)} copies")
+
+
+def _say_findings(ckpt: str, findings: list[Any]) -> None:
     for f in findings:
         state = "ok" if f.ok else f.note if not f.checked else "BAD"
         click.echo(f"{ckpt} {f.level:<7} node {f.node:<4} {state:<16} {f.where}")
         for problem in f.problems:
             click.echo(f"    {problem}")
-    bad = [f for f in findings if f.checked and f.problems]
-    if bad or not any(f.checked for f in findings):
-        raise OperationError(f"{ckpt}: {len(bad)} bad copies" if bad
-                             else f"{ckpt}: no copy visible from this machine")
-    click.echo(f"{ckpt}: verified {sum(f.ok for f in findings)} copies")
 
 
 @main_group.command("export")
@@ -218,7 +250,9 @@ def verify_command(cfg: configuration.Config, ckpt: str) -> None:
 @click.argument("ckpt")
 @click.argument("dest", type=click.Path(file_okay=False))
 @click.option("--per-node", is_flag=True, help="one sub-directory per node")
-def export_command(cfg: configuration.Config, ckpt: str, dest: str, per_node: bool) -> None:
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def export_command(cfg: configuration.Config, ckpt: str, dest: str, per_node: bool,
+                   as_json: bool) -> None:
     """Write CKPT from the PFS bundles to DEST in the trainer's layout (no MPI)."""
     from .recovery.catalog import require_global
     from .recovery.export import export
@@ -227,8 +261,12 @@ def export_command(cfg: configuration.Config, ckpt: str, dest: str, per_node: bo
     total = export(manifest, cfg.node_paths(0).pfs, Path(dest), per_node,
                    say=lambda line: click.echo(f"  {line}", err=True))
     seconds = time.monotonic() - start
-    click.echo(f"{ckpt}: exported {len(manifest.files)} files, {total} bytes to {dest}"
-               f" in {seconds:.1f}s")
+    if as_json:
+        _echo_json({"ckpt": ckpt, "dest": str(dest), "files": len(manifest.files),
+                    "bytes": total, "seconds": round(seconds, 3)})
+    else:
+        click.echo(f"{ckpt}: exported {len(manifest.files)} files, {total} bytes to {dest}"
+                   f" in {seconds:.1f}s")
 
 
 @main_group.command("recover")
@@ -239,8 +277,9 @@ def export_command(cfg: configuration.Config, ckpt: str, dest: str, per_node: bo
               type=click.Choice(["spool", "stage", "replica", "journal", "pfs"]),
               help="do not use copies of this kind (repeatable)")
 @click.option("--dry-run", is_flag=True, help="print the plan, change nothing")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 def recover_command(cfg: configuration.Config, ckpt: str | None, exclude: tuple[str, ...],
-                    dry_run: bool) -> None:
+                    dry_run: bool, as_json: bool) -> None:
     """Rebuild a checkpoint into every node's spool from what survived.
 
     Run with one rank per node (replacement nodes included), e.g.
@@ -261,10 +300,27 @@ def recover_command(cfg: configuration.Config, ckpt: str | None, exclude: tuple[
     except Exception:
         logging.getLogger("cachex").exception("recover failed; aborting the job")
         comm.Abort(1)
-    if comm.Get_rank() == 0:
+    if comm.Get_rank() == 0 and as_json:
+        _echo_json(_recovery_json(outcome, dry_run))
+    elif comm.Get_rank() == 0:
         click.echo("\n".join(outcome.plan.describe()))
         if not dry_run:
             click.echo(_recovery_summary(outcome))
+
+
+def _recovery_json(outcome: Any, dry_run: bool) -> dict[str, Any]:
+    plan = outcome.plan
+    moves = [{"target": m.target, "owner": m.owner, "kind": m.source.kind,
+              "holder": m.source.holder, "files": list(m.paths)} for m in plan.moves]
+    data: dict[str, Any] = {"ckpt": plan.ckpt, "seq": plan.seq, "dry_run": dry_run,
+                            "nodes": len(plan.manifest.nodes), "moves": moves}
+    if not dry_run:
+        data.update(bytes_by_kind=outcome.bytes_by_kind,
+                    replicated_bytes=outcome.replicated_bytes,
+                    seconds=round(outcome.seconds, 3), plan_seconds=round(
+                        outcome.plan_seconds, 3), move_seconds=round(outcome.move_seconds, 3),
+                    fallbacks=outcome.fallbacks, moved_aside=outcome.moved_aside)
+    return data
 
 
 def _recovery_summary(outcome: Any) -> str:
@@ -287,9 +343,11 @@ def _recovery_summary(outcome: Any) -> str:
 @main_group.command("stop")
 @config_options
 @click.option("--wait/--no-wait", default=True, help="wait until the agents have exited")
-@click.option("--timeout", type=float, default=None, help="seconds to wait (default: drain"
-              " timeout + agent timeout)")
-def stop_command(cfg: configuration.Config, wait: bool, timeout: float | None) -> None:
+@click.option("--timeout", type=Duration(), default=None, help="how long to wait, e.g. 90s,"
+              " 10min (default: drain timeout + agent timeout)")
+@click.option("--json", "as_json", is_flag=True, help="one JSON object at the end")
+def stop_command(cfg: configuration.Config, wait: bool, timeout: float | None,
+                 as_json: bool) -> None:
     """Ask the agents of this run to drain and exit."""
     node0 = cfg.node_paths(0)
     targets = [pfs_stop_file(node0.pfs)]
@@ -305,24 +363,44 @@ def stop_command(cfg: configuration.Config, wait: bool, timeout: float | None) -
             continue
     if not written:
         raise OperationError(f"could not write a stop request to {', '.join(map(str, targets))}")
-    click.echo(f"stop requested ({', '.join(map(str, written))})")
-    if wait:
-        _wait_stopped(cfg, timeout or cfg.flush.drain_timeout + cfg.agent.timeout)
+    say = (lambda _line: None) if as_json else click.echo
+    say(f"stop requested ({', '.join(map(str, written))})")
+    state = _wait_stopped(cfg, timeout or cfg.flush.drain_timeout + cfg.agent.timeout,
+                          say) if wait else "requested"
+    if as_json:
+        _echo_json({"run": cfg.run, "requested": [str(p) for p in written], "state": state})
 
 
-def _wait_stopped(cfg: configuration.Config, timeout: float) -> None:
+def _wait_stopped(cfg: configuration.Config, timeout: float,
+                  say: Callable[[str], None]) -> str:
+    """Until the agents stopped; says what they are still doing whenever that changes."""
     from .status import load_status
     deadline = time.monotonic() + timeout
+    said = ""
     while time.monotonic() < deadline:
         try:
-            state = load_status(cfg).get("state")
-            if state in ("stopped", "not running"):
-                click.echo(f"agents {state}")
-                return
+            status = load_status(cfg)
         except CachexError:
-            pass
+            status = {}
+        state = status.get("state")
+        if state in ("stopped", "not running"):
+            say(f"agents {state}")
+            return str(state)
+        waiting = _waiting_for(status)
+        if waiting != said:
+            say(f"{waiting} (giving up in {deadline - time.monotonic():.0f}s)")
+            said = waiting
         time.sleep(0.5)
     raise OperationError(f"agents of run {cfg.run} did not stop within {timeout:.0f}s")
+
+
+def _waiting_for(status: dict[str, Any]) -> str:
+    """One line: the agents' state and the checkpoints not yet at their final level."""
+    busy = [f"{row['id']} {row['level']}" for row in status.get("checkpoints", [])
+            if row.get("level") in ("written", "captured", "replicated")
+            and row.get("flush", True)]
+    what = f"{', '.join(busy[-4:])} not yet flushed" if busy else "the agents to exit"
+    return f"waiting ({status.get('state', 'no status yet')}): {what}"
 
 
 # ------------------------------------------------------------------------ model
