@@ -65,6 +65,7 @@ CX_AGENTS_PID=
 CX_TRAIN_PID=
 CX_AGENTS_T0=0
 CX_HALT_AT=
+CX_JOB_END=
 CX_HALTED=0
 CX_SET=()
 CX_SPARE=()
@@ -204,6 +205,7 @@ cx_init_halt() {
     local end=${JOB_END:-}
     [[ -n $end ]] || end=$("cx_${CX_SCHEDULER}_job_end" 2>/dev/null || true)
     if [[ $end =~ ^[0-9]+$ ]]; then
+        CX_JOB_END=$end
         CX_HALT_AT=$((end - HALT_MARGIN))
         (($(cx_now) < CX_HALT_AT)) \
             || cx_die "HALT_MARGIN=${HALT_MARGIN}s leaves no time to train: the job ends at $(date -d "@$end" +%H:%M:%S)" 2
@@ -215,6 +217,27 @@ cx_init_halt() {
 }
 
 cx_past_halt() { [[ -n $CX_HALT_AT ]] && (($(cx_now) >= CX_HALT_AT)); }
+
+# The scheduler's own warning (Slurm: `#SBATCH --signal=B:USR1@<HALT_MARGIN>`, sent to
+# this batch shell): halt now, whatever the end time read at the start said. The job's
+# end is then at most HALT_MARGIN away.
+cx_on_warning() {
+    local now
+    now=$(cx_now)
+    cx_log "USR1: the scheduler warns that the job ends soon: halting now"
+    CX_HALT_AT=$now
+    if [[ -z ${CX_JOB_END:-} ]] || ((CX_JOB_END > now + HALT_MARGIN)); then
+        CX_JOB_END=$((now + HALT_MARGIN))
+    fi
+}
+
+cx_fit() {      # SECONDS: that timeout, cut to what is left of the job (minus 30 s)
+    local want=$1 left
+    [[ -n ${CX_JOB_END:-} ]] || { echo "$want"; return; }
+    left=$((CX_JOB_END - $(cx_now) - 30))
+    ((left < 1)) && left=1
+    echo $((want < left ? want : left))
+}
 
 # ---------------------------------------------------------------- commands
 # The commands each step runs, whatever the launcher (the same under Slurm and PBS).
@@ -298,7 +321,8 @@ cx_agents_wait_ready() {    # bounded: live agents, a heartbeat since this start
 }
 
 cx_agents_stop() {      # SECONDS: drain and stop; returns the agent step's status
-    local timeout=$1 rc out line
+    local timeout rc out line
+    timeout=$(cx_fit "$1")
     [[ -n $CX_AGENTS_PID ]] || return 0
     if cx_alive_pid "$CX_AGENTS_PID"; then
         cx_log "stopping the agents: cachex stop --timeout $timeout"
@@ -402,7 +426,7 @@ cx_recover() {
     cx_step recover 1
     cx_log "recover: ${CX_ARGV[*]}"
     local rc=0
-    timeout --kill-after=30 "$RECOVER_TIMEOUT" "${CX_ARGV[@]}" </dev/null || rc=$?
+    timeout --kill-after=30 "$(cx_fit "$RECOVER_TIMEOUT")" "${CX_ARGV[@]}" </dev/null || rc=$?
     ((rc == 0)) || cx_log "cachex recover ended with status $rc"
     return "$rc"
 }
@@ -477,6 +501,7 @@ cx_main() {
     cx_init_config
     if [[ $CX_PLAN == 1 ]]; then cx_plan; return 0; fi
     cx_init_halt
+    trap cx_on_warning USR1
     trap cx_on_exit EXIT
     trap 'cx_log "SIGTERM: the job is ending"; exit 143' TERM
     CX_AGENT_RESTARTS=0

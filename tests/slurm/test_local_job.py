@@ -106,6 +106,21 @@ def test_walltime_halt_drains_and_next_job_resumes_from_the_pfs(local_job, refer
     assert job.levels()[CKPTS[-1]] == "flushed"
 
 
+def test_the_schedulers_walltime_warning_halts_at_once(local_job):
+    """Slurm's `--signal=B:USR1@N` to the batch shell (sent here with scancel, which is
+    what Slurm does N seconds before the end): training is halted and drained at once,
+    though the end time read at the start was far away."""
+    job = local_job("cx-usr1")
+    job.submit("--time=20", TRAIN_CMD=job.train_cmd(every=5, step_time=1.0))
+    wait_for(lambda: "flushed" in job.levels().values(), 150, "a flushed checkpoint")
+    signalled = run(["scancel", "--batch", "--signal=USR1", job.id])
+    assert signalled.returncode == 0, signalled.stderr
+    out = assert_completed(job, job.wait(150))
+    assert "USR1: the scheduler warns that the job ends soon: halting now" in out, out
+    assert "halt: the job ends in" in out and "halted before the walltime" in out, out
+    assert not job.state_out.exists(), "the trainer finished: nothing was halted"
+
+
 def test_agents_that_cannot_start_fail_the_job_with_one_line(local_job):
     job = local_job("cx-badconf")
     job.submit(TRAIN_CMD=job.train_cmd(), CONFIG_EXTRA='[flush]\nno_such_key = 1')
