@@ -29,10 +29,16 @@ test-mpi: venv
 test-integration: venv
 	$(PY) -m pytest -q tests/integration
 
-# The job templates through real sbatch/srun: needs a running Slurm
-# (scripts/ci/setup-slurm.sh, as root, makes a one-node one here; .ci/run calls it).
+# The job templates through real sbatch/srun. As root, a one-host Slurm is set up first
+# (scripts/ci/setup-slurm.sh: Debian's slurm-wlm and munge; at once when it is up).
+# Not root and no Slurm: the tier is skipped with one line saying how to enable it.
 test-slurm: venv
-	$(PY) -m pytest -q tests/slurm
+	@if [ "$$(id -u)" = 0 ]; then bash scripts/ci/setup-slurm.sh </dev/null; fi
+	@if [ "$$(id -u)" = 0 ] || command -v sbatch >/dev/null; then \
+		$(PY) -m pytest -q tests/slurm; \
+	else \
+		echo "make test-slurm: skipped: no Slurm on this machine and not root; run 'sudo bash scripts/ci/setup-slurm.sh' (a one-host Slurm) or 'sudo make test-slurm'"; \
+	fi
 
 test: lint test-unit test-mpi test-integration test-slurm
 
