@@ -383,9 +383,15 @@ class _RawFile:
     """The bundle opened a second time, for reading dataset bytes at their offsets.
 
     Reads through an mmap when the file system allows it: hashing straight from the page
-    cache avoids a copy, which makes the verify pass after a write ~3x cheaper (0.1 s vs
-    0.3 s per GiB here). Ranges are checked against the file size first, so a truncated
-    bundle is reported instead of raising SIGBUS. Falls back to pread into one buffer.
+    cache avoids a copy, which makes the verify pass after a write ~2x cheaper in CPU
+    (0.11 s vs 0.23 s per GiB here for pread into an 8 MiB buffer, 0.16 s for 1 MiB).
+    Each window's pages are dropped from the mapping (MADV_DONTNEED) once hashed: RSS
+    counts the mapped pages of a file, so without that a verify held the whole bundle
+    (a 4 GiB part, 4 GiB of RSS); with it, one window. Dropping costs nothing measurable
+    and the page cache keeps the data. Mapping each window separately costs ~10% more
+    CPU (a mmap/munmap per window). Ranges are checked against the file size first, so a
+    truncated bundle is reported instead of raising SIGBUS. Falls back to pread into one
+    buffer.
     """
 
     def __init__(self, path: Path, chunk: int = CHUNK) -> None:
@@ -420,10 +426,7 @@ class _RawFile:
     def windows(self, offset: int, size: int) -> Iterator[memoryview]:
         step = len(self.buffer)
         if self._map is not None:
-            with memoryview(self._map) as whole:
-                for start in range(offset, offset + size, step):
-                    with whole[start:min(start + step, offset + size)] as window:
-                        yield window
+            yield from self._mapped_windows(offset, size, step)
             return
         view = memoryview(self.buffer)
         for start in range(offset, offset + size, step):
@@ -431,6 +434,21 @@ class _RawFile:
             if n <= 0:
                 raise OSError(f"short read at offset {start}")
             yield view[:n]
+
+
+    def _mapped_windows(self, offset: int, size: int, step: int) -> Iterator[memoryview]:
+        assert self._map is not None
+        dropped = offset - offset % mmap.PAGESIZE     # madvise wants page-aligned starts
+        with memoryview(self._map) as whole:
+            for start in range(offset, offset + size, step):
+                end = min(start + step, offset + size)
+                with whole[start:end] as window:
+                    yield window
+                # Only whole pages already hashed: the one `end` falls in is still needed.
+                upto = end - end % mmap.PAGESIZE
+                if upto > dropped:
+                    self._map.madvise(mmap.MADV_DONTNEED, dropped, upto - dropped)
+                    dropped = upto
 
 
 def _open(path: Path) -> h5py.File:
