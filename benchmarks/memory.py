@@ -220,9 +220,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         sampler.start()
         cfg = load(agents.config, environ={})
         time.sleep(args.settle)
-        idle = [status(pid)["VmRSS"] for pid in agents.pids]
-        print(f"{args.nodes} agents, idle VmRSS MiB: {[round(i / MiB) for i in idle]}",
-              flush=True)
+        at_idle = [status(pid) for pid in agents.pids]
+        idle = [s["VmRSS"] for s in at_idle]
+        print(f"{args.nodes} agents, idle MiB: " + "; ".join(
+            ", ".join(f"{k} {s[k] / MiB:.0f}" for k in FIELDS) for s in at_idle), flush=True)
         times = []
         for i in range(1, args.checkpoints + 1):
             if i > 1:       # lets keep.stage = 1 evict the previous large capture
@@ -250,7 +251,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         per_agent.append({"node": node, "idle": idle[node], "peak": peak, "bound": bound,
                           "ratio": peak / bound, "over_idle": peak - idle[node],
                           "peak_anon": seen["RssAnon"], "peak_file": seen["RssFile"],
-                          "peak_shmem": seen["RssShmem"]})
+                          "peak_shmem": seen["RssShmem"], "idle_status": at_idle[node]})
     return {"date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(),
             "load": os.getloadavg()[0], "nodes": args.nodes, "size": size,
             "files": args.files, "checkpoints": args.checkpoints, "seconds": times,

@@ -61,13 +61,14 @@ def staged(tmp_path: Path) -> tuple[Path, LocalManifest]:
     return source, make_source(source)
 
 
-@pytest.fixture
-def bundle(tmp_path: Path, staged: tuple[Path, LocalManifest]) -> Path:
+@pytest.fixture(params=[1, 3], ids=["1 writer", "3 writers"])
+def bundle(tmp_path: Path, staged: tuple[Path, LocalManifest], request: pytest.FixtureRequest
+           ) -> Path:
     source, manifest = staged
     out = tmp_path / "pfs"
     out.mkdir()
     final = out / bundle_name(manifest.node)
-    write_bundle(final, manifest, source, chunk=CHUNK)
+    write_bundle(final, manifest, source, chunk=CHUNK, writers=request.param)
     return final
 
 
@@ -132,8 +133,10 @@ def test_readable_with_plain_h5py(bundle: Path, staged: tuple[Path, LocalManifes
             assert dset[()].tobytes() == (source / entry.path).read_bytes()
 
 
+@pytest.mark.parametrize("writers", [1, 3])
 def test_throttle_and_progress_see_every_byte(tmp_path: Path,
-                                              staged: tuple[Path, LocalManifest]) -> None:
+                                              staged: tuple[Path, LocalManifest],
+                                              writers: int) -> None:
     source, manifest = staged
     seen: list[int] = []
     consumed: list[int] = []
@@ -144,13 +147,14 @@ def test_throttle_and_progress_see_every_byte(tmp_path: Path,
             return 0.0
 
     write_bundle(tmp_path / "b.h5", manifest, source, chunk=CHUNK, throttle=Recorder(0),
-                 on_bytes=seen.append, verify=False)
+                 on_bytes=seen.append, verify=False, writers=writers)
     assert sum(seen) == sum(consumed) == manifest.bytes
     assert max(seen) <= CHUNK
 
 
-def test_source_mismatch_leaves_nothing(tmp_path: Path,
-                                        staged: tuple[Path, LocalManifest]) -> None:
+@pytest.mark.parametrize("writers", [1, 3])
+def test_source_mismatch_leaves_nothing(tmp_path: Path, staged: tuple[Path, LocalManifest],
+                                        writers: int) -> None:
     source, manifest = staged
     target = source / "a/b/c.bin"
     data = bytearray(target.read_bytes())
@@ -160,7 +164,7 @@ def test_source_mismatch_leaves_nothing(tmp_path: Path,
     out = tmp_path / "out"
     out.mkdir()
     with pytest.raises(BundleError, match="a/b/c.bin") as info:
-        write_bundle(out / "node-00003.h5", manifest, source, chunk=CHUNK)
+        write_bundle(out / "node-00003.h5", manifest, source, chunk=CHUNK, writers=writers)
     assert isinstance(info.value, OperationError)
     assert leftovers(out) == []
 
