@@ -20,10 +20,13 @@ counts the partner's window (64 MiB at the defaults), which no agent on a node o
 maps. The ratio peak / bound is printed last (<= 1 meets the target), also as JSON (--json).
 Between two large checkpoints a small one (1 MiB) is committed: keep.stage = 1 then
 evicts the previous large capture, so the stage holds one part per node, not two
-(tmpfs needed: NODES x size x (spool + stage)). Everything created is removed.
+(tmpfs needed: NODES x size x (spool + stage); --spool DIR puts the spool elsewhere, e.g.
+on a disk when tmpfs is short: the agent reads it through the same 1 MiB buffer). Everything
+created is removed.
 
     python benchmarks/memory.py [--nodes 2] [--size 4GiB] [--files 4] [--checkpoints 2]
-                                [--shm /dev/shm] [--disk /var/tmp] [--shared-memory]
+                                [--shm /dev/shm] [--spool DIR] [--disk /var/tmp]
+                                [--shared-memory]
                                 [--json FILE]
 """
 
@@ -58,11 +61,11 @@ FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
 RUN = "mem"
 
 
-def write_config(shm: Path, disk: Path, timeout: float) -> Path:
+def write_config(spool: Path, shm: Path, disk: Path, timeout: float) -> Path:
     path = disk / "bench.toml"
     path.write_text(f'''run = "{RUN}"
 [paths]
-spool = "{shm}/node{{node}}/spool"
+spool = "{spool}/node{{node}}/spool"
 stage = "{shm}/node{{node}}/stage"
 cache = "{disk}/node{{node}}/cache"
 pfs = "{disk}/pfs"
@@ -136,11 +139,11 @@ def write_part(directory: Path, size: int, files: int, seed: int) -> None:
 class Agents:
     """NODES agents under mpiexec, their pids, their events."""
 
-    def __init__(self, shm: Path, disk: Path, nodes: int, timeout: float,
+    def __init__(self, spool: Path, shm: Path, disk: Path, nodes: int, timeout: float,
                  shared_memory: bool) -> None:
-        self.shm, self.disk, self.nodes = shm, disk, nodes
-        self.config = write_config(shm, disk, timeout)
-        make_spools(shm, nodes)
+        self.spool_root, self.disk, self.nodes = spool, disk, nodes
+        self.config = write_config(spool, shm, disk, timeout)
+        make_spools(spool, nodes)
         self.log = (disk / "agents.log").open("wb")
         self.proc = subprocess.Popen(
             [str(BIN / "mpiexec"), "-n", str(nodes), str(BIN / "cachex-agent"), "--config",
@@ -151,7 +154,7 @@ class Agents:
                      for node in range(nodes)]
 
     def spool(self, node: int) -> Path:
-        return self.shm / f"node{node}" / "spool"
+        return self.spool_root / f"node{node}" / "spool"
 
     def events(self, node: int) -> list[dict[str, Any]]:
         path = self.disk / f"node{node}" / "cache" / RUN / "journal" / "events.jsonl"
@@ -201,28 +204,32 @@ class Agents:
         self.log.close()
 
 
-def fits(shm: Path, nodes: int, size: int) -> str | None:
-    """Why NODES parts of `size` (spool + stage) do not fit in tmpfs and memory, or None."""
-    need = 2 * nodes * size + GiB
+def fits(shm: Path, nodes: int, size: int, copies: int) -> str | None:
+    """Why NODES x `copies` parts of `size` do not fit in tmpfs and memory, or None."""
+    need = copies * nodes * size + GiB
     free_shm = shutil.disk_usage(shm).free
     available = psutil.virtual_memory().available
     if need > free_shm or need + 2 * GiB > available:
-        return (f"{nodes} nodes x {size / GiB:g} GiB x (spool + stage) needs"
+        return (f"{nodes} nodes x {size / GiB:g} GiB x {copies} (stage, spool) needs"
                 f" {need / GiB:.1f} GiB of tmpfs; {shm} has {free_shm / GiB:.1f} GiB free,"
-                f" memory {available / GiB:.1f} GiB available (try --size 2GiB or --nodes 1)")
+                f" memory {available / GiB:.1f} GiB available (try --spool on a disk,"
+                " --size 2GiB or --nodes 1)")
     return None
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     size = parse_size(args.size, "--size")
-    problem = fits(Path(args.shm), args.nodes, size)
+    spool_on_shm = args.spool is None or Path(args.spool) == Path(args.shm)
+    problem = fits(Path(args.shm), args.nodes, size, 2 if spool_on_shm else 1)
     if problem:
         raise SystemExit(f"memory.py: {problem}")
     shm = Path(tempfile.mkdtemp(prefix="cachex-bench-mem-", dir=args.shm))
     disk = Path(tempfile.mkdtemp(prefix="cachex-bench-mem-", dir=args.disk))
+    spool = shm if spool_on_shm else Path(tempfile.mkdtemp(prefix="cachex-bench-mem-spool-",
+                                                            dir=args.spool))
     agents = sampler = None
     try:
-        agents = Agents(shm, disk, args.nodes, args.timeout, args.shared_memory)
+        agents = Agents(spool, shm, disk, args.nodes, args.timeout, args.shared_memory)
         sampler = Sampler(agents.pids)
         sampler.start()
         cfg = load(agents.config, environ={})
@@ -246,8 +253,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             sampler.done.set()
         if agents is not None:
             agents.close()
-        shutil.rmtree(shm, ignore_errors=True)
-        shutil.rmtree(disk, ignore_errors=True)
+        for directory in {shm, disk, spool}:
+            shutil.rmtree(directory, ignore_errors=True)
     upfront = upfront_memory(cfg)
     flush = (cfg.flush.concurrency + 1) * cfg.flush.chunk
     per_agent = []
@@ -261,7 +268,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           "peak_shmem": seen["RssShmem"], "idle_status": at_idle[node]})
     return {"date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(),
             "load": os.getloadavg()[0], "nodes": args.nodes, "size": size,
-            "shared_memory": args.shared_memory,
+            "shared_memory": args.shared_memory, "spool": "shm" if spool_on_shm else "disk",
             "files": args.files, "checkpoints": args.checkpoints, "seconds": times,
             "window": upfront - flush, "flush_buffers": flush, "slack": SLACK,
             "agents": per_agent}
@@ -270,7 +277,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def report(results: dict[str, Any]) -> None:
     print(f"\nresults (load {results['load']:.1f} on {results['cores']} cores):"
           f" {results['nodes']} nodes, {results['size'] / GiB:g} GiB parts in"
-          f" {results['files']} files, {results['checkpoints']} checkpoints,"
+          f" {results['files']} files, {results['checkpoints']} checkpoints, spool on"
+          f" {results['spool']},"
           f" {'shared memory' if results['shared_memory'] else 'MPIR_CVAR_NOLOCAL=1'}; window"
           f" {results['window'] / MiB:.0f} MiB, flush buffers"
           f" {results['flush_buffers'] / MiB:.0f} MiB, slack {results['slack'] / MiB:.0f} MiB")
@@ -290,7 +298,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size", default="4GiB", help="part size per node")
     parser.add_argument("--files", type=int, default=4)
     parser.add_argument("--checkpoints", type=int, default=2)
-    parser.add_argument("--shm", default="/dev/shm", help="spool and stage go here")
+    parser.add_argument("--shm", default="/dev/shm", help="the stage goes here")
+    parser.add_argument("--spool", default=None,
+                        help="the spool goes here (default: --shm, as a trainer's tmpfs)")
     parser.add_argument("--disk", default="/var/tmp", help="replicas and PFS go here")
     parser.add_argument("--settle", type=float, default=5.0)
     parser.add_argument("--shared-memory", action="store_true",
