@@ -3,8 +3,10 @@
 Both sides read the same source files from /dev/shm (the stage) with the same chunk size
 and end with fsync, rename and a directory fsync into the same target directory; the
 bundle adds HDF5 metadata, xxh3-128 checksums of the bytes read and, with verify on (the
-agent's default), a re-read of the renamed bundle. Measurements alternate in one run
-(raw, verify on, verify off, rotated each repeat) so drift of the disk hits all three;
+agent's default), a re-read of the renamed bundle. The bundle is written by 1, 2 and 4
+writer threads (--writers; each copies whole files) with verify on, and by one writer
+with verify off. Measurements alternate in one run (rotated each repeat) so drift of the
+disk hits all of them;
 each starts after os.sync() and deletes its output afterwards. The final lines compare
 medians; "best" figures are printed too, since a shared disk's noise only ever adds time.
 
@@ -13,12 +15,14 @@ fits --total and the size stays <= --max-file, then the remainder in files of at
 --max-file. At 1 GiB that is 4..512 MiB (8 files, 1020 MiB) plus one 4 MiB file; a total
 of 4 GiB or more also reaches 1 GiB files.
 
-    python benchmarks/flush.py [--dir DIR] [--total 1GiB] [--repeat 3]
+    python benchmarks/flush.py [--dir DIR] [--total 1GiB] [--repeat 3] [--writers 1,2,4]
+                               [--json FILE]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import shutil
 import statistics
@@ -85,13 +89,17 @@ def raw_write(target: Path, manifest: LocalManifest, source: Path, chunk: int) -
 
 
 def timed(kind: str, out: Path, manifest: LocalManifest, source: Path, chunk: int) -> float:
+    """`kind`: "raw", "verify=off" (one writer) or "writers=N" (verify on)."""
     target = out / (bundle_name(0) if kind != "raw" else "raw.bin")
     os.sync()                                   # start every run from a quiet disk
     start = time.perf_counter()
     if kind == "raw":
         raw_write(target, manifest, source, chunk)
+    elif kind == "verify=off":
+        write_bundle(target, manifest, source, chunk=chunk, verify=False)
     else:
-        write_bundle(target, manifest, source, chunk=chunk, verify=kind == "verify=on")
+        write_bundle(target, manifest, source, chunk=chunk,
+                     writers=int(kind.partition("=")[2]))
     elapsed = time.perf_counter() - start
     target.unlink()
     fsync_dir(out)
@@ -106,11 +114,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-file", default="1GiB")
     parser.add_argument("--chunk", default=str(CHUNK))
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--writers", default="1,2,4",
+                        help="bundle writer threads to compare (comma-separated)")
+    parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--warmup", type=int, default=1,
                         help="untimed raw writes first (the first write into fresh page"
                              " cache is often slow on its own)")
     args = parser.parse_args(argv)
     total, chunk = parse_size(args.total, "--total"), parse_size(args.chunk, "--chunk")
+    writers = [int(n) for n in args.writers.split(",")]
     sizes = file_sizes(total, parse_size(args.min_file, "--min-file"),
                        parse_size(args.max_file, "--max-file"))
 
@@ -121,26 +133,34 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{len(sizes)} files, {total / GiB:.2f} GiB, sizes MiB:"
               f" {[round(s / MiB, 1) for s in sizes]}; chunk {chunk // MiB} MiB;"
               f" target {out}")
-        kinds = ["raw", "verify=on", "verify=off"]
+        bundles = [f"writers={n}" for n in writers] + ["verify=off"]
+        kinds = ["raw", *bundles]
         for _ in range(args.warmup):
             timed("raw", out, manifest, source, chunk)
         times: dict[str, list[float]] = {kind: [] for kind in kinds}
         for r in range(args.repeat):
-            order = kinds[r % 3:] + kinds[:r % 3]
+            order = kinds[r % len(kinds):] + kinds[:r % len(kinds)]
             for kind in order:
                 times[kind].append(timed(kind, out, manifest, source, chunk))
-            print(f"repeat {r + 1}: " + "  ".join(f"{k} {times[k][-1]:.3f}s" for k in kinds))
+            print(f"repeat {r + 1}: " + "  ".join(f"{k} {times[k][-1]:.3f}s" for k in kinds),
+                  flush=True)
         rate = {k: total / MiB / statistics.median(v) for k, v in times.items()}
         best = {k: total / MiB / min(v) for k, v in times.items()}
         for kind in kinds:
             print(f"{kind:10s} median {rate[kind]:7.1f} MiB/s   best {best[kind]:7.1f} MiB/s")
-        for kind in ("verify=on", "verify=off"):
-            print(f"flush ratio ({kind}): {rate[kind] / rate['raw']:.2f}  (bundle"
-                  f" {rate[kind]:.1f} MiB/s vs raw write+fsync {rate['raw']:.1f} MiB/s,"
-                  f" {total / GiB:.2f} GiB)")
+        ratios = {kind: rate[kind] / rate["raw"] for kind in bundles}
+        print(f"ratios (bundle / raw write+fsync {rate['raw']:.1f} MiB/s, {total / GiB:.2f}"
+              f" GiB; writers=N verify on, as the agent does)")
+        for kind in bundles:
+            print(f"  flush ratio ({kind}): {ratios[kind]:.2f}  ({rate[kind]:.1f} MiB/s)")
     finally:
         shutil.rmtree(source, ignore_errors=True)
         shutil.rmtree(out, ignore_errors=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(),
+             "load": os.getloadavg()[0], "bytes": total, "chunk": chunk, "times": times,
+             "median_mib_s": rate, "best_mib_s": best, "ratios": ratios}, indent=1) + "\n")
     return 0
 
 

@@ -228,6 +228,7 @@ class Peer:
 class Flush:
     bandwidth: int = 0          # bytes/s per node, 0 = unlimited
     concurrency: int = 1
+    writers: int = 1            # threads copying files into one bundle at once
     every: int = 1
     chunk: int = 8 * 1024**2
     retry_max: float = 60.0     # cap of the exponential backoff between retries
@@ -273,7 +274,8 @@ _PARSERS: dict[str, dict[str, Callable[[Any, str], Any]]] = {
     "peer": {"copies": _int(1, 64), "stride": _int(1), "slot": _buffer_size,
              "slots": _int(1, 1024)},
     "flush": {
-        "bandwidth": _size(0, MAX_BANDWIDTH), "concurrency": _int(1, 64), "every": _int(1),
+        "bandwidth": _size(0, MAX_BANDWIDTH), "concurrency": _int(1, 64), "writers": _int(1, 64),
+        "every": _int(1),
         "chunk": _buffer_size, "retry_max": _duration(), "drain_timeout": _duration(),
         "verify": _bool, "nice": _int(0, 19),
     },
@@ -338,10 +340,11 @@ def check_paths(paths: NodePaths) -> None:
 def upfront_memory(config: Config) -> int:
     """Bytes one agent allocates at start and keeps: its receive window (one region per
     owner replicating to it, `peer.copies` on the ring) and send buffer, unless the run is
-    flush-only, and one `flush.chunk` buffer per flush thread and for capture."""
+    flush-only, and one `flush.chunk` buffer per bundle writer (`flush.writers` for each
+    of the `flush.concurrency` bundles in flight) and for capture."""
     peer, flush = config.peer, config.flush
     window = 0 if config.model.path == "direct" else (peer.copies * peer.slots + 1) * peer.slot
-    return window + (flush.concurrency + 1) * flush.chunk
+    return window + (flush.concurrency * flush.writers + 1) * flush.chunk
 
 
 def check_memory(config: Config, agents: int = 1, available: int | None = None,
@@ -354,8 +357,9 @@ def check_memory(config: Config, agents: int = 1, available: int | None = None,
     need = agents * upfront_memory(config)
     if need + MEMORY_RESERVE <= available:
         return
-    keys = ("flush.chunk, flush.concurrency" if config.model.path == "direct" else
-            "peer.slot, peer.slots, peer.copies, flush.chunk, flush.concurrency")
+    keys = ("flush.chunk, flush.concurrency, flush.writers" if config.model.path == "direct"
+            else "peer.slot, peer.slots, peer.copies, flush.chunk, flush.concurrency,"
+                 " flush.writers")
     where = f"{agents} agents on {host or socket.gethostname()}" if agents > 1 else "the agent"
     raise ConfigError(f"{keys}: {where} would allocate {_format_size(need)} at start;"
                       f" {_approximate_size(available)} is available and"

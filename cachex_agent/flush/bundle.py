@@ -28,7 +28,9 @@ from __future__ import annotations
 
 import mmap
 import os
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -58,22 +60,27 @@ class BundleError(OperationError):
 def write_bundle(final: Path, manifest: LocalManifest, source_dir: Path, *,
                  chunk: int = CHUNK, throttle: TokenBucket | None = None,
                  on_bytes: Callable[[int], None] | None = None,
-                 verify: bool = True) -> None:
+                 verify: bool = True, writers: int = 1) -> None:
     """Write `manifest.files` (read from `source_dir`) as the bundle `final`.
 
     The bytes are checksummed as they are read and must match the manifest, else
     BundleError and nothing is left behind. `final` appears only complete: written to a
     temp sibling, `complete=True` set last, fsynced, renamed, directory fsynced. With
     `verify`, the renamed bundle is re-read and checked; a bundle that fails is removed.
-    `throttle.consume(n)` is called before and `on_bytes(n)` after each chunk written.
-    The parent directory of `final` must exist.
+    `throttle.consume(n)` is called before and `on_bytes(n)` after each chunk written
+    (from the writer threads: both must be thread-safe when `writers` > 1).
+    `writers` threads copy whole files into their datasets at once, each through its own
+    `chunk` buffer. The parent directory of `final` must exist.
     """
     if chunk < 1:
         raise ValueError(f"chunk must be >= 1 byte, got {chunk}")
+    if writers < 1:
+        raise ValueError(f"writers must be >= 1, got {writers}")
     final = Path(final)
     temp = temp_name(final)
     try:
-        _write_temp(temp, manifest, Path(source_dir), chunk, throttle, on_bytes)
+        _write_temp(temp, manifest, Path(source_dir), _Copier(chunk, throttle, on_bytes,
+                                                               writers))
         commit_rename(temp, final)
     except BaseException:
         temp.unlink(missing_ok=True)
@@ -88,17 +95,16 @@ def write_bundle(final: Path, manifest: LocalManifest, source_dir: Path, *,
                               + "; ".join(problems))
 
 
-def _write_temp(temp: Path, manifest: LocalManifest, source_dir: Path, chunk: int,
-                throttle: TokenBucket | None,
-                on_bytes: Callable[[int], None] | None) -> None:
+def _write_temp(temp: Path, manifest: LocalManifest, source_dir: Path, copier: _Copier
+                ) -> None:
     # Why os.pwrite at the dataset's offset rather than `dset[a:b] = buf`: every dataset
     # is created contiguous with its space allocated at creation (alloc time EARLY) and
     # no fill value ever written (fill time NEVER), so HDF5 only lays out metadata and
     # the payload goes to disk with the same syscalls as a plain file copy. Measured at
     # 1 GiB it matches raw os.write; slice assignment and dset.id.write cost ~5-10% more
     # CPU per GiB (selection objects, HDF5 I/O path). The result is an ordinary
-    # contiguous dataset: h5py and h5dump read it like any other.
-    buffer = np.empty(chunk, dtype=np.uint8)
+    # contiguous dataset: h5py and h5dump read it like any other. The same layout lets
+    # several writers fill different datasets at once: HDF5 is done before they start.
     os.close(create_file(temp))     # HDF5 creates with the umask's mode; truncating keeps 0600
     with h5py.File(temp, "w", locking=False) as h5:
         _set_root_attrs(h5, manifest)
@@ -108,12 +114,59 @@ def _write_temp(temp: Path, manifest: LocalManifest, source_dir: Path, chunk: in
                    for i, entry in enumerate(manifest.files)]
         fd = os.open(temp, os.O_WRONLY)
         try:
-            for entry, offset in zip(manifest.files, offsets, strict=True):
-                _copy_file(source_dir / entry.path, entry, fd, offset, buffer, throttle,
-                           on_bytes)
+            copier.run(source_dir, list(zip(manifest.files, offsets, strict=True)), fd)
         finally:
             os.close(fd)
         h5.attrs.modify("complete", True)
+
+
+class _Copier:
+    """Copies the staged files into their datasets' byte ranges, `writers` at a time.
+
+    Largest files first, so one big file does not start last. The first failure stops
+    the others at their next chunk and is raised; a file is never split (its checksum is
+    computed in order).
+    """
+
+    def __init__(self, chunk: int, throttle: TokenBucket | None,
+                 on_bytes: Callable[[int], None] | None, writers: int) -> None:
+        self.chunk, self.throttle, self.writers = chunk, throttle, writers
+        self.on_bytes = on_bytes
+        self._failed = threading.Event()
+
+    def run(self, source_dir: Path, jobs: list[tuple[FileEntry, int]], fd: int) -> None:
+        jobs = sorted(jobs, key=lambda job: job[0].size, reverse=True)
+        writers = min(self.writers, len(jobs))
+        if writers <= 1:
+            self._worker(source_dir, iter(jobs), fd)
+            return
+        queue = iter(jobs)
+        lock = threading.Lock()
+
+        def next_job() -> Iterator[tuple[FileEntry, int]]:
+            while not self._failed.is_set():
+                with lock:
+                    job = next(queue, None)
+                if job is None:
+                    return
+                yield job
+
+        with ThreadPoolExecutor(writers, thread_name_prefix="bundle") as pool:
+            futures = [pool.submit(self._worker, source_dir, next_job(), fd)
+                       for _ in range(writers)]
+        for future in futures:
+            future.result()         # the first failure, in submission order
+
+    def _worker(self, source_dir: Path, jobs: Iterator[tuple[FileEntry, int]], fd: int
+                ) -> None:
+        buffer = np.empty(self.chunk, dtype=np.uint8)
+        try:
+            for entry, offset in jobs:
+                _copy_file(source_dir / entry.path, entry, fd, offset, buffer, self.throttle,
+                           self.on_bytes, self._failed)
+        except BaseException:
+            self._failed.set()
+            raise
 
 
 def _set_root_attrs(h5: h5py.File, manifest: LocalManifest) -> None:
@@ -187,14 +240,17 @@ def _get_attr(obj: h5py.h5d.DatasetID, name: str, dtype: Any) -> Any:
 
 def _copy_file(src: Path, entry: FileEntry, fd: int, offset: int,
                buffer: np.ndarray, throttle: TokenBucket | None,
-               on_bytes: Callable[[int], None] | None) -> None:
-    """Stream `src` into the bundle at `offset`, checking size and checksum as read."""
+               on_bytes: Callable[[int], None] | None, stop: threading.Event) -> None:
+    """Stream `src` into the bundle at `offset`, checking size and checksum as read;
+    return early once `stop` is set (another writer failed: the bundle is discarded)."""
     view = memoryview(buffer)
     digest = hasher()
     done = 0
     try:
         with open(src, "rb", buffering=0) as handle:
             while done < entry.size:
+                if stop.is_set():
+                    return
                 n = handle.readinto(view[:min(len(view), entry.size - done)])
                 if not n:
                     break
@@ -391,9 +447,15 @@ class _RawFile:
     """The bundle opened a second time, for reading dataset bytes at their offsets.
 
     Reads through an mmap when the file system allows it: hashing straight from the page
-    cache avoids a copy, which makes the verify pass after a write ~3x cheaper (0.1 s vs
-    0.3 s per GiB here). Ranges are checked against the file size first, so a truncated
-    bundle is reported instead of raising SIGBUS. Falls back to pread into one buffer.
+    cache avoids a copy, which makes the verify pass after a write ~2x cheaper in CPU
+    (0.11 s vs 0.23 s per GiB here for pread into an 8 MiB buffer, 0.16 s for 1 MiB).
+    Each window's pages are dropped from the mapping (MADV_DONTNEED) once hashed: RSS
+    counts the mapped pages of a file, so without that a verify held the whole bundle
+    (a 4 GiB part, 4 GiB of RSS); with it, one window. Dropping costs nothing measurable
+    and the page cache keeps the data. Mapping each window separately costs ~10% more
+    CPU (a mmap/munmap per window). Ranges are checked against the file size first, so a
+    truncated bundle is reported instead of raising SIGBUS. Falls back to pread into one
+    buffer.
     """
 
     def __init__(self, path: Path, chunk: int = CHUNK) -> None:
@@ -428,10 +490,7 @@ class _RawFile:
     def windows(self, offset: int, size: int) -> Iterator[memoryview]:
         step = len(self.buffer)
         if self._map is not None:
-            with memoryview(self._map) as whole:
-                for start in range(offset, offset + size, step):
-                    with whole[start:min(start + step, offset + size)] as window:
-                        yield window
+            yield from self._mapped_windows(offset, size, step)
             return
         view = memoryview(self.buffer)
         for start in range(offset, offset + size, step):
@@ -439,6 +498,21 @@ class _RawFile:
             if n <= 0:
                 raise OSError(f"short read at offset {start}")
             yield view[:n]
+
+
+    def _mapped_windows(self, offset: int, size: int, step: int) -> Iterator[memoryview]:
+        assert self._map is not None
+        dropped = offset - offset % mmap.PAGESIZE     # madvise wants page-aligned starts
+        with memoryview(self._map) as whole:
+            for start in range(offset, offset + size, step):
+                end = min(start + step, offset + size)
+                with whole[start:end] as window:
+                    yield window
+                # Only whole pages already hashed: the one `end` falls in is still needed.
+                upto = end - end % mmap.PAGESIZE
+                if upto > dropped:
+                    self._map.madvise(mmap.MADV_DONTNEED, dropped, upto - dropped)
+                    dropped = upto
 
 
 def _open(path: Path) -> h5py.File:

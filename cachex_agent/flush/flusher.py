@@ -113,7 +113,8 @@ class Flusher:
                          bytes=manifest.bytes, target=str(target))
         progress = _Progress(manifest, self.report)
         write_bundle(target, manifest, source, chunk=self.settings.chunk, throttle=self.bucket,
-                     on_bytes=progress.add, verify=self.settings.verify)
+                     on_bytes=progress.add, verify=self.settings.verify,
+                     writers=self.settings.writers)
         self._done(manifest, target, start, adopted=False)
 
     def _done(self, manifest: LocalManifest, target: Path, start: float, adopted: bool) -> None:
@@ -143,16 +144,20 @@ def _raise_in_thread(future: Future[None]) -> None:
 
 
 class _Progress:
-    """Rate-limited progress reports (at most two a second) for `cachex status`."""
+    """Rate-limited progress reports (at most two a second) for `cachex status`; called
+    by every writer thread of the bundle."""
 
     def __init__(self, manifest: LocalManifest, report: Report) -> None:
         self.manifest, self.report = manifest, report
         self.done, self.last = 0, 0.0
+        self._lock = threading.Lock()
 
     def add(self, n: int) -> None:
-        self.done += n
-        now = time.monotonic()
-        if now - self.last >= 0.5:
+        with self._lock:
+            self.done += n
+            now = time.monotonic()
+            if now - self.last < 0.5:
+                return
             self.last = now
             self.report({"type": "progress", "ckpt": self.manifest.ckpt, "stage": "flush",
                          "node": self.manifest.node, "done": self.done,

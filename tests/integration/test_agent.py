@@ -15,8 +15,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 TRAIN = ["--shard-size", "256KiB", "--chunk-size", "64KiB", "--step-time", "0.02"]
 
 
-def test_checkpoints_flow_to_the_pfs_and_export_byte_for_byte(cluster, tmp_path):
-    c = cluster()
+@pytest.mark.parametrize("writers", [1, 2])
+def test_checkpoints_flow_to_the_pfs_and_export_byte_for_byte(cluster, tmp_path, writers):
+    """`writers` bundle writer threads per flush: the result is the same bundle."""
+    c = cluster(extra=f"[flush]\nwriters = {writers}")
     c.start_agents()
     finish(c.trainer("--steps", "12", "--every", "4", *TRAIN))
     for step in ("step_00004", "step_00008", "step_00012"):

@@ -145,6 +145,7 @@ HUGE = "1" * 400
     ("flush.chunk", '"1TiB"'), ("flush.chunk", '"1.5GiB"'), ("flush.chunk", "inf"),
     ("peer.slots", "100000"), ("peer.copies", "65"), ("peer.stride", "9999999999"),
     ("flush.concurrency", "1000"), ("flush.nice", "40"), ("flush.every", "0"),
+    ("flush.writers", "0"), ("flush.writers", "65"),
     ("keep.stage", "10000000"), ("keep.pfs", "-1"), ("model.window", "2"),
     ("model.crash_rate", "nan"), ("model.node_rate", "inf"), ("model.job_rate", f'"{HUGE}"'),
 ])
@@ -196,6 +197,10 @@ def test_upfront_memory_counts_window_send_buffer_and_chunks(tmp_path):
                environ={})
     # 2 regions x 4 slots x 16MiB, one 16MiB send buffer, (3 flush + capture) x 8MiB
     assert upfront_memory(cfg) == (2 * 4 + 1) * 16 * MiB + 4 * 8 * MiB
+    writers = load(write(tmp_path, BASE + '[flush]\nconcurrency = 3\nwriters = 2\n'),
+                   environ={})
+    # a chunk buffer per writer of each bundle in flight, plus capture's
+    assert upfront_memory(writers) == (4 + 1) * 16 * MiB + (3 * 2 + 1) * 8 * MiB
     direct = load(write(tmp_path, BASE + '[model]\npath = "direct"\n'), environ={})
     assert upfront_memory(direct) == 2 * 8 * MiB          # flush-only: no window
 
