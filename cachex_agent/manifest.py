@@ -143,7 +143,7 @@ class GlobalManifest:
         # a candidate several nodes wrote (HF's `save_on_each_node`) is each one's own
         holders = Counter(entry["path"] for entry in files)
         return cls(run=first.run, ckpt=first.ckpt, seq=first.seq, nodes=nodes, files=files,
-                   global_files=sorted(p for p in set(global_files) if holders[p] == 1),
+                   global_files=sorted(p for p in set(global_files) if holders[p] <= 1),
                    times=dict(times))
 
     def node_files(self, node: int) -> list[FileEntry]:
