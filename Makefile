@@ -10,7 +10,7 @@ NP     ?= 4
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[mpi,model,test,torch]'
+	$(PY) -m pip install -q -e '.[mpi,model,test,torch,frameworks]'
 	touch $@
 
 venv: $(STAMP)

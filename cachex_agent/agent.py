@@ -39,7 +39,14 @@ from .flush.flusher import Flusher
 from .fsutil import create_file, makedirs, remove_under
 from .index import read_index
 from .journal import Journal
-from .layout import events_path, global_files_dir, journal_stop_file, pfs_stop_file
+from .layout import (
+    events_path,
+    global_files_dir,
+    journal_stop_file,
+    pfs_stop_file,
+    root_entry,
+    spool_root_name,
+)
 from .manifest import FileEntry, GlobalManifest, LocalManifest
 from .peer.globals import GlobalFiles, mirror_file
 from .peer.partners import replication_map
@@ -55,7 +62,7 @@ from .stage.capture import (
     part_changes,
 )
 from .stage.quiescence import FileState, snapshot, wait_for_directory, wait_settled
-from .stage.rules import make_rule, natural_key
+from .stage.rules import make_rule, natural_key, tracker_names, tracker_text
 from .stage.watch import SpoolWatcher
 from .topology import Placement, place_in
 
@@ -456,21 +463,39 @@ class Agent:
         directory (DCP's `load`) find them (`commit.mirror`)."""
         manifest = self.journal.global_manifest(ckpt)
         target = self.paths.spool_dir(ckpt)
-        if not self.config.commit.mirror or manifest is None or not target.is_dir():
+        if not self.config.commit.mirror or manifest is None:
             return
         held = global_files_dir(self.paths.journal, ckpt)
         for entry in manifest.files:
             path = entry["path"]
-            if path not in manifest.global_files or (target / path).exists():
+            into = self._mirror_target(ckpt, target, path, entry["node"])
+            if path not in manifest.global_files or into is None:
                 continue
             if not (held / path).is_file():
                 return                          # not arrived yet: the next call does it
             try:
-                mirror_file(held / path, target / path, entry["checksum"], entry["mode"])
+                mirror_file(held / path, into, entry["checksum"], entry["mode"])
             except (OSError, CachexError) as exc:
                 log.warning("mirror of %s/%s failed: %s", ckpt, path, describe(exc))
                 return
             self.events.emit("mirrored", ckpt=ckpt, path=path)
+
+    def _mirror_target(self, ckpt: str, ckpt_dir: Path, path: str, owner: int
+                       ) -> Path | None:
+        """Where this node's spool gets a global file (None: nowhere, or there already).
+        A spool-root file (tracker, single-file checkpoint) goes to the spool root of
+        the other nodes; a tracker is replaced when it names an older save."""
+        name = spool_root_name(path)
+        if name is None:
+            into = ckpt_dir / path
+            return into if ckpt_dir.is_dir() and not into.exists() else None
+        into = self.paths.spool / name
+        if owner == self.node:
+            return None
+        if tracker_text(name, ckpt) is not None:
+            named = tracker_names(into, name)
+            return into if named is None or natural_key(named) < natural_key(ckpt) else None
+        return None if into.exists() else into
 
     def _after_replicate(self, msg: dict[str, Any]) -> None:
         ckpt = msg["ckpt"]
@@ -540,11 +565,18 @@ class Agent:
         if known is not None and known.get("state") != "failed" and not force:
             return          # e.g. a mirrored `.metadata`: this checkpoint is under way
         self.inbox.put({"type": "marker", "ckpt": ckpt, "t": time.time(),
-                        "global_files": self._global_files(ckpt)})
+                        "global_files": self._global_files(ckpt),
+                        "rule": self.rule.kind(ckpt)})
 
     def _global_files(self, ckpt: str) -> list[str]:
+        """What only this node may hold of `ckpt` and every node reads: the rule's
+        global files and the spool-root files captured with it (trackers, a single-file
+        checkpoint); GlobalManifest.build keeps those that one node alone holds."""
         try:
-            return self.rule.global_files(self.paths.spool_dir(ckpt))
+            inside = ([] if self.rule.is_file_checkpoint(self.paths.spool, ckpt)
+                      else self.rule.global_files(self.paths.spool_dir(ckpt)))
+            return inside + [root_entry(n) for n in self.rule.root_entries(self.paths.spool,
+                                                                              ckpt)]
         except OSError:
             return []
 
@@ -573,7 +605,10 @@ class Agent:
         source = self.paths.spool_dir(ckpt)
         start = time.time()
         deadline = time.monotonic() + self.config.commit.timeout
-        late = self._wait_for_part(source, ckpt, seq, deadline)
+        single = self.rule.is_file_checkpoint(self.paths.spool, ckpt)
+        # a single file is written by one rank: a node without it holds an empty part
+        late = not single and (self._wait_for_part(source, ckpt, seq, deadline)
+                               or self._wait_for_own_marker(source, ckpt, seq, deadline))
         # A marker vouches at most for files written before it: a directory that
         # appeared after the commit gets this node's own check.
         vouched = self.rule.vouches_for(source) and not late
@@ -604,6 +639,22 @@ class Agent:
         return wait_for_directory(source, max(0.0, deadline - time.monotonic()),
                                   self.stop_event)
 
+    def _wait_for_own_marker(self, source: Path, ckpt: str, seq: int, deadline: float
+                             ) -> bool:
+        """A node that saves writes its own marker, with no barrier before it (HF's
+        `trainer_state.json`): wait for it; True if it was not there yet."""
+        marker = self.rule.own_marker(source)
+        if marker is None or (source / marker).is_file():
+            return False
+        self.events.emit("capture_waiting", ckpt=ckpt, seq=seq,
+                         reason=f"{source / marker}: this node's marker not there yet",
+                         timeout=self.config.commit.timeout)
+        while not (source / marker).is_file():
+            if time.monotonic() > deadline or self.stop_event.wait(0.05):
+                raise CaptureError(f"{source / marker}: this node's marker did not appear"
+                                   f" within commit.timeout")
+        return True
+
     def _capture_whole(self, ckpt: str, seq: int, source: Path, vouched: bool,
                        deadline: float) -> tuple[Path, list[FileEntry], str, str]:
         """Capture until a listing after the capture equals the one before it (bounded):
@@ -630,13 +681,20 @@ class Agent:
                            f" ({changes})")
 
     def _settled(self, source: Path, settle: float, deadline: float) -> dict[Path, FileState]:
+        if self._single_file(source):
+            return {}           # the rule saw the file settle; the copy checks it is unchanged
         try:
             return wait_settled(source, settle, max(0.0, deadline - time.monotonic()),
                                 self.stop_event)
         except FileNotFoundError:
             raise CaptureError(f"{source}: checkpoint directory is missing") from None
 
+    def _single_file(self, source: Path) -> bool:
+        return self.rule.is_file_checkpoint(self.paths.spool, source.name)
+
     def _listing(self, source: Path) -> dict[Path, FileState]:
+        if self._single_file(source):
+            return {}
         try:
             return snapshot(source)
         except FileNotFoundError:
@@ -647,13 +705,17 @@ class Agent:
         """(where the captured bytes are, entries, mode, why that mode) of one capture."""
         relpaths = sorted(rel for rel in (p.relative_to(source).as_posix() for p in listed)
                           if not self.rule.ignore(rel))
-        total = sum(listed[source / rel][0] for rel in relpaths)
+        roots = {root_entry(n): self.paths.spool / n
+                 for n in self.rule.root_entries(self.paths.spool, ckpt)}
+        total = sum(listed[source / rel][0] for rel in relpaths) + sum(
+            p.stat().st_size for p in roots.values())
         target = self.paths.stage_dir(ckpt)
         if not _memory_allows(total):
             reason = f"memory short: {total} bytes would leave less than {MEMORY_RESERVE}"
         else:
             try:
-                return target, capture_copy(source, target, relpaths), "copy", ""
+                return target, capture_copy(source, target, [*relpaths, *roots],
+                                            sources=roots), "copy", ""
             except OSError as exc:
                 if not is_stage_full(exc):
                     raise
@@ -661,6 +723,8 @@ class Agent:
         # by reference: the flush and the replicas read the spool part and check it
         # against these checksums
         remove_under(self.paths.stage, target)     # an earlier attempt, partial or whole
+        if roots:   # a reference reads the part's directory: spool-root files stay out
+            reason += f"; not captured: {', '.join(sorted(p.name for p in roots.values()))}"
         log.warning("capture of %s by reference: %s", ckpt, reason)
         return source, capture_reference(source, relpaths), "reference", reason
 

@@ -129,6 +129,7 @@ class Coordinator:
         choice = self.chooser.choose(_record_bytes(newest) if newest else 0, self.clock())
         direct = choice.path == "direct"        # the PFS is its only copy beyond memory
         record = _empty_record(ckpt, seq, "written", global_files=msg["global_files"],
+                               rule=msg.get("rule"),  # which commit rule saw it (status)
                                flush=direct or (seq - 1) % every == 0, path=choice.path,
                                times={"written": msg.get("t", self.clock())},
                                deadline=self._capture_deadline())
@@ -402,7 +403,7 @@ class Coordinator:
                 "nodes_captured": _count(record, "captured"),
                 "nodes_replicated": _count(record, "replicated"),
                 "nodes_flushed": _count(record, "flushed"),
-                "flush": record["flush"], "path": record["path"],
+                "flush": record["flush"], "path": record["path"], "rule": record.get("rule"),
                 "errors": record["errors"], "capture": record.get("capture", {}),
                 "progress": record["progress"], "reason": record.get("reason")})
         now = self.clock()

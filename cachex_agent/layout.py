@@ -37,6 +37,9 @@ EVENTS = "events.jsonl"
 STOP = "stop"
 REPLICA_MANIFEST_SUFFIX = ".manifest.json"
 SET_ASIDE_PREFIX = ".cachex-unrecoverable-"
+#: files of a checkpoint that live at the spool root (trackers such as DeepSpeed's
+#: `latest`, single-file checkpoints) are kept under this name inside its captured tree
+SPOOL_ROOT = ".cachex-root"
 
 
 @dataclass(frozen=True)
@@ -76,6 +79,17 @@ def run_dir(root: Path, run: str) -> Path:
 def ckpt_dir(root: Path, ckpt: str) -> Path:
     """A checkpoint's directory in a spool or a stage."""
     return root / ckpt
+
+
+def root_entry(name: str) -> str:
+    """The path inside a captured checkpoint of `name`, a file at the spool root."""
+    return f"{SPOOL_ROOT}/{name}"
+
+
+def spool_root_name(relpath: str) -> str | None:
+    """The spool-root file name a captured path stands for (None: an ordinary path)."""
+    head, _, name = relpath.partition("/")
+    return name if head == SPOOL_ROOT and name and "/" not in name else None
 
 
 def journal_dir(cache_run: Path) -> Path:

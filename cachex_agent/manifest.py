@@ -7,6 +7,7 @@ only renamed manifests (fsutil.write_json). Formats are versioned.
 from __future__ import annotations
 
 import time
+from collections import Counter
 from dataclasses import dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any
@@ -139,8 +140,11 @@ class GlobalManifest:
         nodes = [{"node": p.node, "host": p.host, "rank": p.rank, "bundle": bundles[p.node],
                   "bytes": p.bytes, "files": len(p.files)} for p in parts]
         files = [{"node": p.node, **_plain(entry)} for p in parts for entry in p.files]
+        # a candidate several nodes wrote (HF's `save_on_each_node`) is each one's own
+        holders = Counter(entry["path"] for entry in files)
         return cls(run=first.run, ckpt=first.ckpt, seq=first.seq, nodes=nodes, files=files,
-                   global_files=sorted(global_files), times=dict(times))
+                   global_files=sorted(p for p in set(global_files) if holders[p] <= 1),
+                   times=dict(times))
 
     def node_files(self, node: int) -> list[FileEntry]:
         return [FileEntry(**{k: v for k, v in entry.items() if k != "node"})

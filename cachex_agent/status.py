@@ -77,10 +77,10 @@ def human_size(n: float) -> str:
 
 
 def format_ls(status: dict[str, Any]) -> str:
-    lines = [f"{'checkpoint':<24} {'level':<10} {'size':>10}  path"]
+    lines = [f"{'checkpoint':<24} {'level':<10} {'size':>10}  {'path':<6}  rule"]
     for row in status["checkpoints"]:
         lines.append(f"{row['id']:<24} {row['level']:<10} {human_size(row['bytes']):>10}"
-                     f"  {row.get('path', '-')}")
+                     f"  {row.get('path', '-'):<6}  {row.get('rule') or '-'}")
     return "\n".join(lines)
 
 

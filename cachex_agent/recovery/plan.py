@@ -106,6 +106,8 @@ def _moves(manifest: GlobalManifest, copies: list[Copy], nodes: int) -> list[Mov
     moves = []
     for owner in range(nodes):
         paths = tuple(e.path for e in manifest.node_files(owner))
+        if not paths:
+            continue    # wrote nothing (a single file one rank saved): gets the globals
         source = _best(copies, owner, owner, paths)
         if source is None:
             raise _Unrecoverable(f"node {owner}'s files have no verified copy left"

@@ -41,6 +41,7 @@ from ..config import Config
 from ..errors import OperationError, describe
 from ..flush.bundle import BundleError, extract
 from ..fsutil import (
+    atomic_open,
     fsync_dir,
     fsync_tree,
     makedirs,
@@ -48,6 +49,7 @@ from ..fsutil import (
     remove_under,
 )
 from ..layout import (
+    SPOOL_ROOT,
     bundle_path,
     ckpt_dir,
     recover_partial_dir,
@@ -57,7 +59,7 @@ from ..layout import (
 from ..manifest import FileEntry, GlobalManifest, LocalManifest
 from ..peer.partners import replication_map
 from ..peer.store import commit_replica, partial_dir
-from ..stage.rules import checkpoint_names, natural_key
+from ..stage.rules import checkpoint_names, natural_key, tracker_text
 from ..topology import place_in
 from . import holdings, transfer
 from .plan import Copy, Move, Plan, choose, next_source, where
@@ -281,6 +283,7 @@ class _Restore:
         spool, so the name only ever shows a whole checkpoint."""
         if self.in_place:
             fsync_tree(self.final)
+            _hoist_root_files(self.spool, self.final, self.plan.ckpt)
             return
         expected = [self.entries[(m.owner, p)] for m in self.plan.moves
                     if m.target == self.node for p in m.paths]
@@ -318,10 +321,40 @@ def _put_in_place(spool: Path, partial: Path, final: Path, expected: list[FileEn
         raise OperationError(f"{partial}: {len(missing)} files missing or short after the"
                              f" restore (first: {missing[0]})")
     fsync_tree(partial)
+    single = _hoist_root_files(spool, partial, final.name)
+    if single:          # the checkpoint was that one file: no directory of its name
+        remove_under(spool, partial)
+        return
     if final.exists() or final.is_symlink():
         remove_under(spool, final)
     os.rename(partial, final)
     fsync_dir(spool)
+
+
+def _hoist_root_files(spool: Path, tree: Path, ckpt: str) -> bool:
+    """The spool-root files captured with the checkpoint (layout.SPOOL_ROOT) go back to
+    the spool root: a single-file checkpoint under its name, a tracker rewritten to name
+    the recovered checkpoint (its captured text named it, or a newer save the trainer
+    made meanwhile). True when `ckpt` itself was such a file."""
+    held = tree / SPOOL_ROOT
+    if not held.is_dir():
+        return False
+    single = False
+    for path in sorted(held.iterdir()):
+        text = tracker_text(path.name, ckpt)
+        if text is not None:
+            with atomic_open(spool / path.name) as handle:
+                handle.write(f"{text}\n".encode())
+            path.unlink()
+        else:
+            if (spool / path.name).is_dir():
+                remove_under(spool, spool / path.name)
+            os.replace(path, spool / path.name)
+        single = single or path.name == ckpt
+    held.rmdir()
+    fsync_dir(spool)
+    fsync_dir(tree)
+    return single
 
 
 # ------------------------------------------------------------------- redundancy

@@ -74,14 +74,19 @@ def list_files(ckpt_dir: Path, ignore: Callable[[str], bool] = lambda _: False) 
 
 
 def capture_copy(src: Path, dst: Path, relpaths: Iterable[str], chunk: int = COPY_CHUNK,
-                 on_bytes: Callable[[int], None] | None = None) -> list[FileEntry]:
-    """Copy `relpaths` from `src` into the new directory `dst`; return their entries."""
+                 on_bytes: Callable[[int], None] | None = None,
+                 sources: Mapping[str, Path] | None = None) -> list[FileEntry]:
+    """Copy `relpaths` from `src` into the new directory `dst`; return their entries.
+    `sources` names the file read for a relpath that does not live under `src` (a
+    tracker or single-file checkpoint at the spool root)."""
+    sources = sources or {}
     partial = partial_path(dst)
     remove_under(dst.parent, partial)
     makedirs(partial)
     buffer = copy_buffer(chunk)
     try:
-        entries = [_copy_one(src, partial, rel, buffer, on_bytes) for rel in relpaths]
+        entries = [_copy_one(sources.get(rel, src / rel), partial, rel, buffer, on_bytes)
+                   for rel in relpaths]
         fsync_tree(partial)
         remove_under(dst.parent, dst)
         os.rename(partial, dst)
@@ -104,9 +109,9 @@ def capture_reference(src: Path, relpaths: Iterable[str]) -> list[FileEntry]:
     return entries
 
 
-def _copy_one(src: Path, dst: Path, rel: str, buffer: mmap.mmap,
+def _copy_one(source: Path, dst: Path, rel: str, buffer: mmap.mmap,
               on_bytes: Callable[[int], None] | None) -> FileEntry:
-    source, target = src / rel, dst / rel
+    target = dst / rel
     makedirs(target.parent)
     before = _identity(source)
     size, checksum = copy_with_checksum(source, target, on_bytes=on_bytes, buffer=buffer)

@@ -30,17 +30,22 @@ __all__ = [
     "CommitRule",
     "DcpRule",
     "DeepSpeedRule",
+    "HfRule",
     "MarkerRule",
+    "MegatronRule",
+    "OrbaxRule",
     "QuiescenceRule",
+    "TorchFileRule",
     "checkpoint_names",
     "is_checkpoint_name",
     "is_temp_file",
     "make_rule",
     "natural_key",
     "natural_sorted",
+    "tracker_text",
 ]
 
-_NOT_IMPLEMENTED = ("megatron", "hf", "orbax", "torch")
+RULES = "auto, dcp, deepspeed, hf, megatron, orbax, torch, marker:<glob> or quiescence"
 
 # Temporary names written by the frameworks and by us: DCP's `.metadata.tmp`, our own
 # `.name.tmp-cachex-<pid>` (fsutil.temp_name), editors, partial downloads, NFS
@@ -143,6 +148,25 @@ class CommitRule(abc.ABC):
         """Drop what the rule remembers of `ckpt_id` (its directory is being re-created)."""
         return None     # stateless rules remember nothing
 
+    def kind(self, ckpt_id: str) -> str:
+        """The rule that decided `ckpt_id` (`auto` says which framework it recognised)."""
+        return self.name
+
+    def root_entries(self, spool: Path, ckpt_id: str) -> list[str]:
+        """Files at the spool root captured with `ckpt_id`: a tracker that names it, or
+        the checkpoint itself when it is a single file. Keeps no state."""
+        return [name for name in self.root_files
+                if tracker_names(spool / name, name) == ckpt_id]
+
+    def is_file_checkpoint(self, spool: Path, ckpt_id: str) -> bool:
+        """True when `ckpt_id` is a single file at the spool root, not a directory."""
+        return False
+
+    def own_marker(self, ckpt_dir: Path) -> str | None:
+        """A file this node must see in its own part before capturing it (a marker every
+        saving node writes, with no barrier before it), None when the commit suffices."""
+        return None
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
 
@@ -166,36 +190,36 @@ class DcpRule(CommitRule):
         return [f for f in (self.marker, *self.extra_global) if (Path(ckpt_dir) / f).is_file()]
 
 
-class DeepSpeedRule(CommitRule):
-    """DeepSpeed: `<spool>/latest` holds the tag (`global_stepN` by default) of the last
-    complete save; rank 0 writes it after every rank finished.
+class TrackerRule(CommitRule):
+    """A tracker file at the spool root names the last complete save; rank 0 rewrites it
+    after every rank finished (DeepSpeed's `latest`, Megatron's
+    `latest_checkpointed_iteration.txt`).
 
-    A tag is committed once `latest` named it while its directory existed, and stays
-    committed (older tags remain valid after a newer save) until its directory
-    disappears. `latest` is rewritten in place (not atomic): a torn read names nothing
-    or an older tag, and the next change of its inode/mtime/size makes us read it again.
-    A tag that was consumed (or forgotten) is not committed again until `latest` is
-    rewritten, so a re-created directory of the same name waits for the new save.
-    An agent restarted mid-run learns only the tag `latest` names now; older ones come
-    from its journal.
-
-    Global files: `latest` lives outside the checkpoint dir (see `root_files`); inside
-    it, `mp_rank_*_model_states.pt` is written by data-parallel rank 0 only (unless
-    DeepSpeed's `use_node_local_storage` is on) yet every rank loads it.
+    A checkpoint is committed once the tracker named it while its directory existed, and
+    stays committed (older saves remain valid after a newer one) until its directory
+    disappears. The tracker is rewritten in place (not atomic): a torn read names nothing
+    or an older save, and the next change of its inode/mtime/size makes us read it again.
+    A checkpoint that was consumed (or forgotten) is not committed again until the
+    tracker is rewritten, so a re-created directory of the same name waits for the new
+    save. An agent restarted mid-run learns only the save the tracker names now; older
+    ones come from its journal. The tracker is captured with the checkpoint it names
+    (`root_entries`) and `recover` rewrites it to name the recovered one.
     """
 
-    name = "deepspeed"
-    root_files = ("latest",)
-    marker_implies_complete = True      # rank 0 writes `latest` after a barrier
-    _GLOBAL = "mp_rank_*_model_states.pt"
+    tracker = ""
+    marker_implies_complete = True      # rank 0 writes the tracker after a barrier
 
     def __init__(self) -> None:
         self._committed: set[str] = set()
         self._latest_sig: tuple[int, int, int] | None = None
-        self._pending: str | None = None    # tag named by `latest`, not yet consumed
+        self._pending: str | None = None    # save named by the tracker, not yet consumed
+
+    @property
+    def root_files(self) -> tuple[str, ...]:    # type: ignore[override]
+        return (self.tracker,)
 
     def _select(self, spool: Path, names: list[str]) -> Iterable[str]:
-        self._refresh_latest(spool / "latest")
+        self._refresh_latest(spool / self.tracker)
         present = set(names)
         if self._pending in present:
             self._committed.add(self._pending)
@@ -209,22 +233,242 @@ class DeepSpeedRule(CommitRule):
             sig = (st.st_ino, st.st_mtime_ns, st.st_size)
             if sig == self._latest_sig:
                 return
-            tag = latest.read_text(encoding="utf-8", errors="replace").strip()
-        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        except (FileNotFoundError, NotADirectoryError):
             self._latest_sig, self._pending = None, None
             return
         self._latest_sig = sig
-        # A tag is a single directory name; anything else is torn or foreign.
-        ok = tag and "/" not in tag and "\n" not in tag and is_checkpoint_name(tag)
-        self._pending = tag if ok else None
-
-    def global_files(self, ckpt_dir: Path) -> list[str]:
-        return sorted(p.name for p in Path(ckpt_dir).glob(self._GLOBAL) if p.is_file())
+        self._pending = tracker_names(latest, self.tracker)
 
     def forget(self, ckpt_id: str) -> None:
         self._committed.discard(ckpt_id)
         if self._pending == ckpt_id:
             self._pending = None
+
+
+class DeepSpeedRule(TrackerRule):
+    """DeepSpeed: `<spool>/latest` holds the tag (`global_stepN` by default) of the last
+    complete save. deepspeed/runtime/engine.py, `DeepSpeedEngine.save_checkpoint`: every
+    rank writes its `zero_pp_rank_*_optim_states.pt` (`_save_zero_checkpoint`), data-
+    parallel rank 0 `mp_rank_*_model_states.pt` (`_save_checkpoint`), then
+    `dist.barrier()` and rank 0 writes `latest` (`save_latest=True`).
+
+    Global files: inside the tag, `mp_rank_*_model_states.pt` is written by data-parallel
+    rank 0 only (unless `use_node_local_storage` is on) yet every rank loads it;
+    `latest` itself is read by every rank's `load_checkpoint`.
+    """
+
+    name = "deepspeed"
+    tracker = "latest"
+    _GLOBAL = ("mp_rank_*_model_states.pt", "zero_to_fp32.py")
+
+    def global_files(self, ckpt_dir: Path) -> list[str]:
+        return _present(ckpt_dir, self._GLOBAL)
+
+
+class MegatronRule(TrackerRule):
+    """Megatron-LM / Megatron-Core: `iter_NNNNNNN/` (or `release/`) directories.
+
+    megatron/training/checkpointing.py: `save_checkpoint` writes the iteration's
+    directory (`get_checkpoint_name`: `iter_{:07d}`), waits on a barrier and only then
+    has rank 0 write `latest_checkpointed_iteration.txt` (`get_checkpoint_tracker_
+    filename`) at the save root, holding the iteration number or `release`.
+
+    megatron/core/dist_checkpointing/serialization.py: `save` (the `torch_dist` format,
+    also called directly by Megatron-Core users) has rank 0 write `common.pt` first
+    (`save_common`), then the DCP checkpoint (`.metadata` by the coordinator, after every
+    rank's `__R_0.distcp`), then rank 0 writes `metadata.json` (`save_config`) last: a
+    directory holding `metadata.json` is committed even with no tracker.
+
+    Global files (written by rank 0, read by every rank's load): `common.pt`,
+    `metadata.json`, `.metadata`, the tracker; in the legacy format,
+    `mp_rank_*/model_optim_rng.pt` of data-parallel rank 0 (kept as global only where a
+    single node holds it, see GlobalManifest.build).
+    """
+
+    name = "megatron"
+    tracker = "latest_checkpointed_iteration.txt"
+    marker = "metadata.json"
+    _GLOBAL = ("common.pt", "metadata.json", ".metadata", "mp_rank_*/model_optim_rng.pt",
+               "mp_rank_*_*/model_optim_rng.pt")
+
+    def _select(self, spool: Path, names: list[str]) -> Iterable[str]:
+        by_tracker = set(super()._select(spool, names))
+        return by_tracker | {n for n in names if (spool / n / self.marker).is_file()}
+
+    def global_files(self, ckpt_dir: Path) -> list[str]:
+        return _present(ckpt_dir, self._GLOBAL)
+
+
+class HfRule(CommitRule):
+    """Hugging Face `transformers.Trainer`: `checkpoint-N/` directories.
+
+    transformers/trainer.py, `Trainer._save_checkpoint`: `save_model` (weights and
+    `config.json`, on the saving processes only: global rank 0, or each node's local
+    rank 0 with `save_on_each_node=True`; transformers 5.x writes the weights and
+    `config.json` on global rank 0 only even then), `_save_optimizer_and_scheduler`
+    (`optimizer.pt`, `scheduler.pt` on the saving processes), `_save_rng_state` (every
+    process: `rng_state_<rank>.pth`, creating the directory), then
+    `TrainerState.save_to_json("trainer_state.json")` on the saving processes, with no
+    barrier before it.
+
+    So `trainer_state.json` is each saving node's own marker: it commits the checkpoint,
+    and each node that saves waits for its own before capturing (`own_marker`); a node
+    that only holds its RNG state captures after its own settle check. Every file but
+    the RNG states is read by every rank on resume: those a single node holds are
+    mirrored to the others.
+    """
+
+    name = "hf"
+    marker = "trainer_state.json"
+    _RNG = re.compile(r"rng_state(_\d+)?\.pth")
+
+    def _select(self, spool: Path, names: list[str]) -> Iterable[str]:
+        return [n for n in names if (spool / n / self.marker).is_file()]
+
+    def own_marker(self, ckpt_dir: Path) -> str | None:
+        saves = any(not self._RNG.fullmatch(rel.split("/")[-1])
+                    for rel in _files(Path(ckpt_dir)))
+        return self.marker if saves else None
+
+    def global_files(self, ckpt_dir: Path) -> list[str]:
+        return [rel for rel in _files(Path(ckpt_dir))
+                if not self._RNG.fullmatch(rel.split("/")[-1]) and not self.ignore(rel)]
+
+
+class OrbaxRule(CommitRule):
+    """Orbax (JAX) `CheckpointManager`: each step is written into
+    `<step>.orbax-checkpoint-tmp-<n>/` and renamed to `<step>/` by the primary host once
+    every host finished (orbax/checkpoint/_src/path/atomicity.py,
+    `AtomicRenameTemporaryPath.finalize`, after a barrier in
+    `CheckpointManager._finalize`); where a rename is not atomic (object stores) the
+    directory is written in place and `commit_success.txt` is written last
+    (`CommitFileTemporaryPath`). So a step directory under its final name is committed
+    (the temporary names are never captured); with `commit_success.txt` only once it
+    is there. `_CHECKPOINT_METADATA` and the items' `_METADATA`/`manifest.ocdbt` are
+    written by the primary host and read by every host.
+    """
+
+    name = "orbax"
+    marker_implies_complete = True
+    commit_file = "commit_success.txt"
+    _GLOBAL = ("_CHECKPOINT_METADATA", "commit_success.txt", "*/_METADATA",
+               "*/_sharding", "*/manifest.ocdbt", "*/d/*")
+
+    def _select(self, spool: Path, names: list[str]) -> Iterable[str]:
+        # an in-place save (no rename) has neither file until it is finalized
+        return [n for n in names
+                if {self.commit_file, "_CHECKPOINT_METADATA"} & set(_listdir(spool / n))]
+
+    def global_files(self, ckpt_dir: Path) -> list[str]:
+        return _present(ckpt_dir, self._GLOBAL)
+
+
+class TorchFileRule(CommitRule):
+    """Single files at the top of the spool: `torch.save(obj, "<spool>/step10.pt")`,
+    Lightning's `ModelCheckpoint` (`epoch=E-step=S.ckpt`, `last.ckpt`), safetensors.
+
+    lightning/pytorch/callbacks/model_checkpoint.py, `ModelCheckpoint._save_checkpoint`
+    calls `trainer.save_checkpoint`, which saves on global rank 0 only
+    (lightning/pytorch/strategies/strategy.py, `Strategy.save_checkpoint`:
+    `if self.is_global_zero`), through `TorchCheckpointIO.save_checkpoint` into
+    lightning/fabric/utilities/cloud_io.py `_atomic_save`: the bytes are serialized
+    into memory first and written in one go, but into the final name. `torch.save`
+    writes its zip in place too. No marker exists, so a file is committed once no
+    process holds it open for writing and it stayed unchanged for `settle` seconds; the
+    file is the whole checkpoint and is mirrored to every node (every rank loads it).
+    Symbolic links (`save_last="link"`) are not checkpoints of their own.
+    """
+
+    name = "torch"
+    needs_polling = True
+    SUFFIXES = (".ckpt", ".pt", ".pth", ".safetensors")
+
+    def __init__(self, settle: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self.settle = float(settle)
+        self._quiet = QuiescenceRule(settle, clock)
+
+    def committed(self, spool: Path) -> list[str]:
+        spool = Path(spool)
+        return natural_sorted(self._select(spool, checkpoint_files(spool)))
+
+    def _select(self, spool: Path, names: list[str]) -> Iterable[str]:
+        return self._quiet.settled_files(spool, names)
+
+    def is_file_checkpoint(self, spool: Path, ckpt_id: str) -> bool:
+        return is_checkpoint_file(ckpt_id)
+
+    def root_entries(self, spool: Path, ckpt_id: str) -> list[str]:
+        path = Path(spool) / ckpt_id
+        return [ckpt_id] if path.is_file() and not path.is_symlink() else []
+
+    def forget(self, ckpt_id: str) -> None:
+        self._quiet.forget(ckpt_id)
+
+
+def is_checkpoint_file(name: str) -> bool:
+    """A spool-root file name that TorchFileRule treats as a checkpoint."""
+    return (name.lower().endswith(TorchFileRule.SUFFIXES) and not name.startswith(".")
+            and not _TEMP_FILE.search(name))
+
+
+def checkpoint_files(spool: str | os.PathLike[str]) -> list[str]:
+    """Single-file checkpoints at the spool root (regular files, not links)."""
+    try:
+        with os.scandir(spool) as entries:
+            return [e.name for e in entries if is_checkpoint_file(e.name)
+                    and e.is_file(follow_symlinks=False)]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def tracker_names(tracker: Path, name: str) -> str | None:
+    """The checkpoint directory a tracker file names (None: missing, torn or foreign)."""
+    try:
+        text = tracker.read_text(encoding="utf-8", errors="replace").strip()
+    except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+        return None
+    if name == MegatronRule.tracker:
+        if text == "release":
+            return text
+        text = f"iter_{int(text):07d}" if text.isdigit() else ""
+    # a tag is a single directory name; anything else is torn or foreign
+    ok = text and "/" not in text and "\n" not in text and is_checkpoint_name(text)
+    return text if ok else None
+
+
+def tracker_text(name: str, ckpt_id: str) -> str | None:
+    """What tracker `name` holds when it names `ckpt_id` (None: not a known tracker, or
+    a checkpoint it cannot name): `recover` writes it beside the recovered checkpoint."""
+    if name == DeepSpeedRule.tracker:
+        return ckpt_id
+    if name == MegatronRule.tracker:
+        found = re.fullmatch(r"iter_(\d+)", ckpt_id)
+        return str(int(found.group(1))) if found else ("release" if ckpt_id == "release"
+                                                       else None)
+    return None
+
+
+def _listdir(directory: Path) -> list[str]:
+    try:
+        with os.scandir(directory) as entries:
+            return [e.name for e in entries]
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+
+
+def _files(ckpt_dir: Path) -> list[str]:
+    found = []
+    for root, _dirs, names in os.walk(ckpt_dir):
+        found += [Path(root, n).relative_to(ckpt_dir).as_posix() for n in names]
+    return sorted(found)
+
+
+def _present(ckpt_dir: Path, patterns: Iterable[str]) -> list[str]:
+    """The regular files of `ckpt_dir` matching any of the globs (relative, sorted)."""
+    ckpt_dir = Path(ckpt_dir)
+    found = {p.relative_to(ckpt_dir).as_posix() for pattern in patterns
+             for p in ckpt_dir.glob(pattern) if p.is_file() and not p.is_symlink()}
+    return sorted(f for f in found if not is_temp_file(f))
 
 
 class MarkerRule(CommitRule):
@@ -304,25 +548,37 @@ class QuiescenceRule(CommitRule):
         self._seen: dict[str, _Observation] = {}
 
     def _select(self, spool: Path, names: list[str]) -> Iterable[str]:
+        return self._settled_among(spool, names, self._tree)
+
+    def settled_files(self, spool: Path, names: list[str]) -> list[str]:
+        """The single files `names` at the spool root that settled (TorchFileRule)."""
+        return self._settled_among(spool, names, _one_file)
+
+    def _settled_among(self, spool: Path, names: list[str],
+                       listing: Callable[[Path], dict[Path, FileState]]) -> list[str]:
         now = self._clock()
         for gone in set(self._seen) - set(names):
             del self._seen[gone]
         ready = []
         for name in names:
             try:
-                files = snapshot(spool / name)
+                files = listing(spool / name)
             except FileNotFoundError:
                 self._seen.pop(name, None)
                 continue
-            if self._settled(name, spool / name, files, now):
+            if files and self._settled(name, files, now):
                 ready.append(name)
+            elif not files:
+                self._seen.pop(name, None)
         return ready
 
-    def _settled(self, name: str, ckpt_dir: Path, files: dict[Path, FileState],
-                 now: float) -> bool:
-        if not any(not self.ignore(p.relative_to(ckpt_dir).as_posix()) for p in files):
-            self._seen.pop(name, None)
-            return False
+    def _tree(self, ckpt_dir: Path) -> dict[Path, FileState]:
+        """The files of a directory that count (an empty one is never committed)."""
+        files = snapshot(ckpt_dir)
+        keep = any(not self.ignore(p.relative_to(ckpt_dir).as_posix()) for p in files)
+        return files if keep else {}
+
+    def _settled(self, name: str, files: dict[Path, FileState], now: float) -> bool:
         seen = self._seen.get(name)
         if seen is None or seen.files != files:
             seen = self._seen[name] = _Observation(files, now)
@@ -342,15 +598,20 @@ class QuiescenceRule(CommitRule):
         self._seen.pop(ckpt_id, None)
 
 
+def _one_file(path: Path) -> dict[Path, FileState]:
+    st = path.stat()
+    return {path: (st.st_size, st.st_mtime_ns, st.st_ino)}
+
+
 class AutoRule(CommitRule):
-    """Per checkpoint directory: DCP if it has `.metadata` or `*.distcp` files, DeepSpeed
-    if `<spool>/latest` exists or it looks like a DeepSpeed save (`global_stepN`,
-    `*_model_states.pt`, `*_optim_states.pt`), else quiescence.
+    """Per checkpoint: recognise the framework from its files (`detect_kind`) and apply
+    its rule; quiescence for directories nobody recognises; single files at the spool
+    root (`*.ckpt`, `*.pt`, `*.pth`, `*.safetensors`) by TorchFileRule.
 
     A recognized framework never falls back to quiescence: on nodes that do not hold the
     marker (DCP's `.metadata`, DeepSpeed's `latest` live on the coordinator only) the
     checkpoint is committed by the coordinator's announcement, not by a settle timer
-    that a slow writer could outlast.
+    that a slow writer could outlast. `kind` says which rule decided (cachex status).
     """
 
     name = "auto"
@@ -359,73 +620,134 @@ class AutoRule(CommitRule):
                  extra_global: Sequence[str] = ()) -> None:
         self.settle = float(settle)
         self._rules: dict[str, CommitRule] = {
-            "dcp": DcpRule(extra_global), "deepspeed": DeepSpeedRule(),
+            "megatron": MegatronRule(), "dcp": DcpRule(extra_global),
+            "deepspeed": DeepSpeedRule(), "hf": HfRule(), "orbax": OrbaxRule(),
             "quiescence": QuiescenceRule(settle, clock)}
+        self._files = TorchFileRule(settle, clock)
         self._kind: dict[str, str] = {}
 
     @property
-    def needs_polling(self) -> bool:
-        return "quiescence" in self._kind.values()
+    def needs_polling(self) -> bool:   # type: ignore[override]
+        return bool({"quiescence", "torch"} & set(self._kind.values()))
 
     @property
-    def root_files(self) -> tuple[str, ...]:
-        return self._rules["deepspeed"].root_files if "deepspeed" in self._kind.values() else ()
+    def root_files(self) -> tuple[str, ...]:    # type: ignore[override]
+        return tuple(self._rules[k].root_files[0] for k in ("deepspeed", "megatron")
+                     if k in self._kind.values())
+
+    def committed(self, spool: Path) -> list[str]:
+        spool = Path(spool)
+        files = checkpoint_files(spool)
+        self._kind.update(dict.fromkeys(files, "torch"))
+        return natural_sorted([*self._select(spool, checkpoint_names(spool)),
+                               *self._files._select(spool, files)])
 
     def _select(self, spool: Path, names: list[str]) -> Iterable[str]:
-        has_latest = (spool / "latest").is_file()
-        for gone in set(self._kind) - set(names):
+        trackers = _trackers(spool)
+        for gone in set(self._kind) - set(names) - set(checkpoint_files(spool)):
             del self._kind[gone]
         groups: dict[str, list[str]] = {kind: [] for kind in self._rules}
         for name in names:
-            groups[self._classify(spool / name, has_latest)].append(name)
+            groups[self._classify(spool / name, trackers)].append(name)
         ready: list[str] = []
         for kind, rule in self._rules.items():
             ready.extend(rule._select(spool, groups[kind]))
         return ready
 
-    def _classify(self, ckpt_dir: Path, has_latest: bool) -> str:
+    def _classify(self, ckpt_dir: Path, trackers: frozenset[str]) -> str:
         kind = self._kind.get(ckpt_dir.name)
-        if kind in ("dcp", "deepspeed"):
-            return kind     # sticky: a framework save never turns generic again
-        kind = detect_kind(ckpt_dir, has_latest)
+        # sticky: a framework save never turns generic again; DCP may still turn out
+        # to be Megatron's torch_dist (`common.pt`/`metadata.json` come with it)
+        if kind not in (None, "quiescence", "dcp"):
+            return kind
+        kind = detect_kind(ckpt_dir, trackers)
         self._kind[ckpt_dir.name] = kind
         return kind
 
+    def _rule_for(self, spool: Path, ckpt_id: str) -> CommitRule:
+        # Classified afresh from this node's files when asked from another thread
+        # (`_kind` belongs to the watcher's): the capture thread calls these.
+        if is_checkpoint_file(ckpt_id) and not (spool / ckpt_id).is_dir():
+            return self._files
+        return self._rules[detect_kind(spool / ckpt_id, _trackers(spool))]
+
+    def kind(self, ckpt_id: str) -> str:
+        return self._kind.get(ckpt_id, "quiescence")
+
     def global_files(self, ckpt_dir: Path) -> list[str]:
         ckpt_dir = Path(ckpt_dir)
-        kind = self._kind.get(ckpt_dir.name) or detect_kind(
-            ckpt_dir, (ckpt_dir.parent / "latest").is_file())
-        return self._rules[kind].global_files(ckpt_dir)
+        return self._rule_for(ckpt_dir.parent, ckpt_dir.name).global_files(ckpt_dir)
+
+    def root_entries(self, spool: Path, ckpt_id: str) -> list[str]:
+        return self._rule_for(Path(spool), ckpt_id).root_entries(spool, ckpt_id)
+
+    def is_file_checkpoint(self, spool: Path, ckpt_id: str) -> bool:
+        return self._rule_for(Path(spool), ckpt_id) is self._files
+
+    def own_marker(self, ckpt_dir: Path) -> str | None:
+        ckpt_dir = Path(ckpt_dir)
+        return self._rule_for(ckpt_dir.parent, ckpt_dir.name).own_marker(ckpt_dir)
 
     def forget(self, ckpt_id: str) -> None:
         self._kind.pop(ckpt_id, None)
+        self._files.forget(ckpt_id)
         for rule in self._rules.values():
             rule.forget(ckpt_id)
 
     def vouches_for(self, ckpt_dir: Path) -> bool:
-        # Classified afresh from this node's files (`_kind` belongs to the watcher's
-        # thread): a framework save vouches, the quiescence fallback does not.
         ckpt_dir = Path(ckpt_dir)
-        kind = detect_kind(ckpt_dir, (ckpt_dir.parent / "latest").is_file())
-        return self._rules[kind].vouches_for(ckpt_dir)
+        return self._rule_for(ckpt_dir.parent, ckpt_dir.name).vouches_for(ckpt_dir)
 
 
 _DS_DIR = re.compile(r"global_step\d+")
+_MEGATRON_DIR = re.compile(r"iter_\d{7,}")
+_HF_DIR = re.compile(r"checkpoint-\d+")
+_STEP_DIR = re.compile(r"(\D*_)?\d+")
 
 
-def detect_kind(ckpt_dir: Path, has_latest: bool) -> str:
-    """`dcp`, `deepspeed` or `quiescence` for one checkpoint directory (see AutoRule)."""
-    try:
-        with os.scandir(ckpt_dir) as entries:
-            top = [e.name for e in entries]
-    except (FileNotFoundError, NotADirectoryError):
-        top = []
+def _trackers(spool: Path) -> frozenset[str]:
+    return frozenset(n for n in (DeepSpeedRule.tracker, MegatronRule.tracker)
+                     if (spool / n).is_file())
+
+
+def detect_kind(ckpt_dir: Path, trackers: frozenset[str] | bool = frozenset()) -> str:
+    """The framework that wrote `ckpt_dir`, from the names of its files and the
+    trackers at the spool root: `megatron`, `dcp`, `deepspeed`, `hf`, `orbax` or
+    `quiescence` (see AutoRule). `trackers` may be a bool: DeepSpeed's `latest` exists."""
+    if isinstance(trackers, bool):
+        trackers = frozenset({DeepSpeedRule.tracker} if trackers else ())
+    top = set(_listdir(ckpt_dir))
+    name = ckpt_dir.name
+    if ({"common.pt", "metadata.json"} & top or _MEGATRON_DIR.fullmatch(name)
+            or name == "release" and MegatronRule.tracker in trackers):
+        return "megatron"
     if any(n in (".metadata", ".metadata.tmp") or n.endswith(".distcp") for n in top):
         return "dcp"
-    if (has_latest or _DS_DIR.fullmatch(ckpt_dir.name)
+    if (DeepSpeedRule.tracker in trackers or _DS_DIR.fullmatch(name)
             or any(n.endswith(("_model_states.pt", "_optim_states.pt")) for n in top)):
         return "deepspeed"
+    if HfRule.marker in top or _HF_DIR.fullmatch(name):
+        return "hf"
+    if ({OrbaxRule.commit_file, "_CHECKPOINT_METADATA"} & top
+            or _STEP_DIR.fullmatch(name) and any(_is_orbax_item(ckpt_dir / n) for n in top)):
+        return "orbax"
     return "quiescence"
+
+
+def _is_orbax_item(path: Path) -> bool:
+    return bool({"_METADATA", "manifest.ocdbt", "_sharding"} & set(_listdir(path)))
+
+
+_RULES: dict[str, Callable[[float, Sequence[str]], CommitRule]] = {
+    "auto": lambda settle, extra: AutoRule(settle, extra_global=extra),
+    "dcp": lambda _settle, extra: DcpRule(extra),
+    "deepspeed": lambda _settle, _extra: DeepSpeedRule(),
+    "megatron": lambda _settle, _extra: MegatronRule(),
+    "hf": lambda _settle, _extra: HfRule(),
+    "orbax": lambda _settle, _extra: OrbaxRule(),
+    "torch": lambda settle, _extra: TorchFileRule(settle),
+    "quiescence": lambda settle, _extra: QuiescenceRule(settle),
+}
 
 
 def make_rule(spec: str, settle: float, extra_global: Sequence[str] = ()) -> CommitRule:
@@ -434,18 +756,8 @@ def make_rule(spec: str, settle: float, extra_global: Sequence[str] = ()) -> Com
     spec = str(spec).strip()
     if settle < 0:
         raise ConfigError(f"commit.settle: must be >= 0, got {settle!r}")
-    if spec == "auto":
-        return AutoRule(settle, extra_global=extra_global)
-    if spec == "dcp":
-        return DcpRule(extra_global)
-    if spec == "deepspeed":
-        return DeepSpeedRule()
-    if spec == "quiescence":
-        return QuiescenceRule(settle)
+    if spec in _RULES:
+        return _RULES[spec](settle, extra_global)
     if spec.startswith("marker:"):
         return MarkerRule(spec[len("marker:"):])
-    if spec in _NOT_IMPLEMENTED:
-        raise ConfigError(f"commit.rule: {spec!r} is not implemented yet (use auto, dcp,"
-                          f" deepspeed, marker:<glob> or quiescence)")
-    raise ConfigError(f"commit.rule: unknown rule {spec!r} (expected auto, dcp, deepspeed,"
-                      f" marker:<glob> or quiescence)")
+    raise ConfigError(f"commit.rule: unknown rule {spec!r} (expected {RULES})")

@@ -1,0 +1,82 @@
+"""Spool-root files through real agents and `cachex recover` (rule `auto`): Megatron's
+tracker `latest_checkpointed_iteration.txt` beside a `torch_dist` iteration directory,
+and a single-file checkpoint (torch.save / Lightning `.ckpt`) that one rank writes.
+
+The layouts are the ones Megatron-Core's `dist_checkpointing.save` and Lightning's
+`ModelCheckpoint` produce on 2 nodes with node-local spools (see stage/rules.py for the
+functions they come from): what only node 0 holds must reach node 1 (mirrored), be
+captured with its checkpoint, and come back at the spool root after node 0 is lost."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+
+import pytest
+from harness import BIN, MPIEXEC, files_of, kill_tree, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+TRACKER = "latest_checkpointed_iteration.txt"
+ITER = "iter_0000004"
+SINGLE = "epoch=0-step=4.ckpt"
+
+
+def write(path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+
+
+def megatron_save(c) -> None:
+    """dist_checkpointing.save's order: rank 0's common.pt, every rank's shard, the
+    coordinator's .metadata, rank 0's metadata.json; then Megatron-LM's tracker."""
+    write(c.spool(0) / ITER / "common.pt", b"common" * 100)
+    write(c.spool(0) / ITER / "__0_0.distcp", os.urandom(4096))
+    write(c.spool(1) / ITER / "__1_0.distcp", os.urandom(4096))
+    write(c.spool(0) / ITER / ".metadata", b"dcp-metadata")
+    write(c.spool(0) / ITER / "metadata.json",
+          b'{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    write(c.spool(0) / TRACKER, b"4")
+
+
+def test_tracker_and_single_file_captured_mirrored_recovered(cluster):
+    c = cluster(nodes=2, rule="auto", commit='settle = "0.5s"\ntimeout = "60s"')
+    c.start_agents()
+    megatron_save(c)
+    c.wait_level(ITER, "flushed", timeout=120)
+    write(c.spool(0) / SINGLE, os.urandom(8192))        # global rank 0 only
+    c.wait_level(SINGLE, "flushed", timeout=120)
+
+    rules = {row["id"]: row.get("rule") for row in c.status()["checkpoints"]}
+    assert rules == {ITER: "megatron", SINGLE: "torch"}, rules
+    shown = c.cachex("status", "--config", str(c.config)).stdout
+    assert "megatron" in shown and "torch" in shown, shown
+    # node 1 reads what node 0 alone wrote: mirrored without configuration
+    wait_for(lambda: (c.spool(1) / SINGLE).is_file() and (c.spool(1) / TRACKER).is_file(),
+             60, "mirror of the spool-root files to node 1")
+    assert (c.spool(1) / SINGLE).read_bytes() == (c.spool(0) / SINGLE).read_bytes()
+    assert (c.spool(1) / TRACKER).read_text() == "4"
+    for name in ("common.pt", ".metadata", "metadata.json"):
+        assert (c.spool(1) / ITER / name).read_bytes() == (c.spool(0) / ITER / name).read_bytes()
+    node0 = {ITER: files_of(c.spool(0) / ITER), SINGLE: (c.spool(0) / SINGLE).read_bytes()}
+    node1_part = files_of(c.spool(1) / ITER)
+
+    kill_tree(c.agents)                                 # node 0 is lost ...
+    shutil.rmtree(c.root / "node0")
+    c.spool(0).mkdir(parents=True)
+    os.rename(c.pfs, c.root / "pfs-gone")               # ... and the PFS is down
+    c.pfs.write_text("down")
+
+    for ckpt in (ITER, SINGLE):
+        result = subprocess.run([str(MPIEXEC), "-n", "2", str(BIN / "cachex"), "recover",
+                                 "--config", str(c.config), "--ckpt", ckpt],
+                                capture_output=True, text=True, timeout=120)
+        assert result.returncode == 0, result.stdout + result.stderr
+    assert files_of(c.spool(0) / ITER) == node0[ITER]
+    assert files_of(c.spool(1) / ITER) == node1_part
+    # the tracker names the recovered iteration on both nodes; the single file is back
+    # at the spool root as a file, not a directory
+    for node in range(2):
+        assert (c.spool(node) / TRACKER).read_text().strip() == "4"
+        assert (c.spool(node) / SINGLE).read_bytes() == node0[SINGLE]
+    assert not any(p.name.startswith(".cachex") for n in range(2) for p in c.spool(n).iterdir())

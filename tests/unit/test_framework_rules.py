@@ -1,0 +1,107 @@
+"""The framework rules against the layouts each framework's own save function writes
+(reproduced from its code, cited in stage/rules.py): what commits, what is global,
+what `auto` calls it."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from cachex_agent.stage.rules import (
+    AutoRule,
+    HfRule,
+    MegatronRule,
+    OrbaxRule,
+    TorchFileRule,
+    detect_kind,
+    tracker_text,
+)
+
+
+def write(path: Path, data: bytes = b"x") -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    return path
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_hf_marker_own_marker_and_globals(tmp_path):
+    ckpt = tmp_path / "checkpoint-10"
+    for name in ("model.safetensors", "config.json", "optimizer.pt", "rng_state_0.pth"):
+        write(ckpt / name)
+    rule = HfRule()
+    assert rule.committed(tmp_path) == [] and rule.own_marker(ckpt) == "trainer_state.json"
+    write(ckpt / "trainer_state.json")
+    assert rule.committed(tmp_path) == ["checkpoint-10"]
+    assert "rng_state_0.pth" not in rule.global_files(ckpt)
+    assert {"model.safetensors", "trainer_state.json"} <= set(rule.global_files(ckpt))
+    # a node that only holds its RNG state (no save_on_each_node) waits for no marker
+    other = write(tmp_path / "n1" / "checkpoint-10" / "rng_state_1.pth").parent
+    assert rule.own_marker(other) is None and detect_kind(other) == "hf"
+
+
+def test_megatron_tracker_and_torch_dist(tmp_path):
+    rule = MegatronRule()
+    write(tmp_path / "iter_0000004" / "common.pt")
+    write(tmp_path / "iter_0000004" / "__0_0.distcp")
+    write(tmp_path / "iter_0000008" / "__0_0.distcp")
+    assert rule.committed(tmp_path) == []
+    write(tmp_path / "iter_0000004" / "metadata.json")      # dist_checkpointing.save, last
+    assert rule.committed(tmp_path) == ["iter_0000004"]
+    write(tmp_path / "latest_checkpointed_iteration.txt", b"8")
+    assert rule.committed(tmp_path) == ["iter_0000004", "iter_0000008"]
+    assert rule.root_entries(tmp_path, "iter_0000008") == ["latest_checkpointed_iteration.txt"]
+    assert rule.root_entries(tmp_path, "iter_0000004") == []
+    assert rule.global_files(tmp_path / "iter_0000004") == ["common.pt", "metadata.json"]
+    assert tracker_text("latest_checkpointed_iteration.txt", "iter_0000004") == "4"
+    assert tracker_text("latest", "global_step7") == "global_step7"
+
+
+def test_orbax_tmp_dirs_never_commit(tmp_path):
+    rule = OrbaxRule()
+    tmp = write(tmp_path / "3.orbax-checkpoint-tmp-1234" / "default" / "_METADATA").parent
+    write(tmp.parent / "_CHECKPOINT_METADATA")
+    assert rule.committed(tmp_path) == []
+    os.rename(tmp.parent, tmp_path / "3")                   # the primary host's finalize
+    assert rule.committed(tmp_path) == ["3"] and detect_kind(tmp_path / "3") == "orbax"
+    assert "_CHECKPOINT_METADATA" in rule.global_files(tmp_path / "3")
+
+
+def test_single_files_settle_links_and_dirs_are_not_single(tmp_path):
+    clock = Clock()
+    rule = TorchFileRule(1.0, clock)
+    write(tmp_path / "epoch=0-step=4.ckpt")
+    write(tmp_path / "notes.txt")
+    os.symlink("epoch=0-step=4.ckpt", tmp_path / "last.ckpt")
+    assert rule.committed(tmp_path) == []
+    clock.now = 2.0
+    assert rule.committed(tmp_path) == ["epoch=0-step=4.ckpt"]
+    assert rule.root_entries(tmp_path, "epoch=0-step=4.ckpt") == ["epoch=0-step=4.ckpt"]
+
+
+def test_auto_says_which_rule(tmp_path):
+    clock = Clock()
+    auto = AutoRule(1.0, clock)
+    write(tmp_path / "checkpoint-5" / "trainer_state.json")
+    write(tmp_path / "iter_0000002" / "metadata.json")
+    write(tmp_path / "step_1" / ".metadata")
+    write(tmp_path / "model.pt")
+    write(tmp_path / "misc" / "a.bin")
+    clock.now = 0.0
+    auto.committed(tmp_path)
+    clock.now = 5.0
+    assert auto.committed(tmp_path) == ["checkpoint-5", "iter_0000002", "misc", "model.pt",
+                                        "step_1"]
+    assert {c: auto.kind(c) for c in ("checkpoint-5", "iter_0000002", "step_1", "model.pt",
+                                      "misc")} == {
+        "checkpoint-5": "hf", "iter_0000002": "megatron", "step_1": "dcp",
+        "model.pt": "torch", "misc": "quiescence"}
+    assert auto.is_file_checkpoint(tmp_path, "model.pt")
+    assert not auto.is_file_checkpoint(tmp_path, "step_1")
