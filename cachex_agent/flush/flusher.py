@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import random
 import threading
 import time
 from collections.abc import Callable
@@ -98,7 +99,7 @@ class Flusher:
                     self._failed(manifest, str(exc), final=True)
                     return
                 attempt += 1
-                delay = min(self.settings.retry_max, 0.5 * 2 ** min(attempt, 16))
+                delay = backoff(attempt, self.settings.retry_max)
                 self._failed(manifest, describe(exc), final=False, retry_in=delay)
                 self._stop.wait(delay)
 
@@ -181,3 +182,11 @@ def _lower_priority(nice: int) -> None:
         psutil.Process(tid).ionice(psutil.IOPRIO_CLASS_BE, 7)
     except (OSError, psutil.Error, AttributeError):
         pass
+
+
+def backoff(attempt: int, cap: float) -> float:
+    """Exponential with jitter: uniform in [d/2, d], d = min(cap, 0.5 s x 2^attempt).
+    Thousands of nodes that lost the PFS at one moment do not retry a recovering Lustre
+    in lockstep, and none retries sooner than half the backoff."""
+    delay = min(cap, 0.5 * 2 ** min(attempt, 16))
+    return random.uniform(delay / 2, delay)
