@@ -206,7 +206,7 @@ class Simulation:
                                  "bundle": f"node-{node:05d}.h5",
                                  "duration": 0.5 + self.random.random() / 5})
         self._tick()
-        return {"fate": fate, "level": self.coord.ckpts.get(ckpt, {}).get("level")}
+        return {"fate": fate, "level": getattr(self.coord.ckpts.get(ckpt), "level", None)}
 
     def _replicated(self, ckpt: str, node: int, dead_partner: bool) -> dict[str, Any]:
         partner = (node + 1) % self.nodes

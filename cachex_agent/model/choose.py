@@ -35,6 +35,15 @@ class Choice:
     loss: dict[str, float] | None = None    # expected seconds lost per hour, per path
 
 
+def fixed_choice(mode: str, can_replicate: bool) -> Choice | None:
+    """The path when no model is consulted (a fixed `model.path`, or no partner)."""
+    if mode != "auto":
+        return Choice(mode, f"model.path = {mode}")
+    if not can_replicate:
+        return Choice("direct", "no partner in another failure domain (flush-only)")
+    return None
+
+
 class PathChooser:
     def __init__(self, config: Config, nodes: int, can_replicate: bool) -> None:
         self.mode = config.model.path
@@ -61,10 +70,9 @@ class PathChooser:
         return choice
 
     def _decide(self, size: float) -> Choice:
-        if self.mode != "auto":
-            return Choice(self.mode, f"model.path = {self.mode}")
-        if not self.can_replicate:
-            return Choice("direct", "no partner in another failure domain (flush-only)")
+        fixed = fixed_choice(self.mode, self.can_replicate)
+        if fixed is not None:
+            return fixed
         short = [s for s in LEARNED if len(self.samples[s]) < MIN_SAMPLES]
         if short or size <= 0:
             return Choice("peer", f"learning: too few samples of {', '.join(short) or 'size'}")
