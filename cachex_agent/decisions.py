@@ -469,7 +469,7 @@ def _advance(s: CoordinatorState, record: CheckpointRecord, now: float, out: Eff
         _reach(s, record, "captured", now, out)
         # every journal learns what the checkpoint is, long before the PFS does:
         # what a recovery needs when the coordinator's node is the one lost
-        manifest = global_manifest(record, record.times)
+        manifest = global_manifest(record, record.times, now)
         out.append(SaveGlobal(manifest))
         out.append(Broadcast({"type": "manifest", "ckpt": record.id,
                               "manifest": manifest.to_json()}))
@@ -632,7 +632,7 @@ def _try_finalize(s: CoordinatorState, record: CheckpointRecord, now: float,
             or record.id in s.finalizing):
         return
     s.finalizing.add(record.id)
-    manifest = global_manifest(record, {**record.times, "flushed": now})
+    manifest = global_manifest(record, {**record.times, "flushed": now}, now)
     rows = [*index_rows(s), Row(record.id, record.seq, "valid", record.total_bytes(), now)]
     out.append(Finalize(record.id, manifest, rows))
 
@@ -677,10 +677,11 @@ _HANDLERS: dict[type, Callable[[CoordinatorState, Any, Effects], None]] = {
 
 
 # ----------------------------------------------------------- views of the state
-def global_manifest(record: CheckpointRecord, times: dict[str, float]) -> GlobalManifest:
+def global_manifest(record: CheckpointRecord, times: dict[str, float],
+                    now: float) -> GlobalManifest:
     parts = [LocalManifest.from_json(m) for m in record.captured.values()]
     bundles = {int(n): layout.bundle_name(int(n)) for n in record.captured}
-    return GlobalManifest.build(parts, record.global_files, times, bundles)
+    return GlobalManifest.build(parts, record.global_files, times, bundles, now)
 
 
 def index_rows(s: CoordinatorState) -> list[Row]:

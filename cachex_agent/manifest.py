@@ -133,14 +133,17 @@ class GlobalManifest:
 
     @classmethod
     def build(cls, parts: list[LocalManifest], global_files: list[str],
-              times: dict[str, float], bundles: dict[int, str]) -> GlobalManifest:
+              times: dict[str, float], bundles: dict[int, str],
+              committed_at: float | None = None) -> GlobalManifest:
+        """`committed_at`: when it is built (now if not given)."""
         parts = sorted(parts, key=lambda part: part.node)
         first = parts[0]
         nodes = [{"node": p.node, "host": p.host, "rank": p.rank, "bundle": bundles[p.node],
                   "bytes": p.bytes, "files": len(p.files)} for p in parts]
         files = [{"node": p.node, **_plain(entry)} for p in parts for entry in p.files]
         return cls(run=first.run, ckpt=first.ckpt, seq=first.seq, nodes=nodes, files=files,
-                   global_files=sorted(global_files), times=dict(times))
+                   global_files=sorted(global_files), times=dict(times),
+                   committed_at=time.time() if committed_at is None else committed_at)
 
     def node_files(self, node: int) -> list[FileEntry]:
         return [FileEntry(**{k: v for k, v in entry.items() if k != "node"})
