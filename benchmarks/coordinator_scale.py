@@ -11,10 +11,12 @@ makes it do; its status file is rewritten as often as in a run.
 No MPI: `send` queues the messages. What crossing MPI would cost is counted, not paid:
 the pickled size of every distinct message once, times the ranks it goes to.
 
-Measured per checkpoint: CPU (time.process_time) and wall time of every decision (the
-messages' handlers and ticks), which handler spent it, file writes and their sizes,
-messages and bytes sent; peak traced memory (tracemalloc, a second pass); the sizes of
-status.json, index.json, coordinator.json and the global manifest after K checkpoints.
+Measured per checkpoint: CPU (time.process_time) and wall time of every message and tick
+(the decision and the effects carried out at once: here every lane works inline), the
+wall time in the pure decision function alone (`decide`), which handler spent it, file
+writes and their sizes, messages and bytes sent; peak traced memory (tracemalloc, a second
+pass); the sizes of status.json, index.json, coordinator.json and the global manifest
+after K checkpoints.
 Printed last: the CPU per node per checkpoint at the largest N over that at 100 (1.0 is
 linear), also written as JSON.
 
@@ -248,12 +250,14 @@ def run(nodes: int, checkpoints: int, files: int, path: str = "auto",
         with sim.writes.watching():
             for seq in range(1, checkpoints + 1):
                 before = dict(sim.cpu), dict(sim.wall)
+                decided = sim.coord.decide_seconds
                 outcome = sim.checkpoint(seq)
                 counts, written = sim.writes.take()
                 kinds, wire_bytes = sim.wire.drain()
                 rows.append({**outcome, "seq": seq,
                              "cpu": sum(sim.cpu.values()) - sum(before[0].values()),
                              "wall": sum(sim.wall.values()) - sum(before[1].values()),
+                             "decide": sim.coord.decide_seconds - decided,
                              "writes": counts, "written_bytes": written,
                              "sent": dict(kinds), "sent_bytes": wire_bytes,
                              "sizes": sim.sizes()})
@@ -274,6 +278,7 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
     return {"nodes": nodes,
             "cpu_per_ckpt": sum(r["cpu"] for r in rows) / k,
             "wall_per_ckpt": sum(r["wall"] for r in rows) / k,
+            "decide_per_ckpt": sum(r["decide"] for r in rows) / k,
             "cpu_per_node_ckpt_us": 1e6 * sum(r["cpu"] for r in rows) / k / nodes,
             "cpu_steady_per_ckpt": sum(r["cpu"] for r in steady) / len(steady),
             "writes_per_ckpt": sum(sum(r["writes"].values()) for r in rows) / k,
@@ -294,7 +299,8 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def _table(summaries: list[dict[str, Any]]) -> str:
-    head = (f"{'nodes':>6} {'CPU/ckpt':>10} {'wall/ckpt':>10} {'CPU/node':>9} {'writes':>7}"
+    head = (f"{'nodes':>6} {'CPU/ckpt':>10} {'wall/ckpt':>10} {'decide':>10} {'CPU/node':>9}"
+            f" {'writes':>7}"
             f" {'written':>9} {'msgs':>7} {'sent':>10} {'peak mem':>9} {'status':>9}"
             f" {'index':>7} {'coord.json':>10} {'global':>9}")
     lines = [head]
@@ -303,6 +309,7 @@ def _table(summaries: list[dict[str, Any]]) -> str:
         peak = f"{s['peak_traced_mib']:.1f}M" if s["peak_traced_mib"] is not None else "-"
         lines.append(
             f"{s['nodes']:>6} {s['cpu_per_ckpt'] * 1e3:>8.1f}ms {s['wall_per_ckpt'] * 1e3:>8.1f}ms"
+            f" {s['decide_per_ckpt'] * 1e3:>8.1f}ms"
             f" {s['cpu_per_node_ckpt_us']:>7.1f}us {s['writes_per_ckpt']:>7.1f}"
             f" {s['written_mib_per_ckpt']:>7.2f}M {s['messages_per_ckpt']:>7.0f}"
             f" {s['sent_mib_per_ckpt']:>8.1f}M {peak:>9} {_kib(size['status.json']):>9}"
