@@ -6,7 +6,7 @@ carries the effects out:
 
   main thread   messages to agents (`send`, at once), events, log lines
   lane "pfs"    global manifests, index and status on the PFS; purges
-  lane "journal" coordinator.json, status and global manifests in the journal
+  lane "journal" coordinator.json and status in the journal
   lane "model"  the path choice's Monte Carlo and its stage samples
 
 so a hung PFS (or a slow model) never holds up the thread that services MPI: credits,
@@ -221,9 +221,9 @@ class Coordinator:
         self._offer("pfs", "index", lambda: _write_index_quietly(self.pfs_run, index))
 
     def _save_global(self, effect: SaveGlobal) -> None:
-        manifest = effect.manifest
-        self._offer("journal", ("global", manifest.ckpt),
-                    lambda: self.journal.save_global(manifest))
+        """On this thread: the agent of rank 0 writes the same file when it hears the
+        broadcast, and two writers of one file in one process share its temporary."""
+        self.journal.save_global(effect.manifest)
 
     def _finalize(self, effect: Finalize) -> None:
         index = Index.build(self.config.run, effect.index)
