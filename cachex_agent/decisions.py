@@ -544,7 +544,13 @@ def _on_drained(s: CoordinatorState, e: Drained, out: Effects) -> None:
     if not node.drained:
         node.drained = True
         s.drained += 1
-    if s.drained == len(s.nodes):
+    _exit_if_drained(s, out)
+
+
+def _exit_if_drained(s: CoordinatorState, out: Effects) -> None:
+    """Every agent drained, and no finalize is still out: an agent reports `drained`
+    right after its last `flushed`, before the PFS took the global manifest."""
+    if s.phase == "draining" and s.drained == len(s.nodes) and not s.finalizing:
         _exit(s, "every agent drained", out)
 
 
@@ -575,6 +581,7 @@ def _on_finalize_done(s: CoordinatorState, e: FinalizeDone, out: Effects) -> Non
     if e.error is not None:
         record.errors["coordinator"] = f"global manifest: {e.error}"
         out.append(Log("warning", f"finalize of {e.ckpt} failed: {e.error} (will retry)"))
+        _exit_if_drained(s, out)        # drained: no retry to wait for
         return
     record.errors.pop("coordinator", None)
     out.append(SaveGlobal(e.manifest))
@@ -583,6 +590,7 @@ def _on_finalize_done(s: CoordinatorState, e: FinalizeDone, out: Effects) -> Non
                           "manifest": e.manifest.to_json()}))
     out.append(WriteIndex())    # a snapshot taken while the finalize was out lacks it
     _purge_pfs(s, out)
+    _exit_if_drained(s, out)
 
 
 # ---------------------------------------------------------------------- helpers

@@ -133,7 +133,9 @@ def test_a_dead_partner_skips_replicated_and_is_named_at_exit():
     assert record.level == "captured" and record.replication_failed
     assert record.errors == {"1": "partner node 2: gone"}
     assert [n.dead for n in s.nodes] == [False, False, True, False]
-    feed(s, *(d.Flushed(n, 4.0, "s1", "b") for n in range(NODES)))
+    (request,) = of(flushed_all(s, "s1"), d.Finalize)
+    feed(s, d.FinalizeDone(4.5, "s1", request.manifest))
+    assert record.level == "flushed"
     assert of(feed(s, d.Stop(0, 5.0), *(d.Drained(n, 6.0) for n in range(NODES))),
               d.Broadcast)[-1].msg == {"type": "exit", "dead": [2]}
 
@@ -210,6 +212,20 @@ def test_drain_flushes_the_newest_and_exits_when_all_drained():
     out = feed(s, d.Drained(3, 13.0))
     assert broadcasts(out, "exit") == [{"type": "exit", "dead": []}]
     assert s.phase == "stopped" and of(out, d.WriteStatus)
+
+
+def test_the_drain_waits_for_a_finalize_still_out():
+    s = state()
+    feed(s, d.Marker(0, 1.0, "s1", []))
+    captured_all(s, "s1")
+    feed(s, d.Stop(0, 3.0))
+    (request,) = of(flushed_all(s, "s1"), d.Finalize)
+    # each agent reports drained right after its last flushed, before the PFS answered
+    out = feed(s, *(d.Drained(n, 4.5) for n in range(NODES)))
+    assert not broadcasts(out, "exit") and s.phase == "draining"
+    out = feed(s, d.FinalizeDone(5.0, "s1", request.manifest))
+    assert [m["type"] for m in (e.msg for e in of(out, d.Broadcast))] == ["finalized", "exit"]
+    assert s.ckpts["s1"].level == "flushed" and s.phase == "stopped"
 
 
 def test_a_drain_that_times_out_names_the_silent_agents():
