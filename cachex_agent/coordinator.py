@@ -98,7 +98,6 @@ class Coordinator:
         self.chooser = PathChooser(config, len(ranks_by_node), can_replicate)
         self._observed: deque[Observe] = deque(
             maxlen=config.model.window * len(ranks_by_node) * len(LEARNED))
-        self.decide_seconds = 0.0           # in `decide` alone (the simulation reports it)
         self.state = self._restored(can_replicate)
 
     def _restored(self, can_replicate: bool) -> CoordinatorState:
@@ -166,9 +165,7 @@ class Coordinator:
                             lane.name, timeout)
 
     def _apply(self, event: Any) -> None:
-        start = time.perf_counter()
         self.state, effects = decide(self.state, event)
-        self.decide_seconds += time.perf_counter() - start
         for effect in effects:
             self._carry_out(effect)
         self._answers()

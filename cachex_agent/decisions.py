@@ -588,8 +588,8 @@ def _on_finalize_done(s: CoordinatorState, e: FinalizeDone, out: Effects) -> Non
     _reach(s, record, "flushed", e.now, out)
     out.append(Broadcast({"type": "finalized", "ckpt": e.ckpt,
                           "manifest": e.manifest.to_json()}))
-    out.append(WriteIndex())    # a snapshot taken while the finalize was out lacks it
-    _purge_pfs(s, out)
+    if not _purge_pfs(s, out):
+        out.append(WriteIndex())    # a snapshot taken while the finalize was out lacks it
     _exit_if_drained(s, out)
 
 
@@ -645,11 +645,13 @@ def _try_finalize(s: CoordinatorState, record: CheckpointRecord, now: float,
     out.append(Finalize(record.id, manifest, rows))
 
 
-def _purge_pfs(s: CoordinatorState, out: Effects) -> None:
+def _purge_pfs(s: CoordinatorState, out: Effects) -> bool:
+    """Keep the newest `keep.pfs` valid checkpoints; True if it purged (and so asked for
+    an index write)."""
     keep = s.settings.keep_pfs
     valid = sorted((r for r in s.ckpts.values() if r.level == "flushed"), key=lambda r: r.seq)
     if keep == 0 or len(valid) <= keep:
-        return
+        return False
     purged = valid[:-keep]
     for record in purged:
         record.level = "purged"
@@ -658,6 +660,7 @@ def _purge_pfs(s: CoordinatorState, out: Effects) -> None:
     out.append(Purge([r.id for r in purged]))
     out.append(SaveState())
     out.append(WriteIndex())
+    return True
 
 
 def _exit(s: CoordinatorState, why: str, out: Effects) -> None:
