@@ -390,9 +390,9 @@ def _on_marker(s: CoordinatorState, e: Marker, out: Effects) -> None:
                               deadline=e.now + s.settings.commit_timeout
                               + s.settings.agent_timeout)
     s.ckpts[e.ckpt] = record
-    out.append(SaveState())
     if s.settings.fixed_path is not None:
         _commit(s, record, *s.settings.fixed_path, None, e.node, out)
+        out.append(SaveState())
         return
     s.choosing[e.ckpt] = e.node
     newest = _newest(s, LEVELS[1:])         # its size stands for this one's

@@ -245,10 +245,11 @@ def test_the_model_is_asked_and_the_commit_waits_for_its_answer():
     out = feed(s, d.Marker(1, 20.0, "s2", []))
     assert of(out, d.Choose) == [d.Choose("s2", 4 * 100 + 6, 20.0)]   # s1's size
     assert not broadcasts(out, "commit") and s.ckpts["s2"].path is None
+    assert not of(out, d.SaveState)         # saved once, with its path
     assert not feed(s, d.Marker(2, 20.5, "s2", []))     # nothing to repeat yet
     out = feed(s, d.PathChosen(21.0, "s2", "direct", "expected loss ..."))
     (commit,) = broadcasts(out, "commit")
-    assert commit["path"] == "direct" and commit["flush"] is True
+    assert commit["path"] == "direct" and commit["flush"] is True and of(out, d.SaveState)
     assert of(out, d.Emit)[0].fields["marker_node"] == 1
     assert not broadcasts(feed(s, d.PathChosen(22.0, "s2", "peer", "late")), "commit")
 
