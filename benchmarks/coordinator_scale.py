@@ -11,10 +11,12 @@ makes it do; its status file is rewritten as often as in a run.
 No MPI: `send` queues the messages. What crossing MPI would cost is counted, not paid:
 the pickled size of every distinct message once, times the ranks it goes to.
 
-Measured per checkpoint: CPU (time.process_time) and wall time of every decision (the
-messages' handlers and ticks), which handler spent it, file writes and their sizes,
-messages and bytes sent; peak traced memory (tracemalloc, a second pass); the sizes of
-status.json, index.json, coordinator.json and the global manifest after K checkpoints.
+Measured per checkpoint: CPU (time.process_time) and wall time of every message and tick
+(the decision and the effects carried out at once: here every lane works inline), the
+CPU in the pure decision function alone (`decide`), which handler spent it, file
+writes and their sizes, messages and bytes sent; peak traced memory (tracemalloc, a second
+pass); the sizes of status.json, index.json, coordinator.json and the global manifest
+after K checkpoints.
 Printed last: the CPU per node per checkpoint at the largest N over that at 100 (1.0 is
 linear), also written as JSON.
 
@@ -147,6 +149,24 @@ class Simulation:
         self.cpu: defaultdict[str, float] = defaultdict(float)
         self.wall: defaultdict[str, float] = defaultdict(float)
         self.handled: Counter[str] = Counter()
+        self.decide_cpu = 0.0
+
+    @contextmanager
+    def timing_decisions(self) -> Iterator[None]:
+        """CPU spent in the pure decision function, apart from carrying effects out."""
+        real = coordinator_module.decide
+
+        def timed(state: Any, event: Any) -> Any:
+            cpu = time.process_time()
+            try:
+                return real(state, event)
+            finally:
+                self.decide_cpu += time.process_time() - cpu
+        coordinator_module.decide = timed      # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            coordinator_module.decide = real
 
     # ------------------------------------------------------------ driving it
     def _deliver(self, node: int, msg: dict[str, Any]) -> None:
@@ -206,7 +226,7 @@ class Simulation:
                                  "bundle": f"node-{node:05d}.h5",
                                  "duration": 0.5 + self.random.random() / 5})
         self._tick()
-        return {"fate": fate, "level": self.coord.ckpts.get(ckpt, {}).get("level")}
+        return {"fate": fate, "level": getattr(self.coord.ckpts.get(ckpt), "level", None)}
 
     def _replicated(self, ckpt: str, node: int, dead_partner: bool) -> dict[str, Any]:
         partner = (node + 1) % self.nodes
@@ -245,15 +265,17 @@ def run(nodes: int, checkpoints: int, files: int, path: str = "auto",
             tracemalloc.start()
         sim = Simulation(Path(tmp), nodes, files, path=path)
         rows = []
-        with sim.writes.watching():
+        with sim.writes.watching(), sim.timing_decisions():
             for seq in range(1, checkpoints + 1):
                 before = dict(sim.cpu), dict(sim.wall)
+                decided = sim.decide_cpu
                 outcome = sim.checkpoint(seq)
                 counts, written = sim.writes.take()
                 kinds, wire_bytes = sim.wire.drain()
                 rows.append({**outcome, "seq": seq,
                              "cpu": sum(sim.cpu.values()) - sum(before[0].values()),
                              "wall": sum(sim.wall.values()) - sum(before[1].values()),
+                             "decide": sim.decide_cpu - decided,
                              "writes": counts, "written_bytes": written,
                              "sent": dict(kinds), "sent_bytes": wire_bytes,
                              "sizes": sim.sizes()})
@@ -274,6 +296,7 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
     return {"nodes": nodes,
             "cpu_per_ckpt": sum(r["cpu"] for r in rows) / k,
             "wall_per_ckpt": sum(r["wall"] for r in rows) / k,
+            "decide_per_ckpt": sum(r["decide"] for r in rows) / k,
             "cpu_per_node_ckpt_us": 1e6 * sum(r["cpu"] for r in rows) / k / nodes,
             "cpu_steady_per_ckpt": sum(r["cpu"] for r in steady) / len(steady),
             "writes_per_ckpt": sum(sum(r["writes"].values()) for r in rows) / k,
@@ -294,7 +317,8 @@ def summary(result: dict[str, Any]) -> dict[str, Any]:
 
 
 def _table(summaries: list[dict[str, Any]]) -> str:
-    head = (f"{'nodes':>6} {'CPU/ckpt':>10} {'wall/ckpt':>10} {'CPU/node':>9} {'writes':>7}"
+    head = (f"{'nodes':>6} {'CPU/ckpt':>10} {'wall/ckpt':>10} {'decide':>10} {'CPU/node':>9}"
+            f" {'writes':>7}"
             f" {'written':>9} {'msgs':>7} {'sent':>10} {'peak mem':>9} {'status':>9}"
             f" {'index':>7} {'coord.json':>10} {'global':>9}")
     lines = [head]
@@ -303,6 +327,7 @@ def _table(summaries: list[dict[str, Any]]) -> str:
         peak = f"{s['peak_traced_mib']:.1f}M" if s["peak_traced_mib"] is not None else "-"
         lines.append(
             f"{s['nodes']:>6} {s['cpu_per_ckpt'] * 1e3:>8.1f}ms {s['wall_per_ckpt'] * 1e3:>8.1f}ms"
+            f" {s['decide_per_ckpt'] * 1e3:>8.1f}ms"
             f" {s['cpu_per_node_ckpt_us']:>7.1f}us {s['writes_per_ckpt']:>7.1f}"
             f" {s['written_mib_per_ckpt']:>7.2f}M {s['messages_per_ckpt']:>7.0f}"
             f" {s['sent_mib_per_ckpt']:>8.1f}M {peak:>9} {_kib(size['status.json']):>9}"

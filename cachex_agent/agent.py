@@ -8,6 +8,8 @@ Threads and who does what:
   watch    the spool (inotify + rescans): commit markers -> inbox
   capture  one checkpoint at a time: spool -> stage, checksums, local manifest
   flush-*  stage -> PFS bundles (flush.flusher), low priority, throttled
+  lane-*   rank 0: the coordinator's file writes and model (coordinator.py), so a hung
+           PFS never holds up this loop
 Worker threads never call MPI: they put messages into `inbox`, which the main thread
 forwards. That keeps MPI single-threaded in practice and every wait bounded. The one
 exception is `fatal`: an unexpected error in any thread ends the agent at once (one
@@ -89,6 +91,10 @@ class Inbox(queue.Queue):  # type: ignore[type-arg]
 
     def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
         super().put(item, block, timeout)
+        self.wake()
+
+    def wake(self) -> None:
+        """End the main loop's sleep (also from another thread)."""
         try:
             os.write(self._wake_w, b"x")
         except BlockingIOError:
@@ -185,7 +191,8 @@ class Agent:
         self.replicator = agree(comm, "peer set-up", self._make_replicator)
         self.coordinator = agree(comm, "coordinator", lambda: Coordinator(
             config, self.ranks_by_node, self.journal, self.paths.pfs, self.events, self._send,
-            can_replicate=self.replicator is not None) if self.rank == 0 else None)
+            can_replicate=self.replicator is not None, wake=self.inbox.wake)
+            if self.rank == 0 else None)
         self.globals = GlobalFiles(comm, self.paths.journal, self._send_peer,
                                    config.agent.timeout)
         self.watcher = SpoolWatcher(self.paths.spool, self.rule, self._on_marker,
@@ -244,6 +251,8 @@ class Agent:
             self.captures.put(None)
             left = self.flusher.close(timeout=0)
             self.events.emit("agent_exit", unflushed=left)
+            if self.coordinator:     # its last status; a hung PFS is left behind
+                self.coordinator.close(self.config.agent.timeout / 2)
             self._wait_requests(self.config.agent.timeout)
             if self.replicator is not None:
                 self.replicator.close(free=not self._dead_agents)

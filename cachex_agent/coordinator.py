@@ -1,66 +1,89 @@
 """The coordinator (agent rank 0, the metadata host): global levels of every checkpoint.
 
-It never moves data. It hears small messages from the agents (a commit marker seen,
-a node's part captured or flushed, errors, progress), decides, and answers through
-`send(rank, message)`. That keeps it free of MPI and testable in one process.
+It never moves data. It hears small messages from the agents, and `decisions.decide`
+(a pure function; the protocol is described there) says what follows. This module
+carries the effects out:
 
-Protocol:
-  agent  -> coord  marker      an agent saw the commit marker of `ckpt` in its spool
-  coord  -> all    commit      `ckpt` is committed (seq, global files, flush or not)
-  agent  -> coord  captured    this node's part is in its stage (local manifest)
-  agent  -> coord  replicated  this node's partners hold verified copies (or why not)
-  agent  -> coord  flushed     this node's bundle is durable on the PFS
-  coord  -> all    manifest    every node captured: the global manifest, for every journal
-  coord  -> all    finalized   global manifest and index committed (level "flushed")
-  coord  -> all    failed      `ckpt` can never be whole: drop it
-  agent  -> coord  stop        a user asked to stop (signal, `cachex stop`)
-  coord  -> all    drain       finish pending work, then report `drained`
-  coord  -> all    exit        every agent drained (or the drain timed out)
-  agent  -> coord  unprotected committed checkpoints an agent found at start and left
+  main thread   messages to agents (`send`, at once), events, log lines
+  lane "pfs"    global manifests, index and status on the PFS; purges
+  lane "journal" coordinator.json and status in the journal
+  lane "model"  the path choice's Monte Carlo and its stage samples
+
+so a hung PFS (or a slow model) never holds up the thread that services MPI: credits,
+commits and the levels below `flushed` go on. Status, index and coordinator.json are
+snapshots offered latest-wins (lanes.py): a slow PFS coalesces them instead of growing
+a backlog. A finalize is a round trip: the `pfs` lane writes the global manifest and
+then the index, and only its answer moves the checkpoint to `flushed`.
 
 `status.json` carries a heartbeat (time, pid, host, period), rewritten at least every
 HEARTBEAT seconds while the coordinator runs: readers tell live agents from a status
 file that dead ones left behind (status.py).
-
-A level is recorded only when every node's part holds it; the global manifest is
-written last, after every bundle is durable, and only then is the index updated.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import queue
 import socket
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from . import layout
 from .config import Config
+from .decisions import (
+    HEARTBEAT,
+    HISTORY,
+    Broadcast,
+    CheckpointRecord,
+    Choose,
+    CoordinatorState,
+    Emit,
+    Finalize,
+    FinalizeDone,
+    Log,
+    NodeRecord,
+    Observe,
+    PathChosen,
+    Purge,
+    SaveGlobal,
+    SaveState,
+    Send,
+    Settings,
+    Tick,
+    WriteIndex,
+    WriteStatus,
+    decide,
+    from_wire,
+    index_rows,
+    notes,
+    state_json,
+    status_rows,
+)
 from .events import EventLog
 from .fsutil import makedirs, remove_under, write_json
-from .index import Index, Row, read_index, state_of_level, write_index
+from .index import Index, read_index, write_index
 from .journal import Journal
-from .manifest import GlobalManifest, LocalManifest
-from .model.choose import PathChooser
-from .safepath import checkpoint_id, relative_paths
+from .lanes import Lane
+from .manifest import GlobalManifest
+from .model.choose import LEARNED, PathChooser, fixed_choice
 
+__all__ = ["HEARTBEAT", "HISTORY", "Coordinator"]
 log = logging.getLogger(__name__)
-Send = Callable[[int, dict[str, Any]], None]
-LEVELS = ("written", "captured", "replicated", "flushed")   # plus failed, evicted, purged
-IN_FLIGHT = LEVELS[:-1]
-HEARTBEAT = 2.0     # seconds between status writes of a running coordinator, at most
-FINAL = ("flushed", "failed", "evicted", "purged")  # no message moves these on
-# Finished checkpoints (failed, evicted, purged) the journal, status and index keep, newest
-# first: enough for an agent that restarted with a stale entry, and the files stay bounded.
-HISTORY = 16
+SendFn = Callable[[int, dict[str, Any]], None]
 
 
 class Coordinator:
+    """`wake` (called from a lane when it has an answer) makes the lanes threads; without
+    it every effect is carried out at once, on the caller's thread (tests, simulation)."""
+
     def __init__(self, config: Config, ranks_by_node: list[int], journal: Journal,
-                 pfs_run: Path, events: EventLog, send: Send,
-                 clock: Callable[[], float] = time.time, can_replicate: bool = True) -> None:
+                 pfs_run: Path, events: EventLog, send: SendFn,
+                 clock: Callable[[], float] = time.time, can_replicate: bool = True,
+                 wake: Callable[[], None] | None = None) -> None:
         self.config = config
         self.ranks = ranks_by_node
         self.journal = journal
@@ -68,26 +91,33 @@ class Coordinator:
         self.events = events
         self.send = send
         self.clock = clock
-        saved = journal.read(layout.COORDINATOR_STATE)
-        source = journal.root / layout.COORDINATOR_STATE
-        if not saved:
-            saved, source = self._from_index(), layout.index_path(pfs_run)
-        self.ckpts: dict[str, dict[str, Any]] = _checked_records(saved.get("ckpts", {}),
-                                                                 source)
-        for record in self.ckpts.values():
-            record.setdefault("path", "peer")   # journals from before the path choice
-            if record["level"] == "written":    # no agent could capture while none ran
-                record["deadline"] = self._capture_deadline()
-        self.next_seq: int = saved.get("next_seq", 1)
-        self.state = "running"
-        self.drained: set[int] = set()
-        self.dead: set[int] = set()         # agents that partners found unresponsive
-        self.drain_deadline = 0.0
-        self.dirty = True
-        self._last_status = 0.0
-        self.unprotected: list[dict[str, Any]] = []     # what agents left at start, why
-        self.announced: set[str] = set()    # told to every agent by this coordinator
+        self.wake = wake or (lambda: None)
+        threaded = wake is not None
+        self.lanes = {name: Lane(name, threaded) for name in ("pfs", "journal", "model")}
+        self.results: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.chooser = PathChooser(config, len(ranks_by_node), can_replicate)
+        self._observed: deque[Observe] = deque(
+            maxlen=config.model.window * len(ranks_by_node) * len(LEARNED))
+        self.state = self._restored(can_replicate)
+
+    def _restored(self, can_replicate: bool) -> CoordinatorState:
+        saved = self.journal.read(layout.COORDINATOR_STATE)
+        source = self.journal.root / layout.COORDINATOR_STATE
+        if not saved:
+            saved, source = self._from_index(), layout.index_path(self.pfs_run)
+        ckpts = {key: CheckpointRecord.from_json(data, source, key)
+                 for key, data in saved.get("ckpts", {}).items()}
+        c = self.config
+        now = self.clock()
+        for record in ckpts.values():
+            if record.level == "written":   # no agent could capture while none ran
+                record.deadline = now + c.commit.timeout + c.agent.timeout
+        fixed = fixed_choice(c.model.path, can_replicate)
+        settings = Settings(c.run, c.commit.timeout, c.agent.timeout, c.flush.every,
+                            c.flush.drain_timeout, c.keep.pfs,
+                            (fixed.path, fixed.reason) if fixed else None)
+        return CoordinatorState(settings, [NodeRecord(rank) for rank in self.ranks], ckpts,
+                                saved.get("next_seq", 1))
 
     def _from_index(self) -> dict[str, Any]:
         """A coordinator without a journal (its node was replaced) learns from the PFS
@@ -96,8 +126,8 @@ class Coordinator:
             rows = read_index(self.pfs_run).checkpoints
         except (OSError, ValueError):       # none, or not an index: an unsafe one raises
             return {}
-        ckpts = {row.id: _empty_record(row.id, row.seq, row.level, bytes=row.bytes,
-                                       times={"flushed": row.flushed_at})
+        ckpts = {row.id: {"id": row.id, "seq": row.seq, "level": row.level,
+                          "bytes": row.bytes, "times": {"flushed": row.flushed_at}}
                  for row in rows}
         return {"ckpts": ckpts, "next_seq": max((r.seq for r in rows), default=0) + 1}
 
@@ -105,358 +135,177 @@ class Coordinator:
     def nodes(self) -> int:
         return len(self.ranks)
 
-    # ----------------------------------------------------------------- messages
+    @property
+    def ckpts(self) -> dict[str, CheckpointRecord]:
+        return self.state.ckpts
+
+    @property
+    def next_seq(self) -> int:
+        return self.state.next_seq
+
+    # ------------------------------------------------------------- the loop's calls
     def handle(self, node: int, msg: dict[str, Any]) -> None:
-        handler = getattr(self, f"_on_{msg['type']}", None)
-        if handler is None:
+        event = from_wire(node, msg, self.clock())
+        if event is None:
             log.warning("coordinator: unknown message %r from node %d", msg["type"], node)
             return
-        handler(node, msg)
-        self.dirty = True
+        self._apply(event)
 
-    def _on_marker(self, node: int, msg: dict[str, Any]) -> None:
-        ckpt = msg["ckpt"]
-        if ckpt in self.ckpts:
-            record = self.ckpts[ckpt]
-            if record["level"] in IN_FLIGHT:    # an agent restarted: it may need it again
-                self._announce(record, self.ranks[node] if ckpt in self.announced else None)
-            return
-        if self.state != "running":
-            return
-        seq, self.next_seq = self.next_seq, self.next_seq + 1
-        every = self.config.flush.every
-        newest = self._newest(LEVELS[1:])         # its size stands for this one's
-        choice = self.chooser.choose(_record_bytes(newest) if newest else 0, self.clock())
-        direct = choice.path == "direct"        # the PFS is its only copy beyond memory
-        record = _empty_record(ckpt, seq, "written", global_files=msg["global_files"],
-                               rule=msg.get("rule"),  # which commit rule saw it (status)
-                               flush=direct or (seq - 1) % every == 0, path=choice.path,
-                               times={"written": msg.get("t", self.clock())},
-                               deadline=self._capture_deadline())
-        self.ckpts[ckpt] = record
-        self.events.emit("committed", ckpt=ckpt, seq=seq, marker_node=node, nodes=self.nodes,
-                         path=choice.path, reason=choice.reason, loss=choice.loss)
-        log.info("checkpoint %s: path %s (%s)", ckpt, choice.path, choice.reason)
-        self._announce(record)
-        self._persist()
-
-    def _capture_deadline(self) -> float:
-        return self.clock() + self.config.commit.timeout + self.config.agent.timeout
-
-    def _announce(self, record: dict[str, Any], rank: int | None = None) -> None:
-        """To every agent the first time in this coordinator's life; later (a marker from
-        each node that saw the checkpoint's marker, at scale) only to the one asking, else
-        N markers cost N broadcasts."""
-        msg = {"type": "commit", "ckpt": record["id"], "seq": record["seq"],
-               "global_files": record["global_files"], "flush": record["flush"],
-               "path": record["path"]}
-        if rank is not None:
-            self.send(rank, msg)
-            return
-        self.announced.add(record["id"])
-        self._broadcast(msg)
-
-    def _on_captured(self, node: int, msg: dict[str, Any]) -> None:
-        record = self.ckpts.get(msg["ckpt"])
-        if record is None or record["level"] not in IN_FLIGHT:
-            return
-        record["captured"][str(node)] = msg["manifest"]
-        if msg.get("mode", "copy") != "copy":   # status says why a part is not staged
-            record.setdefault("capture", {})[str(node)] = {"mode": msg["mode"],
-                                                           "reason": msg.get("reason", "")}
-        self.chooser.observe("capture", msg["ckpt"], node, _part_bytes(msg["manifest"]),
-                             msg.get("duration", 0.0))
-        record["errors"].pop(str(node), None)
-        self._advance(record)
-
-    def _on_replicated(self, node: int, msg: dict[str, Any]) -> None:
-        self.dead.update(msg.get("dead", []))
-        record = self.ckpts.get(msg["ckpt"])
-        if record is None or record["level"] in ("failed", "purged", "flushed"):
-            return
-        if msg["ok"]:
-            record.setdefault("replicated", {})[str(node)] = msg["partners"]
-            self.chooser.observe("replicate", record["id"], node, _node_bytes(record, node),
-                                 msg.get("duration", 0.0))
-        else:
-            record["replication_failed"] = True
-            record["errors"][str(node)] = "; ".join(msg["errors"].values())
-        self._advance(record)
-
-    def _advance(self, record: dict[str, Any]) -> None:
-        """Move the level up as far as every node's reports allow."""
-        if record["level"] == "written" and len(record["captured"]) == self.nodes:
-            self._reach(record, "captured")
-            # every journal learns what the checkpoint is, long before the PFS does:
-            # what a recovery needs when the coordinator's node is the one lost
-            manifest = self._global_manifest(record)
-            self.journal.save_global(manifest)
-            self._broadcast({"type": "manifest", "ckpt": record["id"],
-                             "manifest": manifest.to_json()})
-        if (record["level"] == "captured" and len(record.get("replicated", {})) == self.nodes
-                and not record.get("replication_failed")):
-            self._reach(record, "replicated")
-
-    def _on_capture_failed(self, node: int, msg: dict[str, Any]) -> None:
-        record = self.ckpts.get(msg["ckpt"])
-        if record is not None and record["level"] == "written":
-            self._fail(record, f"node {node}: {msg['error']}")
-
-    def _on_flushed(self, node: int, msg: dict[str, Any]) -> None:
-        record = self.ckpts.get(msg["ckpt"])
-        if record is None or record["level"] in ("failed", "purged", "flushed"):
-            return
-        record["flushed"][str(node)] = msg["bundle"]
-        if not msg.get("adopted"):
-            self.chooser.observe("flush", record["id"], node, _node_bytes(record, node),
-                                 msg.get("duration", 0.0))
-        record["errors"].pop(str(node), None)
-        record["progress"].pop(str(node), None)
-        self._try_finalize(record)
-
-    def _on_flush_error(self, node: int, msg: dict[str, Any]) -> None:
-        record = self.ckpts.get(msg["ckpt"])
-        if record is None:
-            return
-        record["errors"][str(node)] = msg["error"]
-        if msg.get("final") and record["level"] in IN_FLIGHT:
-            self._fail(record, f"node {node}: flush impossible: {msg['error']}")
-
-    def _on_progress(self, node: int, msg: dict[str, Any]) -> None:
-        record = self.ckpts.get(msg["ckpt"])
-        if record is not None and record["level"] not in ("flushed", "failed"):
-            record["progress"][str(node)] = {k: msg[k] for k in ("stage", "done", "total")}
-
-    def _on_evicted(self, node: int, msg: dict[str, Any]) -> None:
-        record = self.ckpts.get(msg["ckpt"])
-        if record is not None and record["level"] in IN_FLIGHT:
-            record["level"] = "evicted"
-            self._finish(record)
-            self._persist()
-
-    def _on_unprotected(self, node: int, msg: dict[str, Any]) -> None:
-        note = f"node {node}: {msg['note']}"
-        self.unprotected.append({"ckpts": msg["ckpts"], "note": note})
-        self.events.emit("unprotected", node_reporting=node, ckpts=msg["ckpts"], note=note)
-
-    def _notes(self) -> list[str]:
-        """What agents left unprotected, unless another node's marker committed it since."""
-        return [u["note"] for u in self.unprotected
-                if not all(c in self.ckpts for c in u["ckpts"])]
-
-    def _on_stop(self, node: int, msg: dict[str, Any]) -> None:
-        if self.state != "running":
-            return
-        self.state = "draining"
-        self.drain_deadline = self.clock() + self.config.flush.drain_timeout
-        newest = self._newest(IN_FLIGHT)
-        flush = [newest["id"]] if newest and not newest["flush"] else []
-        if newest:
-            newest["flush"] = True
-        self.events.emit("drain", requested_by=node, flush=flush)
-        self._broadcast({"type": "drain", "flush": flush})
-
-    def _on_drained(self, node: int, msg: dict[str, Any]) -> None:
-        self.drained.add(node)
-        if len(self.drained) == self.nodes:
-            self._exit("every agent drained")
-
-    # ------------------------------------------------------------------- timers
     def tick(self) -> None:
-        now = self.clock()
-        for record in list(self.ckpts.values()):
-            if record["level"] == "written" and now > record["deadline"]:
-                missing = sorted(set(range(self.nodes)) - {int(n) for n in record["captured"]})
-                self._fail(record, f"nodes {missing} did not capture within"
-                                   f" {self.config.commit.timeout:.0f}s")
-            elif (record["level"] in ("captured", "replicated")
-                  and len(record["flushed"]) == self.nodes):
-                self._try_finalize(record)          # a finalize that met a PFS fault
-        if self.state == "draining" and now > self.drain_deadline + self.config.agent.timeout:
-            self._exit(f"drain timed out; agents {sorted(set(range(self.nodes)) - self.drained)}"
-                       " did not report")
-        since = now - self._last_status
-        if (self.dirty and since >= 0.5) or since >= HEARTBEAT:
-            self.write_status()
+        """The lanes' answers, then the timers (capture deadlines, retries, status)."""
+        self._answers()
+        self._apply(Tick(self.clock()))
 
-    # ---------------------------------------------------------------- decisions
-    def _reach(self, record: dict[str, Any], level: str) -> None:
-        record["level"] = level
-        record["times"][level] = self.clock()
-        self.events.emit(f"level_{level}", ckpt=record["id"], seq=record["seq"],
-                         bytes=_record_bytes(record), path=record["path"],
-                         latency=record["times"][level] - record["times"]["written"])
-        if level in FINAL:
-            self._finish(record)
-        self._persist()
+    def close(self, timeout: float) -> None:
+        """Finish the lanes' work (the final status), up to `timeout` seconds."""
+        deadline = time.monotonic() + timeout
+        for lane in self.lanes.values():
+            if not lane.close(max(0.0, deadline - time.monotonic())):
+                log.warning("coordinator: %s writes not finished after %.0fs; leaving them",
+                            lane.name, timeout)
 
-    def _finish(self, record: dict[str, Any]) -> None:
-        """A checkpoint no message moves on keeps its totals, not every node's manifest
-        (those are in the global manifest; how a node captured, when not a plain copy,
-        stays for `cachex status`): coordinator.json, rewritten at every level
-        of every checkpoint, does not grow with nodes times checkpoints. Older finished
-        ones than HISTORY (valid ones on the PFS excepted) are forgotten."""
-        record["bytes"] = _record_bytes(record)
-        record["counts"] = {key: len(record.get(key, {}))
-                            for key in ("captured", "replicated", "flushed")}
-        for key in ("captured", "replicated", "flushed", "progress"):
-            record[key] = {}
-        finished = sorted((r for r in self.ckpts.values() if r["level"] in FINAL[1:]),
-                          key=lambda r: r["seq"])
-        for old in finished[:-HISTORY]:
-            del self.ckpts[old["id"]]
+    def _apply(self, event: Any) -> None:
+        self.state, effects = decide(self.state, event)
+        for effect in effects:
+            self._carry_out(effect)
+        self._answers()
 
-    def _fail(self, record: dict[str, Any], reason: str) -> None:
-        record["level"] = "failed"
-        record["reason"] = reason
-        self._finish(record)
-        self.events.emit("failed", ckpt=record["id"], seq=record["seq"], reason=reason)
-        log.error("checkpoint %s failed: %s", record["id"], reason)
-        self._broadcast({"type": "failed", "ckpt": record["id"], "reason": reason})
-        self._persist()
-        self._write_index_quietly()
+    def _answers(self) -> None:
+        while True:
+            try:
+                answer = self.results.get_nowait()
+            except queue.Empty:
+                return
+            self._apply(answer)
 
-    def _try_finalize(self, record: dict[str, Any]) -> None:
-        if record["level"] not in ("captured", "replicated") or len(record["flushed"]) < self.nodes:
-            return
-        record["times"]["flushed"] = self.clock()
-        level_before = record["level"]
-        manifest = self._global_manifest(record)
-        try:
-            makedirs(layout.pfs_ckpt_dir(self.pfs_run, record["id"]))
-            write_json(layout.pfs_manifest_path(self.pfs_run, record["id"]), manifest.to_json(),
-                       compact=True)
-            record["level"] = "flushed"
-            self._write_index()
-        except OSError as exc:
-            record["level"] = level_before
-            record["errors"]["coordinator"] = f"global manifest: {exc.strerror or exc}"
-            log.warning("finalize of %s failed: %s (will retry)", record["id"], exc)
-            return
-        record["errors"].pop("coordinator", None)
-        self.journal.save_global(manifest)
-        self._reach(record, "flushed")
-        self._broadcast({"type": "finalized", "ckpt": record["id"],
-                         "manifest": manifest.to_json()})
-        self._purge_pfs()
+    def _answer(self, event: Any) -> None:
+        """From a lane: the main thread decides on it at its next turn."""
+        self.results.put(event)
+        self.wake()
 
-    def _global_manifest(self, record: dict[str, Any]) -> GlobalManifest:
-        parts = [LocalManifest.from_json(m) for m in record["captured"].values()]
-        bundles = {int(n): layout.bundle_name(int(n)) for n in record["captured"]}
-        return GlobalManifest.build(parts, record["global_files"], record["times"], bundles)
+    # ------------------------------------------------------------------ effects
+    def _carry_out(self, effect: Any) -> None:
+        kind = type(effect)
+        if kind is Send:
+            self.send(effect.rank, effect.msg)
+        elif kind is Broadcast:
+            for rank in self.ranks:
+                self.send(rank, effect.msg)
+        elif kind is Observe:
+            self._observed.append(effect)
+            self.lanes["model"].offer("observe", self._feed_model)
+        else:
+            self._EFFECTS[kind](self, effect)
 
-    def _purge_pfs(self) -> None:
-        keep = self.config.keep.pfs
-        valid = sorted((r for r in self.ckpts.values() if r["level"] == "flushed"),
-                       key=lambda r: r["seq"])
-        if keep == 0 or len(valid) <= keep:
-            return
-        for record in valid[:-keep]:
-            remove_under(layout.pfs_ckpts_dir(self.pfs_run),
-                         layout.pfs_ckpt_dir(self.pfs_run, record["id"]))
-            record["level"] = "purged"
-            self._finish(record)
-            self.events.emit("purged", ckpt=record["id"], seq=record["seq"], level="pfs")
-        self._persist()
-        self._write_index_quietly()
+    def _emit(self, effect: Emit) -> None:
+        self.events.emit(effect.event, **effect.fields)
 
-    def _exit(self, why: str) -> None:
-        if self.state == "stopped":
-            return
-        self.state = "stopped"
-        self.events.emit("exit", reason=why)
-        log.info("coordinator: %s; agents exit", why)
-        self._broadcast({"type": "exit", "dead": sorted(self.dead)})
-        self.write_status()
+    def _log(self, effect: Log) -> None:
+        getattr(log, effect.level)("%s", effect.text)
 
-    # ------------------------------------------------------------ persistence
-    def _newest(self, levels: tuple[str, ...]) -> dict[str, Any] | None:
-        found = [r for r in self.ckpts.values() if r["level"] in levels]
-        return max(found, key=lambda r: r["seq"]) if found else None
+    def _save_state(self, _effect: SaveState) -> None:
+        snapshot = state_json(self.state)
+        self._offer("journal", "state", lambda: self.journal.write(
+            layout.COORDINATOR_STATE, snapshot, compact=True))
 
-    def _broadcast(self, msg: dict[str, Any]) -> None:
-        for rank in self.ranks:
-            self.send(rank, msg)
+    def _write_status(self, _effect: WriteStatus | None = None) -> None:
+        status = self.status()
+        self._offer("journal", "status", lambda: self.journal.write(layout.STATUS, status))
+        self._offer("pfs", "status", lambda: _write_pfs_status(self.pfs_run, status))
 
-    def _persist(self) -> None:
-        self.journal.write(layout.COORDINATOR_STATE, {"version": 1, "next_seq": self.next_seq,
-                                                      "ckpts": self.ckpts}, compact=True)
+    def _write_index(self, _effect: WriteIndex) -> None:
+        index = Index.build(self.config.run, index_rows(self.state))
+        self._offer("pfs", "index", lambda: _write_index_quietly(self.pfs_run, index))
 
-    def _write_index(self) -> None:
-        rows = [Row(r["id"], r["seq"], state_of_level(r["level"]), _record_bytes(r),
-                    r["times"].get("flushed"))
-                for r in self.ckpts.values() if r["level"] in ("flushed", "failed", "purged")]
-        write_index(self.pfs_run, Index.build(self.config.run, rows))
+    def _save_global(self, effect: SaveGlobal) -> None:
+        """On this thread: the agent of rank 0 writes the same file when it hears the
+        broadcast, and two writers of one file in one process share its temporary."""
+        self.journal.save_global(effect.manifest)
 
-    def _write_index_quietly(self) -> None:
-        try:
-            self._write_index()
-        except OSError as exc:
-            log.warning("index.json not updated: %s", exc)
+    def _finalize(self, effect: Finalize) -> None:
+        index = Index.build(self.config.run, effect.index)
 
+        def work() -> None:
+            error = _write_finalized(self.pfs_run, effect.manifest, index)
+            self._answer(FinalizeDone(self.clock(), effect.ckpt, effect.manifest, error))
+        if not self.lanes["pfs"].offer(("finalize", effect.ckpt), work):
+            self.results.put(FinalizeDone(self.clock(), effect.ckpt, effect.manifest,
+                                          "PFS writes backed up"))
+
+    def _purge(self, effect: Purge) -> None:
+        for ckpt in effect.ckpts:
+            self._offer("pfs", ("purge", ckpt), lambda c=ckpt: _remove_quietly(self.pfs_run, c))
+
+    def _choose(self, effect: Choose) -> None:
+        def work() -> None:
+            self._feed_model()
+            choice = self.chooser.choose(effect.size, effect.now)
+            self._answer(PathChosen(self.clock(), effect.ckpt, choice.path, choice.reason,
+                                    choice.loss))
+        if not self.lanes["model"].offer(("choose", effect.ckpt), work):
+            path = self.chooser.current
+            self.results.put(PathChosen(self.clock(), effect.ckpt, path,
+                                        f"model busy: {path} as the last checkpoint"))
+
+    def _feed_model(self) -> None:
+        """On the model's lane: the stage samples reported since the last call."""
+        while self._observed:
+            o = self._observed.popleft()
+            self.chooser.observe(o.stage, o.ckpt, o.node, o.nbytes, o.seconds)
+
+    def _offer(self, lane: str, key: Any, work: Callable[[], None]) -> None:
+        if not self.lanes[lane].offer(key, work):
+            log.warning("coordinator: %s lane full; %s not written", lane, key)
+
+    _EFFECTS: dict[type, Callable[[Coordinator, Any], None]] = {
+        Emit: _emit, Log: _log, SaveState: _save_state, WriteStatus: _write_status,
+        WriteIndex: _write_index, SaveGlobal: _save_global, Finalize: _finalize,
+        Purge: _purge, Choose: _choose}
+
+    # ------------------------------------------------------------------- status
     def status(self) -> dict[str, Any]:
-        rows = []
-        for record in sorted(self.ckpts.values(), key=lambda r: r["seq"]):
-            rows.append({
-                "id": record["id"], "seq": record["seq"], "level": record["level"],
-                "bytes": _record_bytes(record), "times": record["times"],
-                "nodes_captured": _count(record, "captured"),
-                "nodes_replicated": _count(record, "replicated"),
-                "nodes_flushed": _count(record, "flushed"),
-                "flush": record["flush"], "path": record["path"], "rule": record.get("rule"),
-                "errors": record["errors"], "capture": record.get("capture", {}),
-                "progress": record["progress"], "reason": record.get("reason")})
         now = self.clock()
         return {"format": "cachex-status", "version": 1, "run": self.config.run,
-                "updated": now, "state": self.state, "nodes": self.nodes,
+                "updated": now, "state": self.state.phase, "nodes": self.nodes,
                 "heartbeat": {"t": now, "pid": os.getpid(), "host": socket.gethostname(),
                               "period": HEARTBEAT},
-                "notes": self._notes(), "checkpoints": rows}
+                "notes": notes(self.state), "checkpoints": status_rows(self.state)}
 
     def write_status(self) -> None:
         """Into the journal always; onto the PFS when it takes writes."""
-        status = self.status()
-        self.journal.write(layout.STATUS, status)
-        try:
-            makedirs(self.pfs_run)
-            write_json(layout.pfs_status_path(self.pfs_run), status)
-        except OSError:
-            pass
-        self.dirty = False
-        self._last_status = self.clock()
+        self._write_status()
 
 
-def _checked_records(ckpts: dict[str, dict[str, Any]], source: Path
-                     ) -> dict[str, dict[str, Any]]:
-    """Record ids name PFS directories that the coordinator writes and purges."""
-    for key, record in ckpts.items():
-        checkpoint_id(record.get("id"), source, key)
-        relative_paths(record.get("global_files", []), source, f"global file of {key}")
-    return ckpts
+# --------------------------------------------------------------- on the pfs lane
+def _write_finalized(pfs_run: Path, manifest: GlobalManifest, index: Index) -> str | None:
+    """The global manifest, then the index that calls it valid; the error, if any."""
+    try:
+        makedirs(layout.pfs_ckpt_dir(pfs_run, manifest.ckpt))
+        write_json(layout.pfs_manifest_path(pfs_run, manifest.ckpt), manifest.to_json(),
+                   compact=True)
+        write_index(pfs_run, index)
+    except OSError as exc:
+        return exc.strerror or str(exc)
+    return None
 
 
-def _empty_record(ckpt: str, seq: int, level: str, **fields: Any) -> dict[str, Any]:
-    return {"id": ckpt, "seq": seq, "level": level, "global_files": [], "flush": True,
-            "path": "peer", "times": {}, "captured": {}, "replicated": {}, "flushed": {},
-            "errors": {}, "progress": {}, **fields}
+def _write_index_quietly(pfs_run: Path, index: Index) -> None:
+    try:
+        write_index(pfs_run, index)
+    except OSError as exc:
+        log.warning("index.json not updated: %s", exc)
 
 
-def _count(record: dict[str, Any], key: str) -> int:
-    """Nodes that reported `key`, also of a finished record (its maps emptied)."""
-    return len(record.get(key, {})) or record.get("counts", {}).get(key, 0)
+def _write_pfs_status(pfs_run: Path, status: dict[str, Any]) -> None:
+    try:
+        makedirs(pfs_run)
+        write_json(layout.pfs_status_path(pfs_run), status)
+    except OSError:
+        pass                # the journal's copy is the one that counts
 
 
-def _part_bytes(manifest: dict[str, Any]) -> int:
-    return sum(e["size"] for e in manifest["files"])
-
-
-def _node_bytes(record: dict[str, Any], node: int) -> int:
-    manifest = record["captured"].get(str(node))
-    return _part_bytes(manifest) if manifest else 0
-
-
-def _record_bytes(record: dict[str, Any]) -> int:
-    if not record["captured"]:
-        return record.get("bytes", 0)           # adopted from the PFS index
-    return sum(_part_bytes(m) for m in record["captured"].values())
-
+def _remove_quietly(pfs_run: Path, ckpt: str) -> None:
+    try:
+        remove_under(layout.pfs_ckpts_dir(pfs_run), layout.pfs_ckpt_dir(pfs_run, ckpt))
+    except OSError as exc:
+        log.warning("purge of %s on the PFS failed: %s", ckpt, exc)

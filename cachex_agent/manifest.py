@@ -134,7 +134,9 @@ class GlobalManifest:
 
     @classmethod
     def build(cls, parts: list[LocalManifest], global_files: list[str],
-              times: dict[str, float], bundles: dict[int, str]) -> GlobalManifest:
+              times: dict[str, float], bundles: dict[int, str],
+              committed_at: float | None = None) -> GlobalManifest:
+        """`committed_at`: when it is built (now if not given)."""
         parts = sorted(parts, key=lambda part: part.node)
         first = parts[0]
         nodes = [{"node": p.node, "host": p.host, "rank": p.rank, "bundle": bundles[p.node],
@@ -144,7 +146,8 @@ class GlobalManifest:
         holders = Counter(entry["path"] for entry in files)
         return cls(run=first.run, ckpt=first.ckpt, seq=first.seq, nodes=nodes, files=files,
                    global_files=sorted(p for p in set(global_files) if holders[p] <= 1),
-                   times=dict(times))
+                   times=dict(times),
+                   committed_at=time.time() if committed_at is None else committed_at)
 
     def node_files(self, node: int) -> list[FileEntry]:
         return [FileEntry(**{k: v for k, v in entry.items() if k != "node"})

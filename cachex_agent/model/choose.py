@@ -36,6 +36,15 @@ class Choice:
     loss: dict[str, float] | None = None    # expected seconds lost per hour, per path
 
 
+def fixed_choice(mode: str, can_replicate: bool) -> Choice | None:
+    """The path when no model is consulted (a fixed `model.path`, or no partner)."""
+    if mode != "auto":
+        return Choice(mode, f"model.path = {mode}")
+    if not can_replicate:
+        return Choice("direct", "no partner in another failure domain (flush-only)")
+    return None
+
+
 class PathChooser:
     def __init__(self, config: Config, nodes: int, can_replicate: bool) -> None:
         self.mode = config.model.path
@@ -62,10 +71,9 @@ class PathChooser:
         return choice
 
     def _decide(self, size: float) -> Choice:
-        if self.mode != "auto":
-            return Choice(self.mode, f"model.path = {self.mode}")
-        if not self.can_replicate:
-            return Choice("direct", "no partner in another failure domain (flush-only)")
+        fixed = fixed_choice(self.mode, self.can_replicate)
+        if fixed is not None:
+            return fixed
         if not have_scipy():
             return Choice("peer", "the model's libraries are not installed"
                                   " (pip install 'cachex-agent[model]'): the default path")

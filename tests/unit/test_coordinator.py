@@ -76,15 +76,15 @@ def test_levels_need_every_node(world, tmp_path):
     coord.handle(0, {"type": "marker", "ckpt": "s1", "global_files": [".metadata"]})
     for node in range(NODES - 1):
         coord.handle(node, {"type": "captured", "ckpt": "s1", "manifest": manifest("s1", node)})
-    assert coord.ckpts["s1"]["level"] == "written"
+    assert coord.ckpts["s1"].level == "written"
     coord.handle(3, {"type": "captured", "ckpt": "s1", "manifest": manifest("s1", 3)})
-    assert coord.ckpts["s1"]["level"] == "captured"
+    assert coord.ckpts["s1"].level == "captured"
     for node in range(NODES - 1):
         coord.handle(node, {"type": "flushed", "ckpt": "s1", "bundle": f"node-{node:05d}.h5"})
-    assert coord.ckpts["s1"]["level"] == "captured"
+    assert coord.ckpts["s1"].level == "captured"
     assert not (tmp_path / "pfs/r/ckpt/s1/manifest.json").exists()
     coord.handle(3, {"type": "flushed", "ckpt": "s1", "bundle": "node-00003.h5"})
-    assert coord.ckpts["s1"]["level"] == "flushed"
+    assert coord.ckpts["s1"].level == "flushed"
     gm = json.loads((tmp_path / "pfs/r/ckpt/s1/manifest.json").read_text())
     assert gm["format"] == "cachex-global-manifest" and len(gm["files"]) == NODES
     assert gm["global_files"] == [".metadata"] and len(gm["nodes"]) == NODES
@@ -97,13 +97,13 @@ def test_capture_failure_fails_the_checkpoint(world, tmp_path):
     coord, sent, _ = world()
     coord.handle(0, {"type": "marker", "ckpt": "s1", "global_files": []})
     coord.handle(1, {"type": "capture_failed", "ckpt": "s1", "error": "gone"})
-    assert coord.ckpts["s1"]["level"] == "failed"
-    assert "node 1: gone" in coord.ckpts["s1"]["reason"]
+    assert coord.ckpts["s1"].level == "failed"
+    assert "node 1: gone" in coord.ckpts["s1"].reason
     assert len(types(sent, "failed")) == NODES
     index = json.loads((tmp_path / "pfs/r/index.json").read_text())
     assert index["current"] is None and index["checkpoints"][0]["state"] == "failed"
     coord.handle(2, {"type": "captured", "ckpt": "s1", "manifest": manifest("s1", 2)})
-    assert coord.ckpts["s1"]["level"] == "failed"           # never resurrected
+    assert coord.ckpts["s1"].level == "failed"           # never resurrected
 
 
 def test_capture_deadline_names_missing_nodes(world):
@@ -112,11 +112,11 @@ def test_capture_deadline_names_missing_nodes(world):
     coord.handle(0, {"type": "captured", "ckpt": "s1", "manifest": manifest("s1", 0)})
     clock.now += 14
     coord.tick()
-    assert coord.ckpts["s1"]["level"] == "written"
+    assert coord.ckpts["s1"].level == "written"
     clock.now += 2
     coord.tick()
-    assert coord.ckpts["s1"]["level"] == "failed"
-    assert "[1, 2, 3]" in coord.ckpts["s1"]["reason"]
+    assert coord.ckpts["s1"].level == "failed"
+    assert "[1, 2, 3]" in coord.ckpts["s1"].reason
 
 
 def test_flush_every_k(world):
@@ -132,7 +132,7 @@ def test_pfs_retention_keeps_newest(world, tmp_path):
     for ckpt in ("s1", "s2"):
         (tmp_path / "pfs/r/ckpt" / ckpt).mkdir(parents=True)
         commit_all(coord, ckpt)
-    assert coord.ckpts["s1"]["level"] == "purged" and coord.ckpts["s2"]["level"] == "flushed"
+    assert coord.ckpts["s1"].level == "purged" and coord.ckpts["s2"].level == "flushed"
     assert not (tmp_path / "pfs/r/ckpt/s1").exists()
     assert (tmp_path / "pfs/r/ckpt/s2/manifest.json").exists()
 
@@ -143,11 +143,11 @@ def test_finalize_waits_for_a_writable_pfs(world, tmp_path):
     (tmp_path / "pfs/r/ckpt").write_text("not a directory")    # root ignores chmod: use ENOTDIR
     commit_all(coord, "s1")
     record = coord.ckpts["s1"]
-    assert record["level"] == "captured" and "coordinator" in record["errors"]
+    assert record.level == "captured" and "coordinator" in record.errors
     (tmp_path / "pfs/r/ckpt").unlink()
     (tmp_path / "pfs/r/ckpt/s1").mkdir(parents=True)
     coord.tick()
-    assert record["level"] == "flushed" and "coordinator" not in record["errors"]
+    assert record.level == "flushed" and "coordinator" not in record.errors
 
 
 def test_drain_flushes_newest_and_exits_when_all_drained(world):
@@ -170,7 +170,7 @@ def test_restart_keeps_levels_and_sequence(world, tmp_path):
     commit_all(coord, "s1")
     coord.handle(0, {"type": "marker", "ckpt": "s2", "global_files": []})
     again, sent, _ = world()
-    assert again.ckpts["s1"]["level"] == "flushed" and again.next_seq == 3
+    assert again.ckpts["s1"].level == "flushed" and again.next_seq == 3
     again.handle(0, {"type": "marker", "ckpt": "s2", "global_files": []})
     assert types(sent, "commit")[0][1]["seq"] == 2             # re-announced, same seq
 
@@ -203,12 +203,12 @@ def test_replicated_level_needs_every_node(world):
     commit_all(coord, "s1", flushed=False)
     coord.handle(0, {"type": "replicated", "ckpt": "s1", "ok": True, "partners": [1],
                      "errors": {}})
-    assert coord.ckpts["s1"]["level"] == "captured"
+    assert coord.ckpts["s1"].level == "captured"
     replicate_all(coord, "s1")
-    assert coord.ckpts["s1"]["level"] == "replicated"
+    assert coord.ckpts["s1"].level == "replicated"
     for node in range(NODES):
         coord.handle(node, {"type": "flushed", "ckpt": "s1", "bundle": f"node-{node:05d}.h5"})
-    assert coord.ckpts["s1"]["level"] == "flushed"
+    assert coord.ckpts["s1"].level == "flushed"
 
 
 def test_failed_replication_skips_to_flushed_and_names_the_dead(world):
@@ -216,10 +216,10 @@ def test_failed_replication_skips_to_flushed_and_names_the_dead(world):
     commit_all(coord, "s1", flushed=False)
     replicate_all(coord, "s1", failing=1)
     record = coord.ckpts["s1"]
-    assert record["level"] == "captured" and "partner node 2" in record["errors"]["1"]
+    assert record.level == "captured" and "partner node 2" in record.errors["1"]
     for node in range(NODES):
         coord.handle(node, {"type": "flushed", "ckpt": "s1", "bundle": f"node-{node:05d}.h5"})
-    assert record["level"] == "flushed"
+    assert record.level == "flushed"
     coord.handle(0, {"type": "stop"})
     for node in range(NODES):
         coord.handle(node, {"type": "drained"})
@@ -231,10 +231,10 @@ def test_final_flush_error_fails_the_checkpoint(world):
     commit_all(coord, "s1", flushed=False)
     coord.handle(1, {"type": "flush_error", "ckpt": "s1", "error": "checksum differs",
                      "final": False})
-    assert coord.ckpts["s1"]["level"] == "captured"
+    assert coord.ckpts["s1"].level == "captured"
     coord.handle(1, {"type": "flush_error", "ckpt": "s1", "error": "checksum differs",
                      "final": True})
-    assert coord.ckpts["s1"]["level"] == "failed"
+    assert coord.ckpts["s1"].level == "failed"
 
 
 def test_a_coordinator_without_journal_adopts_the_pfs_index(world, tmp_path):
@@ -242,7 +242,7 @@ def test_a_coordinator_without_journal_adopts_the_pfs_index(world, tmp_path):
     commit_all(coord, "s1")
     commit_all(coord, "s2")
     fresh, sent, _ = world(journal_dir=tmp_path / "replacement-journal")
-    assert {k: r["level"] for k, r in fresh.ckpts.items()} == {"s1": "flushed", "s2": "flushed"}
+    assert {k: r.level for k, r in fresh.ckpts.items()} == {"s1": "flushed", "s2": "flushed"}
     assert fresh.next_seq == 3 and fresh.status()["checkpoints"][0]["bytes"] > 0
     fresh.handle(0, {"type": "marker", "ckpt": "s2", "global_files": []})
     assert not types(sent, "commit")            # already on the PFS: nothing to redo

@@ -185,7 +185,7 @@ def test_the_coordinator_switches_to_direct_after_learning(tmp_path):
     for node in range(nodes):
         coord.handle(node, {"type": "flushed", "ckpt": "s1", "bundle": f"node-{node:05d}.h5",
                             "duration": 1.0})
-    assert coord.ckpts["s1"]["level"] == "flushed"
+    assert coord.ckpts["s1"].level == "flushed"
     assert {s: len(q) for s, q in coord.chooser.samples.items()} == {
         "capture": nodes, "replicate": nodes, "flush": nodes}
     assert {(s.ckpt, s.bytes) for q in coord.chooser.samples.values() for s in q} == {
@@ -199,18 +199,18 @@ def test_the_coordinator_switches_to_direct_after_learning(tmp_path):
     assert announced["path"] == "direct" and announced["flush"] is True
     assert all(msg["path"] == "direct" for rank, msg in sent[-nodes:])
     record = coord.ckpts["s2"]
-    assert record["path"] == "direct" and record["flush"] is True
+    assert record.path == "direct" and record.flush is True
     for node in range(nodes):
         coord.handle(node, {"type": "captured", "ckpt": "s2", "manifest": part("s2", node, 2),
                             "duration": 0.5})
-    assert record["level"] == "captured"
+    assert record.level == "captured"
     coord.handle(1, {"type": "marker", "ckpt": "s2", "global_files": []})   # agent restarted
     assert commits()[-1]["seq"] == 2 and commits()[-1]["path"] == "direct"
     assert commits()[-1]["flush"] is True
     for node in range(nodes):
         coord.handle(node, {"type": "flushed", "ckpt": "s2", "bundle": f"node-{node:05d}.h5",
                             "duration": 1.0})
-    assert record["level"] == "flushed" and "replicated" not in record["times"]
+    assert record.level == "flushed" and "replicated" not in record.times
 
     events = read_events(tmp_path / "events.jsonl")
     levels = [e["event"] for e in events if e.get("ckpt") == "s2"]

@@ -1,0 +1,728 @@
+"""The coordinator's decisions as a pure function: `decide(state, event)`.
+
+Given the coordinator's state (typed checkpoint and node records) and one event (a
+typed message from a node, a tick with the time, or the result of an effect it asked
+for), `decide` returns the new state and the effects to carry out: messages to agents,
+files to write (coordinator.json, status, index, global manifests), checkpoint
+directories to purge, events to emit, model computations to run. It reads no clock
+(time comes in with the event), touches no file and calls no MPI; coordinator.py carries
+the effects out, the PFS writes and the model off the thread that services MPI.
+
+The state is updated in place and returned: a copy per message would make every
+checkpoint cost O(nodes^2) at 10,000 nodes. Nothing else is touched.
+
+Protocol (agent <-> coordinator):
+  agent  -> coord  marker      an agent saw the commit marker of `ckpt` in its spool
+  coord  -> all    commit      `ckpt` is committed (seq, global files, flush or not)
+  agent  -> coord  captured    this node's part is in its stage (local manifest)
+  agent  -> coord  replicated  this node's partners hold verified copies (or why not)
+  agent  -> coord  flushed     this node's bundle is durable on the PFS
+  coord  -> all    manifest    every node captured: the global manifest, for every journal
+  coord  -> all    finalized   global manifest and index committed (level "flushed")
+  coord  -> all    failed      `ckpt` can never be whole: drop it
+  agent  -> coord  stop        a user asked to stop (signal, `cachex stop`)
+  coord  -> all    drain       finish pending work, then report `drained`
+  coord  -> all    exit        every agent drained (or the drain timed out)
+  agent  -> coord  unprotected committed checkpoints an agent found at start and left
+
+A level is recorded only when every node's part holds it; the global manifest is
+written last, after every bundle is durable, and only then is the index updated.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import layout
+from .index import Row, state_of_level
+from .manifest import GlobalManifest, LocalManifest
+from .safepath import checkpoint_id, relative_paths
+
+LEVELS = ("written", "captured", "replicated", "flushed")   # plus failed, evicted, purged
+IN_FLIGHT = LEVELS[:-1]
+FINAL = ("flushed", "failed", "evicted", "purged")  # no message moves these on
+ENDED = ("failed", "purged", "flushed")     # reports about these change nothing
+HEARTBEAT = 2.0     # seconds between status writes of a running coordinator, at most
+STATUS_EVERY = 0.5  # seconds between status writes while something changes, at least
+# Finished checkpoints (failed, evicted, purged) the journal, status and index keep, newest
+# first: enough for an agent that restarted with a stale entry, and the files stay bounded.
+HISTORY = 16
+NODE_MAPS = ("captured", "replicated", "flushed", "progress")
+
+
+# ------------------------------------------------------------------------- state
+@dataclass(slots=True)
+class CheckpointRecord:
+    """One checkpoint's global view. The per-node maps are keyed by str(node) (their JSON
+    form); a finished record keeps totals (`counts`, `bytes`), not every node's manifest."""
+    id: str
+    seq: int
+    level: str
+    global_files: list[str] = field(default_factory=list)
+    flush: bool = True
+    path: str | None = "peer"           # None: the model's choice is not back yet
+    rule: str | None = None             # the commit rule that saw it
+    times: dict[str, float] = field(default_factory=dict)
+    captured: dict[str, dict[str, Any]] = field(default_factory=dict)   # local manifests
+    replicated: dict[str, list[int]] = field(default_factory=dict)      # partners
+    flushed: dict[str, str] = field(default_factory=dict)               # bundles
+    errors: dict[str, str] = field(default_factory=dict)
+    progress: dict[str, dict[str, Any]] = field(default_factory=dict)
+    capture: dict[str, dict[str, str]] = field(default_factory=dict)    # not a plain copy
+    counts: dict[str, int] = field(default_factory=dict)
+    bytes: int = 0
+    reason: str | None = None
+    deadline: float = 0.0
+    replication_failed: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        """coordinator.json's form; the maps are copied (another thread writes it)."""
+        return {"id": self.id, "seq": self.seq, "level": self.level,
+                "global_files": list(self.global_files), "flush": self.flush,
+                "path": self.path, "rule": self.rule, "times": dict(self.times),
+                **{key: dict(getattr(self, key)) for key in
+                   ("captured", "replicated", "flushed", "errors", "progress", "capture",
+                    "counts")},
+                "bytes": self.bytes, "reason": self.reason, "deadline": self.deadline,
+                "replication_failed": self.replication_failed}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], source: object, key: str) -> CheckpointRecord:
+        """Ids name PFS directories that the coordinator writes and purges: checked."""
+        checkpoint_id(data.get("id"), source, key)
+        relative_paths(data.get("global_files", []), source, f"global file of {key}")
+        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        known.setdefault("path", "peer")        # journals from before the path choice
+        return cls(**{**known, "path": known["path"] or "peer"})
+
+    def node_bytes(self, node: int) -> int:
+        manifest = self.captured.get(str(node))
+        return part_bytes(manifest) if manifest else 0
+
+    def total_bytes(self) -> int:
+        if not self.captured:
+            return self.bytes                   # finished, or adopted from the PFS index
+        return sum(part_bytes(m) for m in self.captured.values())
+
+    def count(self, key: str) -> int:
+        """Nodes that reported `key`, also of a finished record (its maps emptied)."""
+        return len(getattr(self, key)) or self.counts.get(key, 0)
+
+
+@dataclass(slots=True)
+class NodeRecord:
+    """One agent as the coordinator knows it."""
+    rank: int
+    drained: bool = False
+    dead: bool = False          # a partner found it unresponsive
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    """What the decisions need of the configuration."""
+    run: str
+    commit_timeout: float
+    agent_timeout: float
+    flush_every: int
+    drain_timeout: float
+    keep_pfs: int
+    fixed_path: tuple[str, str] | None   # (path, reason) when no model is consulted
+
+
+@dataclass(slots=True)
+class CoordinatorState:
+    settings: Settings
+    nodes: list[NodeRecord]
+    ckpts: dict[str, CheckpointRecord] = field(default_factory=dict)
+    next_seq: int = 1
+    phase: str = "running"                  # running, draining, stopped
+    drain_deadline: float = 0.0
+    drained: int = 0
+    dirty: bool = True
+    last_status: float = float("-inf")
+    unprotected: list[dict[str, Any]] = field(default_factory=list)
+    announced: set[str] = field(default_factory=set)    # told to every agent by this life
+    choosing: dict[str, int] = field(default_factory=dict)  # ckpt -> marker node
+    finalizing: set[str] = field(default_factory=set)   # Finalize asked, no answer yet
+
+
+# ------------------------------------------------------------------------ events
+@dataclass(frozen=True, slots=True)
+class Marker:
+    node: int
+    now: float
+    ckpt: str
+    global_files: list[str]
+    t: float | None = None                  # when the agent saw it
+    rule: str | None = None                 # which commit rule saw it (status)
+
+
+@dataclass(frozen=True, slots=True)
+class Captured:
+    node: int
+    now: float
+    ckpt: str
+    manifest: dict[str, Any]
+    mode: str = "copy"
+    reason: str = ""
+    duration: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class CaptureFailed:
+    node: int
+    now: float
+    ckpt: str
+    error: str
+
+
+@dataclass(frozen=True, slots=True)
+class Replicated:
+    node: int
+    now: float
+    ckpt: str
+    ok: bool
+    partners: list[int] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)
+    dead: list[int] = field(default_factory=list)
+    duration: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class Flushed:
+    node: int
+    now: float
+    ckpt: str
+    bundle: str
+    adopted: bool = False
+    duration: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class FlushError:
+    node: int
+    now: float
+    ckpt: str
+    error: str
+    final: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Progress:
+    node: int
+    now: float
+    ckpt: str
+    stage: str
+    done: int
+    total: int
+
+
+@dataclass(frozen=True, slots=True)
+class Evicted:
+    node: int
+    now: float
+    ckpt: str
+
+
+@dataclass(frozen=True, slots=True)
+class Unprotected:
+    node: int
+    now: float
+    ckpts: list[str]
+    note: str
+
+
+@dataclass(frozen=True, slots=True)
+class Stop:
+    node: int
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Drained:
+    node: int
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class Tick:
+    now: float
+
+
+@dataclass(frozen=True, slots=True)
+class PathChosen:
+    """The model's answer to `Choose`."""
+    now: float
+    ckpt: str
+    path: str
+    reason: str
+    loss: dict[str, float] | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FinalizeDone:
+    """The answer to `Finalize`: `error` None when manifest and index are durable."""
+    now: float
+    ckpt: str
+    manifest: GlobalManifest
+    error: str | None = None
+
+
+FROM_AGENTS: dict[str, type] = {
+    "marker": Marker, "captured": Captured, "capture_failed": CaptureFailed,
+    "replicated": Replicated, "flushed": Flushed, "flush_error": FlushError,
+    "progress": Progress, "evicted": Evicted, "unprotected": Unprotected, "stop": Stop,
+    "drained": Drained}
+
+
+def from_wire(node: int, msg: dict[str, Any], now: float) -> Any:
+    """The typed event of an agent's message; None for a type the coordinator does not
+    know. Fields it does not know (e.g. `node`, `unflushed`) are dropped."""
+    kind = FROM_AGENTS.get(msg["type"])
+    if kind is None:
+        return None
+    fields = {k: v for k, v in msg.items() if k in kind.__dataclass_fields__}
+    return kind(**{**fields, "node": node, "now": now})
+
+
+# ----------------------------------------------------------------------- effects
+@dataclass(frozen=True, slots=True)
+class Send:
+    rank: int
+    msg: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Broadcast:
+    msg: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Emit:
+    event: str
+    fields: dict[str, Any]
+
+
+@dataclass(frozen=True, slots=True)
+class Log:
+    level: str          # "info", "warning", "error"
+    text: str
+
+
+@dataclass(frozen=True, slots=True)
+class SaveState:
+    """Write coordinator.json as the state is now (latest wins)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WriteStatus:
+    """Write status.json (journal and PFS) as the state is now (latest wins)."""
+
+
+@dataclass(frozen=True, slots=True)
+class WriteIndex:
+    """Write the PFS index as the state is now (latest wins)."""
+
+
+@dataclass(frozen=True, slots=True)
+class SaveGlobal:
+    """Keep the global manifest in the coordinator's journal."""
+    manifest: GlobalManifest
+
+
+@dataclass(frozen=True, slots=True)
+class Finalize:
+    """Write the global manifest onto the PFS, then `index` (this checkpoint valid);
+    answer with FinalizeDone."""
+    ckpt: str
+    manifest: GlobalManifest
+    index: list[Row]
+
+
+@dataclass(frozen=True, slots=True)
+class Purge:
+    """Remove these checkpoints' PFS directories (the index already says purged)."""
+    ckpts: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Observe:
+    """A stage duration for the model."""
+    stage: str
+    ckpt: str
+    node: int
+    nbytes: int
+    seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Choose:
+    """Ask the model for `ckpt`'s path; answer with PathChosen."""
+    ckpt: str
+    size: int
+    now: float
+
+
+Effects = list[Any]
+
+
+# --------------------------------------------------------------------- decisions
+def decide(state: CoordinatorState, event: Any) -> tuple[CoordinatorState, Effects]:
+    out: Effects = []
+    _HANDLERS[type(event)](state, event, out)
+    state.dirty = state.dirty or not isinstance(event, Tick)
+    return state, out
+
+
+def _on_marker(s: CoordinatorState, e: Marker, out: Effects) -> None:
+    record = s.ckpts.get(e.ckpt)
+    if record is not None:
+        if record.level in IN_FLIGHT and record.path is not None:
+            # an agent restarted: it may need the commit again
+            _announce(s, record, out, s.nodes[e.node].rank if e.ckpt in s.announced else None)
+        return
+    if s.phase != "running":
+        return
+    seq, s.next_seq = s.next_seq, s.next_seq + 1
+    record = CheckpointRecord(e.ckpt, seq, "written", global_files=list(e.global_files),
+                              rule=e.rule, flush=(seq - 1) % s.settings.flush_every == 0, path=None,
+                              times={"written": e.t if e.t is not None else e.now},
+                              deadline=e.now + s.settings.commit_timeout
+                              + s.settings.agent_timeout)
+    s.ckpts[e.ckpt] = record
+    if s.settings.fixed_path is not None:
+        _commit(s, record, *s.settings.fixed_path, None, e.node, out)
+        out.append(SaveState())
+        return
+    s.choosing[e.ckpt] = e.node
+    newest = _newest(s, LEVELS[1:])         # its size stands for this one's
+    out.append(Choose(e.ckpt, newest.total_bytes() if newest else 0, e.now))
+
+
+def _on_path_chosen(s: CoordinatorState, e: PathChosen, out: Effects) -> None:
+    node = s.choosing.pop(e.ckpt, 0)
+    record = s.ckpts.get(e.ckpt)
+    if record is None or record.path is not None or record.level not in IN_FLIGHT:
+        return
+    _commit(s, record, e.path, e.reason, e.loss, node, out)
+    out.append(SaveState())
+
+
+def _commit(s: CoordinatorState, record: CheckpointRecord, path: str, reason: str,
+            loss: dict[str, float] | None, node: int, out: Effects) -> None:
+    record.path = path
+    record.flush = record.flush or path == "direct"  # the PFS is its only copy beyond memory
+    out.append(Emit("committed", {"ckpt": record.id, "seq": record.seq, "marker_node": node,
+                                  "nodes": len(s.nodes), "path": path, "reason": reason,
+                                  "loss": loss}))
+    out.append(Log("info", f"checkpoint {record.id}: path {path} ({reason})"))
+    _announce(s, record, out)
+
+
+def _announce(s: CoordinatorState, record: CheckpointRecord, out: Effects,
+              rank: int | None = None) -> None:
+    """To every agent the first time in this coordinator's life; later (a marker from
+    each node that saw the checkpoint's marker, at scale) only to the one asking, else
+    N markers cost N broadcasts."""
+    msg = {"type": "commit", "ckpt": record.id, "seq": record.seq,
+           "global_files": record.global_files, "flush": record.flush, "path": record.path}
+    if rank is not None:
+        out.append(Send(rank, msg))
+        return
+    s.announced.add(record.id)
+    out.append(Broadcast(msg))
+
+
+def _on_captured(s: CoordinatorState, e: Captured, out: Effects) -> None:
+    record = s.ckpts.get(e.ckpt)
+    if record is None or record.level not in IN_FLIGHT:
+        return
+    record.captured[str(e.node)] = e.manifest
+    if e.mode != "copy":                    # status says why a part is not staged
+        record.capture[str(e.node)] = {"mode": e.mode, "reason": e.reason}
+    out.append(Observe("capture", e.ckpt, e.node, part_bytes(e.manifest), e.duration))
+    record.errors.pop(str(e.node), None)
+    _advance(s, record, e.now, out)
+
+
+def _on_replicated(s: CoordinatorState, e: Replicated, out: Effects) -> None:
+    for dead in e.dead:
+        if 0 <= dead < len(s.nodes):
+            s.nodes[dead].dead = True
+    record = s.ckpts.get(e.ckpt)
+    if record is None or record.level in ENDED:
+        return
+    if e.ok:
+        record.replicated[str(e.node)] = e.partners
+        out.append(Observe("replicate", e.ckpt, e.node, record.node_bytes(e.node),
+                           e.duration))
+    else:
+        record.replication_failed = True
+        record.errors[str(e.node)] = "; ".join(e.errors.values())
+    _advance(s, record, e.now, out)
+
+
+def _advance(s: CoordinatorState, record: CheckpointRecord, now: float, out: Effects) -> None:
+    """Move the level up as far as every node's reports allow."""
+    nodes = len(s.nodes)
+    if record.level == "written" and len(record.captured) == nodes:
+        _reach(s, record, "captured", now, out)
+        # every journal learns what the checkpoint is, long before the PFS does:
+        # what a recovery needs when the coordinator's node is the one lost
+        manifest = global_manifest(record, record.times, now)
+        out.append(SaveGlobal(manifest))
+        out.append(Broadcast({"type": "manifest", "ckpt": record.id,
+                              "manifest": manifest.to_json()}))
+    if (record.level == "captured" and len(record.replicated) == nodes
+            and not record.replication_failed):
+        _reach(s, record, "replicated", now, out)
+
+
+def _on_capture_failed(s: CoordinatorState, e: CaptureFailed, out: Effects) -> None:
+    record = s.ckpts.get(e.ckpt)
+    if record is not None and record.level == "written":
+        _fail(s, record, f"node {e.node}: {e.error}", out)
+
+
+def _on_flushed(s: CoordinatorState, e: Flushed, out: Effects) -> None:
+    record = s.ckpts.get(e.ckpt)
+    if record is None or record.level in ENDED:
+        return
+    record.flushed[str(e.node)] = e.bundle
+    if not e.adopted:
+        out.append(Observe("flush", e.ckpt, e.node, record.node_bytes(e.node), e.duration))
+    record.errors.pop(str(e.node), None)
+    record.progress.pop(str(e.node), None)
+    _try_finalize(s, record, e.now, out)
+
+
+def _on_flush_error(s: CoordinatorState, e: FlushError, out: Effects) -> None:
+    record = s.ckpts.get(e.ckpt)
+    if record is None:
+        return
+    record.errors[str(e.node)] = e.error
+    if e.final and record.level in IN_FLIGHT:
+        _fail(s, record, f"node {e.node}: flush impossible: {e.error}", out)
+
+
+def _on_progress(s: CoordinatorState, e: Progress, out: Effects) -> None:
+    record = s.ckpts.get(e.ckpt)
+    if record is not None and record.level not in ("flushed", "failed"):
+        record.progress[str(e.node)] = {"stage": e.stage, "done": e.done, "total": e.total}
+
+
+def _on_evicted(s: CoordinatorState, e: Evicted, out: Effects) -> None:
+    record = s.ckpts.get(e.ckpt)
+    if record is not None and record.level in IN_FLIGHT:
+        record.level = "evicted"
+        _finish(s, record)
+        out.append(SaveState())
+
+
+def _on_unprotected(s: CoordinatorState, e: Unprotected, out: Effects) -> None:
+    note = f"node {e.node}: {e.note}"
+    s.unprotected.append({"ckpts": list(e.ckpts), "note": note})
+    out.append(Emit("unprotected", {"node_reporting": e.node, "ckpts": list(e.ckpts),
+                                    "note": note}))
+
+
+def _on_stop(s: CoordinatorState, e: Stop, out: Effects) -> None:
+    if s.phase != "running":
+        return
+    s.phase = "draining"
+    s.drain_deadline = e.now + s.settings.drain_timeout
+    newest = _newest(s, IN_FLIGHT)
+    flush = [newest.id] if newest and not newest.flush else []
+    if newest:
+        newest.flush = True
+    out.append(Emit("drain", {"requested_by": e.node, "flush": flush}))
+    out.append(Broadcast({"type": "drain", "flush": flush}))
+
+
+def _on_drained(s: CoordinatorState, e: Drained, out: Effects) -> None:
+    node = s.nodes[e.node]
+    if not node.drained:
+        node.drained = True
+        s.drained += 1
+    _exit_if_drained(s, out)
+
+
+def _exit_if_drained(s: CoordinatorState, out: Effects) -> None:
+    """Every agent drained, and no finalize is still out: an agent reports `drained`
+    right after its last `flushed`, before the PFS took the global manifest."""
+    if s.phase == "draining" and s.drained == len(s.nodes) and not s.finalizing:
+        _exit(s, "every agent drained", out)
+
+
+def _on_tick(s: CoordinatorState, e: Tick, out: Effects) -> None:
+    nodes = len(s.nodes)
+    for record in list(s.ckpts.values()):
+        if record.level == "written" and e.now > record.deadline:
+            missing = sorted(set(range(nodes)) - {int(n) for n in record.captured})
+            _fail(s, record, f"nodes {missing} did not capture within"
+                             f" {s.settings.commit_timeout:.0f}s", out)
+        elif record.level in ("captured", "replicated") and len(record.flushed) == nodes:
+            _try_finalize(s, record, e.now, out)   # a finalize that met a PFS fault
+    if s.phase == "draining" and e.now > s.drain_deadline + s.settings.agent_timeout:
+        silent = [n for n, node in enumerate(s.nodes) if not node.drained]
+        _exit(s, f"drain timed out; agents {silent} did not report", out)
+    since = e.now - s.last_status
+    if (s.dirty and since >= STATUS_EVERY) or since >= HEARTBEAT:
+        out.append(WriteStatus())
+        s.dirty = False
+        s.last_status = e.now
+
+
+def _on_finalize_done(s: CoordinatorState, e: FinalizeDone, out: Effects) -> None:
+    s.finalizing.discard(e.ckpt)
+    record = s.ckpts.get(e.ckpt)
+    if record is None or record.level not in ("captured", "replicated"):
+        return
+    if e.error is not None:
+        record.errors["coordinator"] = f"global manifest: {e.error}"
+        out.append(Log("warning", f"finalize of {e.ckpt} failed: {e.error} (will retry)"))
+        _exit_if_drained(s, out)        # drained: no retry to wait for
+        return
+    record.errors.pop("coordinator", None)
+    out.append(SaveGlobal(e.manifest))
+    _reach(s, record, "flushed", e.now, out)
+    out.append(Broadcast({"type": "finalized", "ckpt": e.ckpt,
+                          "manifest": e.manifest.to_json()}))
+    if not _purge_pfs(s, out):
+        out.append(WriteIndex())    # a snapshot taken while the finalize was out lacks it
+    _exit_if_drained(s, out)
+
+
+# ---------------------------------------------------------------------- helpers
+def _reach(s: CoordinatorState, record: CheckpointRecord, level: str, now: float,
+           out: Effects) -> None:
+    record.level = level
+    record.times[level] = now
+    out.append(Emit(f"level_{level}", {"ckpt": record.id, "seq": record.seq,
+                                       "bytes": record.total_bytes(), "path": record.path,
+                                       "latency": now - record.times["written"]}))
+    if level in FINAL:
+        _finish(s, record)
+    out.append(SaveState())
+
+
+def _finish(s: CoordinatorState, record: CheckpointRecord) -> None:
+    """A checkpoint no message moves on keeps its totals, not every node's manifest
+    (those are in the global manifest; how a node captured, when not a plain copy,
+    stays for `cachex status`): coordinator.json, rewritten at every level of every
+    checkpoint, does not grow with nodes times checkpoints. Older finished ones than
+    HISTORY (valid ones on the PFS excepted) are forgotten."""
+    record.bytes = record.total_bytes()
+    record.counts = {key: len(getattr(record, key))
+                     for key in ("captured", "replicated", "flushed")}
+    for key in NODE_MAPS:
+        setattr(record, key, {})
+    finished = sorted((r for r in s.ckpts.values() if r.level in FINAL[1:]),
+                      key=lambda r: r.seq)
+    for old in finished[:-HISTORY]:
+        del s.ckpts[old.id]
+
+
+def _fail(s: CoordinatorState, record: CheckpointRecord, reason: str, out: Effects) -> None:
+    record.level = "failed"
+    record.reason = reason
+    _finish(s, record)
+    out.append(Emit("failed", {"ckpt": record.id, "seq": record.seq, "reason": reason}))
+    out.append(Log("error", f"checkpoint {record.id} failed: {reason}"))
+    out.append(Broadcast({"type": "failed", "ckpt": record.id, "reason": reason}))
+    out.append(SaveState())
+    out.append(WriteIndex())
+
+
+def _try_finalize(s: CoordinatorState, record: CheckpointRecord, now: float,
+                  out: Effects) -> None:
+    if (record.level not in ("captured", "replicated") or len(record.flushed) < len(s.nodes)
+            or record.id in s.finalizing):
+        return
+    s.finalizing.add(record.id)
+    manifest = global_manifest(record, {**record.times, "flushed": now}, now)
+    rows = [*index_rows(s), Row(record.id, record.seq, "valid", record.total_bytes(), now)]
+    out.append(Finalize(record.id, manifest, rows))
+
+
+def _purge_pfs(s: CoordinatorState, out: Effects) -> bool:
+    """Keep the newest `keep.pfs` valid checkpoints; True if it purged (and so asked for
+    an index write)."""
+    keep = s.settings.keep_pfs
+    valid = sorted((r for r in s.ckpts.values() if r.level == "flushed"), key=lambda r: r.seq)
+    if keep == 0 or len(valid) <= keep:
+        return False
+    purged = valid[:-keep]
+    for record in purged:
+        record.level = "purged"
+        _finish(s, record)
+        out.append(Emit("purged", {"ckpt": record.id, "seq": record.seq, "level": "pfs"}))
+    out.append(Purge([r.id for r in purged]))
+    out.append(SaveState())
+    out.append(WriteIndex())
+    return True
+
+
+def _exit(s: CoordinatorState, why: str, out: Effects) -> None:
+    if s.phase == "stopped":
+        return
+    s.phase = "stopped"
+    out.append(Emit("exit", {"reason": why}))
+    out.append(Log("info", f"coordinator: {why}; agents exit"))
+    out.append(Broadcast({"type": "exit",
+                          "dead": [n for n, node in enumerate(s.nodes) if node.dead]}))
+    out.append(WriteStatus())
+
+
+def _newest(s: CoordinatorState, levels: tuple[str, ...]) -> CheckpointRecord | None:
+    found = [r for r in s.ckpts.values() if r.level in levels]
+    return max(found, key=lambda r: r.seq) if found else None
+
+
+_HANDLERS: dict[type, Callable[[CoordinatorState, Any, Effects], None]] = {
+    Marker: _on_marker, Captured: _on_captured, CaptureFailed: _on_capture_failed,
+    Replicated: _on_replicated, Flushed: _on_flushed, FlushError: _on_flush_error,
+    Progress: _on_progress, Evicted: _on_evicted, Unprotected: _on_unprotected,
+    Stop: _on_stop, Drained: _on_drained, Tick: _on_tick, PathChosen: _on_path_chosen,
+    FinalizeDone: _on_finalize_done}
+
+
+# ----------------------------------------------------------- views of the state
+def global_manifest(record: CheckpointRecord, times: dict[str, float],
+                    now: float) -> GlobalManifest:
+    parts = [LocalManifest.from_json(m) for m in record.captured.values()]
+    bundles = {int(n): layout.bundle_name(int(n)) for n in record.captured}
+    return GlobalManifest.build(parts, record.global_files, times, bundles, now)
+
+
+def index_rows(s: CoordinatorState) -> list[Row]:
+    return [Row(r.id, r.seq, state_of_level(r.level), r.total_bytes(), r.times.get("flushed"))
+            for r in s.ckpts.values() if r.level in ("flushed", "failed", "purged")]
+
+
+def notes(s: CoordinatorState) -> list[str]:
+    """What agents left unprotected, unless another node's marker committed it since."""
+    return [u["note"] for u in s.unprotected if not all(c in s.ckpts for c in u["ckpts"])]
+
+
+def status_rows(s: CoordinatorState) -> list[dict[str, Any]]:
+    """Every checkpoint's row of status.json; the maps are copied (another thread
+    writes it)."""
+    return [{"id": r.id, "seq": r.seq, "level": r.level, "bytes": r.total_bytes(),
+             "times": dict(r.times), "nodes_captured": r.count("captured"),
+             "nodes_replicated": r.count("replicated"), "nodes_flushed": r.count("flushed"),
+             "flush": r.flush, "path": r.path, "rule": r.rule, "errors": dict(r.errors),
+             "capture": dict(r.capture), "progress": dict(r.progress), "reason": r.reason}
+            for r in sorted(s.ckpts.values(), key=lambda r: r.seq)]
+
+
+def state_json(s: CoordinatorState) -> dict[str, Any]:
+    """coordinator.json."""
+    return {"version": 1, "next_seq": s.next_seq,
+            "ckpts": {key: r.to_json() for key, r in s.ckpts.items()}}
+
+
+def part_bytes(manifest: dict[str, Any]) -> int:
+    return sum(e["size"] for e in manifest["files"])

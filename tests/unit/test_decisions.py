@@ -1,0 +1,308 @@
+"""The coordinator's decisions as a pure function: state + event -> state + effects.
+
+No files, no clock, no MPI: every test builds a state, feeds typed events with their
+times and looks at the state and the effects it gets back."""
+
+from __future__ import annotations
+
+import pytest
+
+from cachex_agent import decisions as d
+from cachex_agent.manifest import FileEntry, LocalManifest
+from cachex_agent.safepath import UnsafeInput
+
+NODES = 4
+COMMIT_TIMEOUT, AGENT_TIMEOUT = 10.0, 5.0
+
+
+def state(nodes: int = NODES, every: int = 1, keep_pfs: int = 0,
+          path: tuple[str, str] | None = ("peer", "model.path = peer")) -> d.CoordinatorState:
+    settings = d.Settings("r", COMMIT_TIMEOUT, AGENT_TIMEOUT, every, 30.0, keep_pfs, path)
+    return d.CoordinatorState(settings, [d.NodeRecord(10 + n) for n in range(nodes)])
+
+
+def part(ckpt: str, node: int, seq: int = 1) -> dict:
+    files = [FileEntry(f"__{node}_0.distcp", 100 + node, 0o644, f"{node:032x}")]
+    return LocalManifest(run="r", ckpt=ckpt, seq=seq, node=node, host="h", rank=node,
+                         files=files, captured_at=1.0).to_json()
+
+
+def of(effects: list, kind: type) -> list:
+    return [e for e in effects if isinstance(e, kind)]
+
+
+def broadcasts(effects: list, kind: str) -> list[dict]:
+    return [e.msg for e in of(effects, d.Broadcast) if e.msg["type"] == kind]
+
+
+def feed(s: d.CoordinatorState, *events) -> list:
+    out = []
+    for event in events:
+        s2, effects = d.decide(s, event)
+        assert s2 is s
+        out.extend(effects)
+    return out
+
+
+def captured_all(s, ckpt, now=2.0, nodes=range(NODES)):
+    return feed(s, *(d.Captured(n, now, ckpt, part(ckpt, n)) for n in nodes))
+
+
+def flushed_all(s, ckpt, now=4.0):
+    return feed(s, *(d.Flushed(n, now, ckpt, f"node-{n:05d}.h5") for n in range(NODES)))
+
+
+def test_marker_commits_once_with_a_sequence_number():
+    s = state()
+    out = feed(s, d.Marker(2, 1.0, "s1", [".metadata"], t=0.5))
+    (commit,) = broadcasts(out, "commit")
+    assert commit == {"type": "commit", "ckpt": "s1", "seq": 1, "global_files": [".metadata"],
+                      "flush": True, "path": "peer"}
+    assert of(out, d.SaveState) and of(out, d.Emit)[0].event == "committed"
+    record = s.ckpts["s1"]
+    assert (record.level, record.times["written"], record.deadline) == ("written", 0.5, 16.0)
+    again = feed(s, d.Marker(3, 1.5, "s1", []))
+    assert not broadcasts(again, "commit")
+    assert [(e.rank, e.msg["seq"]) for e in of(again, d.Send)] == [(13, 1)]  # only the asker
+    assert broadcasts(feed(s, d.Marker(0, 2.0, "s2", [])), "commit")[0]["seq"] == 2
+
+
+def test_commit_when_every_node_captured():
+    s = state()
+    feed(s, d.Marker(0, 1.0, "s1", [".metadata"]))
+    out = captured_all(s, "s1", nodes=range(NODES - 1))
+    assert s.ckpts["s1"].level == "written" and not broadcasts(out, "manifest")
+    assert [o.stage for o in of(out, d.Observe)] == ["capture"] * (NODES - 1)
+    out = captured_all(s, "s1", now=3.0, nodes=[NODES - 1])
+    assert s.ckpts["s1"].level == "captured" and s.ckpts["s1"].times["captured"] == 3.0
+    (manifest,) = broadcasts(out, "manifest")
+    assert len(manifest["manifest"]["nodes"]) == NODES
+    assert of(out, d.SaveGlobal)[0].manifest.ckpt == "s1"
+    assert [e.event for e in of(out, d.Emit)] == ["level_captured"]
+
+
+def test_a_node_failing_capture_fails_the_checkpoint_for_good():
+    s = state()
+    feed(s, d.Marker(0, 1.0, "s1", []))
+    out = feed(s, d.CaptureFailed(1, 2.0, "s1", "gone"))
+    record = s.ckpts["s1"]
+    assert record.level == "failed" and record.reason == "node 1: gone"
+    assert broadcasts(out, "failed") == [{"type": "failed", "ckpt": "s1",
+                                          "reason": "node 1: gone"}]
+    assert of(out, d.WriteIndex) and of(out, d.SaveState)
+    assert [r.state for r in d.index_rows(s)] == ["failed"]
+    assert not feed(s, d.Captured(2, 3.0, "s1", part("s1", 2)))     # never resurrected
+    assert s.ckpts["s1"].level == "failed"
+
+
+def test_capture_timeout_names_the_missing_nodes():
+    s = state()
+    feed(s, d.Marker(0, 100.0, "s1", []))
+    captured_all(s, "s1", now=101.0, nodes=[0, 2])
+    assert not broadcasts(feed(s, d.Tick(100.0 + COMMIT_TIMEOUT + AGENT_TIMEOUT)), "failed")
+    out = feed(s, d.Tick(100.1 + COMMIT_TIMEOUT + AGENT_TIMEOUT))
+    assert s.ckpts["s1"].level == "failed"
+    assert s.ckpts["s1"].reason == "nodes [1, 3] did not capture within 10s"
+    assert broadcasts(out, "failed")
+
+
+def replicated(n, ckpt="s1", dead=None):
+    if dead is None:
+        return d.Replicated(n, 3.0, ckpt, True, partners=[(n + 1) % NODES])
+    return d.Replicated(n, 3.0, ckpt, False, errors={str(dead): f"partner node {dead}: gone"},
+                        dead=[dead])
+
+
+def test_replicated_needs_every_node():
+    s = state()
+    feed(s, d.Marker(0, 1.0, "s1", []))
+    captured_all(s, "s1")
+    feed(s, *(replicated(n) for n in range(NODES - 1)))
+    assert s.ckpts["s1"].level == "captured"
+    out = feed(s, replicated(NODES - 1))
+    assert s.ckpts["s1"].level == "replicated"
+    assert [e.event for e in of(out, d.Emit)] == ["level_replicated"]
+
+
+def test_a_dead_partner_skips_replicated_and_is_named_at_exit():
+    s = state()
+    feed(s, d.Marker(0, 1.0, "s1", []))
+    captured_all(s, "s1")
+    feed(s, *(replicated(n, dead=2 if n == 1 else None) for n in range(NODES)))
+    record = s.ckpts["s1"]
+    assert record.level == "captured" and record.replication_failed
+    assert record.errors == {"1": "partner node 2: gone"}
+    assert [n.dead for n in s.nodes] == [False, False, True, False]
+    (request,) = of(flushed_all(s, "s1"), d.Finalize)
+    feed(s, d.FinalizeDone(4.5, "s1", request.manifest))
+    assert record.level == "flushed"
+    assert of(feed(s, d.Stop(0, 5.0), *(d.Drained(n, 6.0) for n in range(NODES))),
+              d.Broadcast)[-1].msg == {"type": "exit", "dead": [2]}
+
+
+def test_finalization_is_a_round_trip_and_the_index_says_valid_only_with_it():
+    s = state()
+    feed(s, d.Marker(0, 1.0, "s1", []))
+    captured_all(s, "s1")
+    out = flushed_all(s, "s1", now=4.0)
+    (request,) = of(out, d.Finalize)
+    assert request.manifest.ckpt == "s1" and request.manifest.times["flushed"] == 4.0
+    assert [(r.id, r.state) for r in request.index] == [("s1", "valid")]
+    assert s.ckpts["s1"].level == "captured" and not broadcasts(out, "finalized")
+    assert not of(feed(s, d.Tick(4.5)), d.Finalize)      # one finalize out at a time
+    out = feed(s, d.FinalizeDone(5.0, "s1", request.manifest))
+    record = s.ckpts["s1"]
+    assert record.level == "flushed" and record.times["flushed"] == 5.0
+    assert record.captured == {} and record.counts == {"captured": 4, "replicated": 0,
+                                                       "flushed": 4}
+    assert broadcasts(out, "finalized")[0]["manifest"]["ckpt"] == "s1"
+    assert of(out, d.SaveGlobal) and of(out, d.WriteIndex)
+    assert [(r.id, r.state) for r in d.index_rows(s)] == [("s1", "valid")]
+
+
+def test_a_failed_finalize_is_retried_at_the_next_tick():
+    s = state()
+    feed(s, d.Marker(0, 1.0, "s1", []))
+    captured_all(s, "s1")
+    (request,) = of(flushed_all(s, "s1"), d.Finalize)
+    out = feed(s, d.FinalizeDone(5.0, "s1", request.manifest, "Read-only file system"))
+    record = s.ckpts["s1"]
+    assert record.level == "captured"
+    assert record.errors["coordinator"] == "global manifest: Read-only file system"
+    assert of(out, d.Log)[0].level == "warning" and not broadcasts(out, "finalized")
+    (retry,) = of(feed(s, d.Tick(6.0)), d.Finalize)
+    feed(s, d.FinalizeDone(7.0, "s1", retry.manifest))
+    assert record.level == "flushed" and "coordinator" not in record.errors
+
+
+def test_a_transient_flush_error_is_shown_a_final_one_fails():
+    s = state()
+    feed(s, d.Marker(0, 1.0, "s1", []))
+    captured_all(s, "s1")
+    feed(s, d.FlushError(1, 3.0, "s1", "EIO"))
+    assert s.ckpts["s1"].level == "captured" and s.ckpts["s1"].errors["1"] == "EIO"
+    feed(s, d.Flushed(1, 4.0, "s1", "b"))
+    assert "1" not in s.ckpts["s1"].errors
+    out = feed(s, d.FlushError(2, 5.0, "s1", "checksum differs", final=True))
+    assert s.ckpts["s1"].level == "failed" and broadcasts(out, "failed")
+
+
+def test_pfs_retention_purges_the_oldest_after_a_finalize():
+    s = state(keep_pfs=1)
+    for seq, ckpt in enumerate(("s1", "s2"), 1):
+        feed(s, d.Marker(0, seq, ckpt, []))
+        captured_all(s, ckpt)
+        (request,) = of(flushed_all(s, ckpt), d.Finalize)
+        out = feed(s, d.FinalizeDone(seq + 0.5, ckpt, request.manifest))
+    assert of(out, d.Purge) == [d.Purge(["s1"])]
+    assert [(r.id, r.state) for r in d.index_rows(s)] == [("s1", "purged"), ("s2", "valid")]
+
+
+def test_drain_flushes_the_newest_and_exits_when_all_drained():
+    s = state(every=3)
+    feed(s, d.Marker(0, 1.0, "s1", []), d.Marker(0, 2.0, "s2", []))
+    assert s.ckpts["s2"].flush is False
+    out = feed(s, d.Stop(1, 10.0))
+    assert broadcasts(out, "drain") == [{"type": "drain", "flush": ["s2"]}]
+    assert s.phase == "draining" and s.ckpts["s2"].flush
+    assert not feed(s, d.Marker(0, 11.0, "s3", [])) and "s3" not in s.ckpts
+    assert not broadcasts(feed(s, d.Stop(2, 11.0)), "drain")       # once
+    out = feed(s, *(d.Drained(n, 12.0) for n in (0, 1, 1, 2)))
+    assert not broadcasts(out, "exit")              # a node reporting twice counts once
+    out = feed(s, d.Drained(3, 13.0))
+    assert broadcasts(out, "exit") == [{"type": "exit", "dead": []}]
+    assert s.phase == "stopped" and of(out, d.WriteStatus)
+
+
+def test_the_drain_waits_for_a_finalize_still_out():
+    s = state()
+    feed(s, d.Marker(0, 1.0, "s1", []))
+    captured_all(s, "s1")
+    feed(s, d.Stop(0, 3.0))
+    (request,) = of(flushed_all(s, "s1"), d.Finalize)
+    # each agent reports drained right after its last flushed, before the PFS answered
+    out = feed(s, *(d.Drained(n, 4.5) for n in range(NODES)))
+    assert not broadcasts(out, "exit") and s.phase == "draining"
+    out = feed(s, d.FinalizeDone(5.0, "s1", request.manifest))
+    assert [m["type"] for m in (e.msg for e in of(out, d.Broadcast))] == ["finalized", "exit"]
+    assert s.ckpts["s1"].level == "flushed" and s.phase == "stopped"
+
+
+def test_a_drain_that_times_out_names_the_silent_agents():
+    s = state()
+    feed(s, d.Stop(0, 10.0), d.Drained(0, 11.0), d.Drained(2, 11.0))
+    assert not broadcasts(feed(s, d.Tick(10.0 + 30.0 + AGENT_TIMEOUT)), "exit")
+    out = feed(s, d.Tick(10.1 + 30.0 + AGENT_TIMEOUT))
+    assert broadcasts(out, "exit")
+    assert of(out, d.Emit)[0].fields == {"reason": "drain timed out; agents [1, 3] did"
+                                                   " not report"}
+
+
+def test_the_model_is_asked_and_the_commit_waits_for_its_answer():
+    s = state(path=None)
+    feed(s, d.Marker(0, 1.0, "s1", []))
+    captured_all(s, "s1")
+    out = feed(s, d.Marker(1, 20.0, "s2", []))
+    assert of(out, d.Choose) == [d.Choose("s2", 4 * 100 + 6, 20.0)]   # s1's size
+    assert not broadcasts(out, "commit") and s.ckpts["s2"].path is None
+    assert not of(out, d.SaveState)         # saved once, with its path
+    assert not feed(s, d.Marker(2, 20.5, "s2", []))     # nothing to repeat yet
+    out = feed(s, d.PathChosen(21.0, "s2", "direct", "expected loss ..."))
+    (commit,) = broadcasts(out, "commit")
+    assert commit["path"] == "direct" and commit["flush"] is True and of(out, d.SaveState)
+    assert of(out, d.Emit)[0].fields["marker_node"] == 1
+    assert not broadcasts(feed(s, d.PathChosen(22.0, "s2", "peer", "late")), "commit")
+
+
+def test_status_is_written_when_something_changed_and_as_a_heartbeat():
+    s = state()
+    assert of(feed(s, d.Tick(100.0)), d.WriteStatus)
+    assert not of(feed(s, d.Tick(100.2)), d.WriteStatus)    # nothing changed
+    feed(s, d.Progress(1, 100.3, "x", "flush", 1, 2))         # unknown ckpt: still a message
+    assert not of(feed(s, d.Tick(100.4)), d.WriteStatus)    # changed, but within 0.5 s
+    assert of(feed(s, d.Tick(100.6)), d.WriteStatus)
+    assert not of(feed(s, d.Tick(102.0)), d.WriteStatus)
+    assert of(feed(s, d.Tick(102.7)), d.WriteStatus)        # heartbeat
+
+
+def test_finished_records_keep_totals_and_history_stays_bounded():
+    s = state()
+    for i in range(d.HISTORY + 5):
+        feed(s, d.Marker(0, i, f"s{i}", []), d.CaptureFailed(0, i, f"s{i}", "no"))
+    assert len(s.ckpts) == d.HISTORY
+    assert min(r.seq for r in s.ckpts.values()) == 6
+
+
+def test_decisions_are_deterministic():
+    def run() -> list:
+        s = state()
+        out = feed(s, d.Marker(0, 1.0, "s1", [".m"]))
+        out += captured_all(s, "s1")
+        out += feed(s, *(replicated(n) for n in range(NODES)))
+        out += flushed_all(s, "s1")
+        out += feed(s, d.FinalizeDone(5.0, "s1", of(out, d.Finalize)[0].manifest))
+        return [(type(e).__name__, getattr(e, "msg", None), getattr(e, "fields", None))
+                for e in out], d.state_json(s)
+    assert run() == run()
+
+
+def test_records_round_trip_through_coordinator_json():
+    s = state()
+    feed(s, d.Marker(0, 1.0, "s1", [".m"]))
+    captured_all(s, "s1", nodes=[0, 1])
+    data = d.state_json(s)["ckpts"]["s1"]
+    again = d.CheckpointRecord.from_json(data, "coordinator.json", "s1")
+    assert again == s.ckpts["s1"]
+    old = {"id": "s0", "seq": 1, "level": "flushed", "bytes": 5}   # an older journal
+    assert d.CheckpointRecord.from_json(old, "x", "s0").path == "peer"
+    with pytest.raises(UnsafeInput, match="unsafe checkpoint id"):
+        d.CheckpointRecord.from_json({"id": "../up", "seq": 1, "level": "written"}, "x", "k")
+
+
+def test_wire_messages_become_typed_events():
+    event = d.from_wire(3, {"type": "drained", "node": 3, "unflushed": []}, 7.0)
+    assert event == d.Drained(3, 7.0)
+    assert d.from_wire(3, {"type": "nonsense"}, 7.0) is None
+    captured = d.from_wire(1, {"type": "captured", "ckpt": "s1", "manifest": {"files": []}},
+                           2.0)
+    assert captured == d.Captured(1, 2.0, "s1", {"files": []}, "copy", "", 0.0)
