@@ -4,7 +4,8 @@
     <cache>/<run>/replicas/node-<owner>/<ckpt>.manifest.json   written last
 
 (layout.py names them.) One writer thread does all disk work, in the
-order the slots were filled, so a file's checksum is computed as its bytes arrive; the
+order the slots were filled, so a file's checksum is computed as its bytes arrive (each
+1 MiB piece hashed, then written while still in the cache); the
 main thread only queues work (`begin`, `slot`, `end`) and forwards what the writer
 `post`s: a `credit` once a slot's bytes are on disk (the owner may refill it), and an
 `ack` once every file is verified against the owner's checksums, fsynced, renamed into
@@ -28,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..checksum import COPY_CHUNK as PIECE
 from ..checksum import hasher
 from ..errors import describe
 from ..events import EventLog
@@ -183,11 +185,16 @@ class ReplicaStore:
             item.fds[index] = self._retry_full(lambda: self._open(item.partial, entry))
             item.hashers[index] = hasher()
         data = self.window.view(region, slot, length)
-        item.hashers[index].update(data)
-        done = 0
-        while done < length:
-            done += self._retry_full(
-                lambda d=done: os.pwrite(item.fds[index], data[d:], offset + d))
+        digest, fd = item.hashers[index], item.fds[index]
+        # hash and write one piece at a time: the write then reads the bytes the hash
+        # just brought into the cache, not the window's memory again
+        for start in range(0, length, PIECE):
+            piece = data[start:start + PIECE]
+            digest.update(piece)
+            done = 0
+            while done < len(piece):
+                done += self._retry_full(
+                    lambda p=piece, at=offset + start + done, d=done: os.pwrite(fd, p[d:], at))
         item.written[index] = offset + length
         if item.written[index] == entry.size:
             self._close_file(item, index)
