@@ -452,7 +452,8 @@ class Agent:
         self._share_globals(manifest, entry)
         peer = self.announced.get(ckpt, {}).get("path", "peer") == "peer"
         if self.replicator is not None and peer and not entry.get("replicated"):
-            self.replicator.replicate(manifest, Path(entry["source"]))
+            self.replicator.replicate(manifest, Path(entry["source"]),
+                                      mapped=entry.get("mode") == "copy")
         else:
             self._flush_if_wanted(manifest, entry)
         self._retain_stage()

@@ -9,14 +9,19 @@ Protocol (small messages on the PEER tag; bulk bytes only through `Put`):
 
 Each owner has `peer.slots` slots of `peer.slot` bytes in each partner's window, so
 memory is bounded by the window whatever the checkpoint size, and several owners can
-send to one partner at once. The main thread calls `pump()` every tick: it never blocks
-on a partner. A partner that leaves slots unanswered for `agent.timeout` is declared
-dead: reported, never sent to again in this run; the owner's data goes on to the PFS.
+send to one partner at once. Bytes go from a mapping of the staged file straight into
+the partner's window (no read into a buffer first). The main thread calls `pump()`
+every tick: it never blocks on a partner. A partner that leaves slots unanswered for
+`agent.timeout` is declared dead: reported, never sent to again in this run; the
+owner's data goes on to the PFS.
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import mmap
+import os
 import time
 from collections import deque
 from collections.abc import Callable
@@ -37,6 +42,7 @@ from .window import ReceiveWindow
 log = logging.getLogger(__name__)
 Send = Callable[[int, dict[str, Any]], None]
 Post = Callable[[dict[str, Any]], None]
+POPULATE = getattr(mmap, "MAP_POPULATE", 0)     # Linux; elsewhere faults per page
 
 
 @dataclass
@@ -49,6 +55,7 @@ class Sender:
     rank: int
     region: int             # my region in the partner's window
     free: deque[int]
+    mapped: bool = True     # Put straight from a mapping of each piece (see `next_chunk`)
     file: int = 0
     offset: int = 0
     handle: BinaryIO | None = None
@@ -56,24 +63,47 @@ class Sender:
     heard: float = field(default_factory=time.monotonic)
     error: str | None = None
 
-    def next_chunk(self, buffer: np.ndarray) -> tuple[int, int, int] | None:
-        """Read the next piece into `buffer`: (file index, offset, length), or None."""
+    def next_chunk(self, buffer: np.ndarray) -> tuple[int, int, np.ndarray] | None:
+        """The next piece, at most `buffer.nbytes` long: (file index, offset, its bytes),
+        or None when every file was sent.
+
+        Mapped, the bytes are a view of a mapping of just that piece (no copy, and memory
+        bounded by one slot whatever the file size); drop the view once it was Put. A
+        capture by reference is read into `buffer` instead: its files are the trainer's,
+        and a mapped file truncated under us would end the agent with SIGBUS."""
         files = self.manifest.files
         while self.file < len(files):
             entry = files[self.file]
             if self.offset < entry.size:
                 if self.handle is None:
-                    self.handle = open(self.source / entry.path, "rb", buffering=0)  # noqa: SIM115
-                    self.handle.seek(self.offset)
-                n = self.handle.readinto(memoryview(buffer)[:min(buffer.nbytes,
-                                                                 entry.size - self.offset)])
-                if not n:
-                    raise OSError(f"{self.source / entry.path}: shorter than its manifest")
-                chunk = (self.file, self.offset, n)
-                self.offset += n
+                    self.handle = self._open(entry.path, entry.size)
+                length = min(buffer.nbytes, entry.size - self.offset)
+                data = (map_piece(self.handle.fileno(), self.offset, length) if self.mapped
+                        else self._read(buffer, length))
+                chunk = (self.file, self.offset, data)
+                self.offset += length
                 return chunk
             self._next_file()
         return None
+
+    def _open(self, relpath: str, size: int) -> BinaryIO:
+        handle = open(self.source / relpath, "rb", buffering=0)  # noqa: SIM115
+        if os.fstat(handle.fileno()).st_size < size:
+            handle.close()
+            raise OSError(errno.EIO, f"{self.source / relpath}: shorter than its manifest")
+        handle.seek(self.offset)
+        return handle
+
+    def _read(self, buffer: np.ndarray, length: int) -> np.ndarray:
+        assert self.handle is not None
+        view = memoryview(buffer)[:length]
+        done = 0
+        while done < length:
+            n = self.handle.readinto(view[done:])
+            if not n:
+                raise OSError(errno.EIO, f"{self.handle.name}: shorter than its manifest")
+            done += n
+        return buffer[:length]
 
     def _next_file(self) -> None:
         if self.handle is not None:
@@ -85,6 +115,20 @@ class Sender:
         if self.handle is not None:
             self.handle.close()
             self.handle = None
+
+
+def map_piece(fd: int, offset: int, length: int) -> np.ndarray:
+    """Bytes [offset, offset+length) of the file, mapped read-only and populated in one
+    call (one fault per piece, not per page). A mapping must start on an allocation
+    boundary: map from the one below `offset`. The mapping goes with the last view of it.
+    `length` > 0 (an empty file has no piece; mmap refuses 0 bytes)."""
+    start = offset - offset % mmap.ALLOCATIONGRANULARITY
+    try:
+        mapping = mmap.mmap(fd, offset + length - start, flags=mmap.MAP_SHARED | POPULATE,
+                            prot=mmap.PROT_READ, offset=start)
+    except ValueError as exc:       # mmap's word for "past the end of the file"
+        raise OSError(errno.EIO, f"shorter than its manifest ({exc})") from None
+    return np.frombuffer(mapping, dtype=np.uint8, count=length, offset=offset - start)
 
 
 class Replicator:
@@ -110,8 +154,9 @@ class Replicator:
         self.started: dict[str, float] = {}
 
     # ----------------------------------------------------------------- owner side
-    def replicate(self, manifest: LocalManifest, source: Path) -> None:
-        """Queue `manifest` to every partner; `post`s `replicated` when all answered."""
+    def replicate(self, manifest: LocalManifest, source: Path, mapped: bool = True) -> None:
+        """Queue `manifest` to every partner; `post`s `replicated` when all answered.
+        `mapped`: `source` is the agent's own copy (never truncated), Put from mappings."""
         if manifest.ckpt in self.results:
             return                      # already under way (a repeated announcement)
         self.results[manifest.ckpt] = {}
@@ -124,7 +169,7 @@ class Replicator:
                 continue
             self.queues[partner].append(Sender(
                 manifest, source, partner, self.ranks[partner], self.regions[partner],
-                deque(range(self.slots))))
+                deque(range(self.slots)), mapped))
 
     def pump(self) -> None:
         """Move what can move now; detect partners that stopped answering."""
@@ -153,15 +198,19 @@ class Replicator:
                     sender.state = "ending"
                     self.send(sender.rank, {"type": "end", "ckpt": sender.manifest.ckpt})
                     break
+                index, offset, data = chunk
                 slot = sender.free.popleft()
-                self.window.put(self.buffer[:chunk[2]], sender.rank, sender.region, slot)
+                self.window.put(data, sender.rank, sender.region, slot)
                 self.send(sender.rank, {"type": "slot", "ckpt": sender.manifest.ckpt,
-                                        "slot": slot, "file": chunk[0], "offset": chunk[1],
-                                        "length": chunk[2]})
+                                        "slot": slot, "file": index, "offset": offset,
+                                        "length": data.nbytes})
+                del data, chunk     # a mapped piece is unmapped with its last view
         except OSError as exc:
-            self._fail(sender, f"reading {sender.source}: {exc}")
+            # end the stream but stay at the head of the queue until the partner's ack:
+            # credits for slots it still writes must not reach the next checkpoint's sender
+            sender.error, sender.state = f"reading {sender.source}: {exc}", "ending"
+            sender.close()
             self.send(sender.rank, {"type": "end", "ckpt": sender.manifest.ckpt})
-            return
         waiting = sender.state == "ending" or not sender.free
         if waiting and now - sender.heard > self.timeout:
             reason = f"did not answer for {self.timeout:.0f}s"
@@ -181,9 +230,11 @@ class Replicator:
         sender = self._current(partner)
         if sender is None or sender.manifest.ckpt != ckpt:
             return
-        sender.state = "done" if ok else "failed"
+        sender.state = "done" if ok and sender.error is None else "failed"
         sender.close()
-        self._finish(sender.manifest, partner, None if ok else f"partner node {partner}: {error}")
+        if sender.error is None and not ok:
+            sender.error = f"partner node {partner}: {error}"
+        self._finish(sender.manifest, partner, sender.error)
 
     def _current(self, partner: int) -> Sender | None:
         queue = self.queues.get(partner)

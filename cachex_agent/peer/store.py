@@ -4,7 +4,8 @@
     <cache>/<run>/replicas/node-<owner>/<ckpt>.manifest.json   written last
 
 (layout.py names them.) One writer thread does all disk work, in the
-order the slots were filled, so a file's checksum is computed as its bytes arrive; the
+order the slots were filled, so a file's checksum is computed as its bytes arrive (a
+second thread hashes each slot while the writer writes it, in 1 MiB pieces); the
 main thread only queues work (`begin`, `slot`, `end`) and forwards what the writer
 `post`s: a `credit` once a slot's bytes are on disk (the owner may refill it), and an
 `ack` once every file is verified against the owner's checksums, fsynced, renamed into
@@ -24,10 +25,12 @@ import queue
 import threading
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..checksum import COPY_CHUNK as PIECE
 from ..checksum import hasher
 from ..errors import describe
 from ..events import EventLog
@@ -63,6 +66,12 @@ def held_replicas(root: Path) -> dict[int, list[LocalManifest]]:
                               " the replica stored here")
         found.setdefault(manifest.node, []).append(manifest)
     return {owner: sorted(items, key=lambda m: m.seq) for owner, items in found.items()}
+
+
+def _update(digest: Any, data: memoryview) -> None:
+    """Hash `data` in pieces of PIECE bytes, the writes' order."""
+    for start in range(0, len(data), PIECE):
+        digest.update(data[start:start + PIECE])
 
 
 def partial_dir(root: Path, owner: int, ckpt: str) -> Path:
@@ -101,6 +110,7 @@ class ReplicaStore:
         self._open_streams: dict[int, float] = {}       # owner -> last heard
         self._tasks: queue.Queue[tuple[str, tuple[Any, ...]] | None] = queue.Queue()
         self._incoming: dict[tuple[int, str], _Incoming] = {}
+        self._hashing = ThreadPoolExecutor(1, thread_name_prefix="replica-hash")
         self._thread = threading.Thread(target=self._run, name="replica-writer", daemon=True)
         self._thread.start()
 
@@ -133,6 +143,7 @@ class ReplicaStore:
     def close(self, timeout: float = 10.0) -> None:
         self._tasks.put(None)
         self._thread.join(timeout)
+        self._hashing.shutdown(wait=False)
 
     # ---------------------------------------------------------- writer thread
     def _run(self) -> None:
@@ -183,11 +194,20 @@ class ReplicaStore:
             item.fds[index] = self._retry_full(lambda: self._open(item.partial, entry))
             item.hashers[index] = hasher()
         data = self.window.view(region, slot, length)
-        item.hashers[index].update(data)
-        done = 0
-        while done < length:
-            done += self._retry_full(
-                lambda d=done: os.pwrite(item.fds[index], data[d:], offset + d))
+        # the hash runs beside the writes (xxhash lets go of the GIL), over the same
+        # pieces in the same order: a slot costs max(write, hash), not their sum. Both
+        # are done before the slot is credited back to the owner.
+        hashed = self._hashing.submit(_update, item.hashers[index], data)
+        try:
+            fd = item.fds[index]
+            for start in range(0, length, PIECE):
+                piece = data[start:start + PIECE]
+                done = 0
+                while done < len(piece):
+                    done += self._retry_full(lambda p=piece, at=offset + start + done, d=done:
+                                             os.pwrite(fd, p[d:], at))
+        finally:
+            hashed.result()
         item.written[index] = offset + length
         if item.written[index] == entry.size:
             self._close_file(item, index)

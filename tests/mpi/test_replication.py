@@ -49,8 +49,10 @@ def make_files(directory: Path, sizes: dict[str, int], seed: int) -> list[FileEn
     return entries
 
 
-def run_replication(root: Path, cfg, sizes_of_rank, ckpts=("c1",)) -> dict:
-    """Every rank replicates its files to its partners, serving the others meanwhile."""
+def run_replication(root: Path, cfg, sizes_of_rank, ckpts=("c1",), mapped=True,
+                    damage=None) -> dict:
+    """Every rank replicates its files to its partners, serving the others meanwhile.
+    `damage(source)` runs on each staged checkpoint after its manifest was made."""
     from mpi4py import MPI
 
     from cachex_agent.peer.replicator import Replicator
@@ -73,7 +75,9 @@ def run_replication(root: Path, cfg, sizes_of_rank, ckpts=("c1",)) -> dict:
         files = make_files(source, sizes_of_rank(comm.rank), seed=comm.rank * 100 + seq)
         manifest = LocalManifest(run="r", ckpt=ckpt, seq=seq, node=comm.rank, host="h",
                                  rank=comm.rank, files=files)
-        replicator.replicate(manifest, source)
+        if damage is not None:
+            damage(source)
+        replicator.replicate(manifest, source, mapped=mapped)
     barrier = None
     deadline = time.monotonic() + 120
     status = MPI.Status()
@@ -128,8 +132,10 @@ def check_replicas(root: Path, cfg, ckpts=("c1",)) -> list[str]:
     return problems
 
 
-@pytest.mark.parametrize("case", ["wraparound", "small_files", "empty_and_mixed"])
-def test_replicas_are_byte_identical(mpi_tmp_path, case):
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "read"])
+@pytest.mark.parametrize("case", ["wraparound", "small_files", "empty_and_mixed",
+                                  "unaligned_slot"])
+def test_replicas_are_byte_identical(mpi_tmp_path, case, mapped):
     from mpi4py import MPI
     comm = MPI.COMM_WORLD
     sizes = {
@@ -138,13 +144,38 @@ def test_replicas_are_byte_identical(mpi_tmp_path, case):
         "small_files": lambda rank: {f"d{i % 7}/f{i:04d}": 10 + i % 50 for i in range(2000)},
         "empty_and_mixed": lambda rank: {"empty": 0, "a/empty2": 0, "x": 65536, "y": 65537,
                                           ".metadata": 3},
+        # with a slot of 5000 bytes, pieces start off page boundaries: mapped from below
+        "unaligned_slot": lambda rank: {"a": 5000 * 7 + 1 + rank, "b": 4999, "c": 0},
     }[case]
-    cfg = config(mpi_tmp_path, '[peer]\nslot = "64KiB"\nslots = 2\n')
-    results = run_replication(mpi_tmp_path, cfg, sizes, ckpts=("c1", "c2"))
+    slot = "5000" if case == "unaligned_slot" else '"64KiB"'
+    cfg = config(mpi_tmp_path, f'[peer]\nslot = {slot}\nslots = 2\n')
+    results = run_replication(mpi_tmp_path, cfg, sizes, ckpts=("c1", "c2"), mapped=mapped)
     ok = all(r["ok"] for r in results.values()) and len(results) == 2
     assert all_ok(comm, ok), results
     problems = check_replicas(mpi_tmp_path, cfg, ckpts=("c1", "c2"))
     assert all_ok(comm, not problems), problems[:5]
+
+
+@pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "read"])
+def test_a_staged_file_shorter_than_its_manifest_fails_that_replica(mpi_tmp_path, mapped):
+    """Cut after its checksum was taken: the owner names the file, the agent lives on (a
+    mapping past the end would be SIGBUS), and the partner keeps nothing of it."""
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    cfg = config(mpi_tmp_path, '[peer]\nslot = "64KiB"\nslots = 2\n')
+
+    def cut(source: Path) -> None:
+        os.truncate(source / "big.bin", 100_000)
+    results = run_replication(mpi_tmp_path, cfg, lambda rank: {"a": 10, "big.bin": 300_000},
+                              mapped=mapped, damage=cut)
+    errors = list(results["c1"]["errors"].values())
+    ok = (not results["c1"]["ok"] and len(errors) == 1 and "big.bin" in errors[0]
+          and "shorter than its manifest" in errors[0])
+    assert all_ok(comm, ok), results
+    partner = cfg.node_paths(comm.rank).replicas
+    owner = (comm.rank - 1) % comm.size
+    assert all_ok(comm, not replica_manifest_path(partner, owner, "c1").exists())
+    assert all_ok(comm, not replica_dir(partner, owner, "c1").exists())
 
 
 def test_two_owners_write_to_one_partner(mpi_tmp_path):

@@ -1,0 +1,299 @@
+"""Commit to `replicated` inside real agents against the machine's floor for the same bytes.
+
+Two virtual nodes on this host (`mpiexec -n 2 cachex-agent`, topology.domain "rank",
+model.path "peer": each node replicates to the other). Spools, stages and caches (the
+replica directories and journals) live under --dir (/dev/shm); the PFS under --pfs (the
+disk). Every repeat, alternating which kind goes first:
+
+  floor     both nodes at once, one thread each: `cp -r` of the node's part from a
+            directory beside its spool (same file system) to one beside its stage, then a
+            raw write of the part's file sizes into a directory beside its replicas
+            (os.pwrite of 1 MiB pieces of a pre-filled buffer, fsync per file, then the
+            directory). The floor is the wall time until
+            both nodes are done: what moving the bytes costs with no protocol at all.
+  pipeline  a checkpoint of --size per node (--files files, random bytes) is written into
+            both spools untimed, then committed: DCP's `.metadata` renamed into node 0's
+            part. The time is from that rename to the later of the two nodes' `replicated`
+            events (capture, checksums, manifest, coordinator messages, Put, credits, the
+            partner's verify, fsync, rename, manifest). `flush.every` is large: only the
+            warm-up checkpoint is flushed, and the run waits for that flush before timing.
+
+The ratio is floor time / pipeline time (>= 0.7 is the target). Each repeat's spool part
+is removed afterwards (keep.stage and keep.replica 1 drop the older copies).
+
+    python benchmarks/pipeline.py [--size 1GiB] [--files 16] [--repeat 3] [--dir /dev/shm]
+                                  [--pfs /tmp] [--json FILE]
+
+Run it also with MPIR_CVAR_NOLOCAL=1 in the environment (the agents inherit it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from capture import write_files  # noqa: E402
+
+from cachex_agent.config import parse_size  # noqa: E402
+from cachex_agent.events import read_events  # noqa: E402
+from cachex_agent.fsutil import fsync_dir  # noqa: E402
+
+MiB = 1024 * 1024
+BIN = Path(sys.executable).parent
+NODES = 2
+RUN = "bench"
+TARGET = 0.7
+PIECE = MiB
+
+
+def write_config(root: Path, pfs: Path) -> Path:
+    path = root / "bench.toml"
+    path.write_text(f'''run = "{RUN}"
+[paths]
+spool = "{root}/node{{node}}/spool"
+stage = "{root}/node{{node}}/shm"
+cache = "{root}/node{{node}}/nvme"
+pfs = "{pfs}"
+[topology]
+domain = "rank"
+[model]
+path = "peer"
+[commit]
+rule = "dcp"
+[flush]
+every = 1000
+[keep]
+stage = 1
+replica = 1
+[agent]
+timeout = "60s"
+''')
+    for node in range(NODES):
+        (root / f"node{node}" / "spool").mkdir(parents=True)
+    return path
+
+
+class Agents:
+    """`mpiexec -n 2 cachex-agent` and its events files."""
+
+    def __init__(self, root: Path, config: Path) -> None:
+        self.root, self.config = root, config
+        self.log = (root / "agents.log").open("wb")
+        self.proc = subprocess.Popen(
+            [str(BIN / "mpiexec"), "-n", str(NODES), str(BIN / "cachex-agent"), "--config",
+             str(config)], stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        for node in range(NODES):
+            self.wait(node, lambda e: e["event"] == "agent_start", 120)
+
+    def events(self, node: int) -> list[dict[str, Any]]:
+        path = self.root / f"node{node}" / "nvme" / RUN / "journal" / "events.jsonl"
+        try:
+            return read_events(path)
+        except FileNotFoundError:
+            return []
+
+    def wait(self, node: int, match: Any, timeout: float) -> dict[str, Any]:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            found = [e for e in self.events(node) if match(e)]
+            if found:
+                return found[-1]
+            if self.proc.poll() is not None:
+                tail = Path(self.log.name).read_text()[-2000:]
+                raise SystemExit(f"agents exited with {self.proc.returncode}:\n{tail}")
+            time.sleep(0.005)
+        raise SystemExit(f"timed out after {timeout:.0f}s waiting for an event of node {node}")
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            subprocess.run([str(BIN / "cachex"), "stop", "--timeout", "60", "--config",
+                            str(self.config)], capture_output=True, timeout=120)
+        try:
+            self.proc.wait(60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, 9)
+            self.proc.wait(10)
+        self.log.close()
+
+
+# -------------------------------------------------------------------------- floor
+def raw_write(directory: Path, sizes: list[int], pool: np.ndarray) -> None:
+    """The part's files from memory, fsync each, then the directory (as the replica
+    store does, without the protocol)."""
+    directory.mkdir(parents=True)
+    view = memoryview(pool)
+    for i, size in enumerate(sizes):
+        fd = os.open(directory / f"f{i:03d}", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        try:
+            offset = 0
+            while offset < size:
+                piece = view[offset % pool.nbytes:][:min(PIECE, size - offset)]
+                offset += os.pwrite(fd, piece, offset)
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fsync_dir(directory)
+
+
+def floor_once(root: Path, ckpt: str, sizes: list[int], pool: np.ndarray) -> float:
+    """Both nodes at once: cp -r spool -> stage, then the raw write to the replica dir."""
+    failures: list[BaseException] = []
+    start_line = threading.Barrier(NODES + 1)
+
+    def node_work(node: int) -> None:
+        base = root / f"node{node}"
+        try:
+            start_line.wait()
+            subprocess.run(["cp", "-r", str(base / "floor-spool" / ckpt),
+                            str(base / "floor-stage")],
+                           check=True)
+            raw_write(base / "floor-replica", sizes, pool)
+        except BaseException as exc:   # noqa: BLE001 (reported by the caller)
+            failures.append(exc)
+    threads = [threading.Thread(target=node_work, args=(n,)) for n in range(NODES)]
+    for thread in threads:
+        thread.start()
+    start_line.wait()
+    start = time.perf_counter()
+    for thread in threads:
+        thread.join()
+    elapsed = time.perf_counter() - start
+    for node in range(NODES):
+        for name in ("floor-stage", "floor-replica"):
+            shutil.rmtree(root / f"node{node}" / name, ignore_errors=True)
+    if failures:
+        raise failures[0]
+    return elapsed
+
+
+# ----------------------------------------------------------------------- pipeline
+def write_part(root: Path, ckpt: str, total: int, files: int, seed: int,
+               where: str = "spool") -> None:
+    for node in range(NODES):
+        part = root / f"node{node}" / where / ckpt
+        write_files(part, total, files, seed=seed * NODES + node)
+        if node == 0:
+            (part / ".metadata.tmp").write_bytes(b"{}")
+
+
+def commit(root: Path, ckpt: str) -> float:
+    part = root / "node0" / "spool" / ckpt
+    start = time.time()
+    os.rename(part / ".metadata.tmp", part / ".metadata")
+    return start
+
+
+def pipeline_once(agents: Agents, root: Path, ckpt: str, total: int, files: int, seed: int
+                  ) -> dict[str, float]:
+    """Seconds from the commit to each node's `captured` and the later `replicated`."""
+    write_part(root, ckpt, total, files, seed)
+    time.sleep(0.3)         # the watcher's look at the new files passes before the commit
+    start = commit(root, ckpt)
+    marks: dict[str, float] = {}
+    for node in range(NODES):
+        for event in ("captured", "replicated"):
+            found = agents.wait(node, lambda e, ev=event: e["event"] in (ev, "replicate_failed")
+                                and e.get("ckpt") == ckpt, 600)
+            if found["event"] == "replicate_failed":
+                raise SystemExit(f"node {node}: replication of {ckpt} failed: {found}")
+            marks[f"{event}{node}"] = found["t"] - start
+    return {"captured": max(marks["captured0"], marks["captured1"]),
+            "replicated": max(marks["replicated0"], marks["replicated1"]), **marks}
+
+
+def remove_part(root: Path, ckpt: str, where: str = "spool") -> None:
+    for node in range(NODES):
+        shutil.rmtree(root / f"node{node}" / where / ckpt, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------- main
+def part_sizes(total: int, files: int) -> list[int]:
+    """The sizes write_files gives (node 0's part also holds the 2-byte `.metadata`)."""
+    return [total // files + (total % files if i == files - 1 else 0) for i in range(files)]
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--size", default="1GiB", help="per node")
+    parser.add_argument("--files", type=int, default=16)
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--dir", default="/dev/shm", help="spools, stages, replicas, journals")
+    parser.add_argument("--pfs", default="/tmp", help="the PFS (flushed after, untimed)")
+    parser.add_argument("--json", default=None, help="write the results here")
+    args = parser.parse_args()
+    total = parse_size(args.size, "--size")
+    root = Path(tempfile.mkdtemp(prefix="cachex-bench-pipeline-", dir=args.dir))
+    pfs = Path(tempfile.mkdtemp(prefix="cachex-bench-pipeline-pfs-", dir=args.pfs))
+    results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(),
+                               "load": os.getloadavg()[0], "bytes_per_node": total,
+                               "nodes": NODES, "files": args.files,
+                               "nolocal": os.environ.get("MPIR_CVAR_NOLOCAL", "")}
+    sizes = part_sizes(total, args.files)
+    pool = np.frombuffer(np.random.default_rng(3).bytes(min(total, 256 * MiB)), dtype=np.uint8)
+    agents = Agents(root, write_config(root, pfs))
+    floors: list[float] = []
+    runs: list[dict[str, float]] = []
+    try:
+        print(f"{NODES} nodes x {total / MiB:.0f} MiB in {args.files} files; spool, stage,"
+              f" replicas under {root}; PFS {pfs};"
+              f" MPIR_CVAR_NOLOCAL={results['nolocal']!r}", flush=True)
+        pipeline_once(agents, root, "step_00000", total, args.files, 0)     # warm-up
+        agents.wait(0, lambda e: e["event"] == "level_flushed"
+                    and e.get("ckpt") == "step_00000", 600)
+        remove_part(root, "step_00000")
+        for rep in range(1, args.repeat + 1):
+            ckpt = f"step_{rep:05d}"
+            order = ["floor", "pipeline"] if rep % 2 else ["pipeline", "floor"]
+            for kind in order:
+                if kind == "floor":
+                    # beside the spool, on the same file system: not a checkpoint to the agents
+                    write_part(root, ckpt, total, args.files, rep, "floor-spool")
+                    floors.append(floor_once(root, ckpt, sizes, pool))
+                    remove_part(root, ckpt, "floor-spool")
+                else:
+                    runs.append(pipeline_once(agents, root, ckpt, total, args.files, rep))
+                    remove_part(root, ckpt)
+            run = runs[-1]
+            print(f"  repeat {rep}/{args.repeat}: floor {floors[-1]:.3f} s,"
+                  f" commit -> captured {run['captured']:.3f} s,"
+                  f" -> replicated {run['replicated']:.3f} s", flush=True)
+    finally:
+        agents.close()
+        shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(pfs, ignore_errors=True)
+    floor = statistics.median(floors)
+    replicated = statistics.median(r["replicated"] for r in runs)
+    captured = statistics.median(r["captured"] for r in runs)
+    results.update(floor={"median": floor, "runs": floors},
+                   pipeline={"median": replicated, "captured_median": captured, "runs": runs},
+                   ratio=floor / replicated)
+    print(f"\nresults (load {results['load']:.1f} at the start, {results['cores']} cores)")
+    print(f"  floor (cp -r spool -> stage, then raw write to the replica dir, both nodes):"
+          f" median {floor:.3f} s ({NODES * total / MiB / floor:.0f} MiB/s in all)")
+    print(f"  pipeline commit -> replicated: median {replicated:.3f} s"
+          f" ({NODES * total / MiB / replicated:.0f} MiB/s in all); of which commit ->"
+          f" captured {captured:.3f} s")
+    print("ratios")
+    print(f"  floor / pipeline: {floor / replicated:.2f} (target >= {TARGET})")
+    if args.json:
+        Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
