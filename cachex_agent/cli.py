@@ -115,7 +115,9 @@ def _setup_logging(level: str, prefix: str) -> None:
 @config_options
 @click.option("-v", "--verbose", count=True, help="more log output")
 @click.option("-q", "--quiet", is_flag=True, help="warnings and errors only")
-def agent_command(cfg: configuration.Config, verbose: int, quiet: bool) -> None:
+@click.option("--check", is_flag=True, help="run the start-up checks under the same"
+              " launcher, print the plan and exit (0, or 2 naming what failed)")
+def agent_command(cfg: configuration.Config, verbose: int, quiet: bool, check: bool) -> None:
     """Run the agent: one per node, beside the training step (srun/mpiexec).
 
     Watches the spool, captures committed checkpoints into the stage and flushes them to
@@ -132,6 +134,11 @@ def agent_command(cfg: configuration.Config, verbose: int, quiet: bool) -> None:
     try:
         # before the window and the directories: every agent refuses together
         agree(comm, "start-up check", lambda: _start_checks(comm.Get_size(), short_of_memory))
+        if check:
+            from .preflight import check as preflight
+            for line in preflight(cfg, comm):
+                click.echo(line)
+            sys.exit(0)
         agent = Agent(cfg, comm)
     except CachexError as exc:
         if comm.Get_rank() == 0 and launch_rank() == 0:   # said once, also by lone agents
@@ -141,12 +148,25 @@ def agent_command(cfg: configuration.Config, verbose: int, quiet: bool) -> None:
         click.echo(f"cachex-agent: error: rank {comm.Get_rank()}: start-up failed:"
                    f" {type(exc).__name__}: {exc}; aborting the agent job", err=True)
         comm.Abort(1)
+    _say_mpi(comm)
     try:
         code = agent.run()
     except Exception as exc:
         agent.fatal("main thread", exc)     # never leave other agents waiting on a dead one
     exit_watchdog(2 * cfg.agent.timeout)    # MPI finalize, at exit, waits on every agent
     sys.exit(code)
+
+
+def _say_mpi(comm: Any) -> None:
+    """Which MPI library the agents use, and a warning when it is a PyPI wheel's on a
+    system that has its own (said by rank 0; every agent loads the same venv)."""
+    from .preflight import loaded_mpi_library, mpi_warning
+    if comm.Get_rank() == 0:
+        library = loaded_mpi_library()
+        logging.getLogger("cachex").info("MPI library: %s", library)
+        warning = mpi_warning(library)
+        if warning:
+            logging.getLogger("cachex").warning("%s", warning)
 
 
 def _start_checks(world: int, short_of_memory: ConfigError | None) -> None:

@@ -63,16 +63,13 @@ class RunLock:
         try:
             fd = create_file(path, os.O_WRONLY | os.O_EXCL)
         except FileExistsError:
+            refusal = blocking_holder(pfs_run, stale, record)
+            if refusal is not None:
+                raise ConfigError(f"{path}: {refusal}") from None
             holder = _read(path)
-            why = _takeover_reason(holder, record, stale, _age(path))
-            if why is None:
-                raise ConfigError(
-                    f"{path}: run {pfs_run.name!r} is coordinated by job {holder.get('job')}"
-                    f" on {holder.get('host')} (pid {holder.get('pid')}, refreshed"
-                    f" {_age(path):.0f}s ago); a second coordinator refuses (another"
-                    " run name, or end that job)") from None
             log.warning("%s: taking over the run lock of job %s on %s: %s", path,
-                        holder.get("job"), holder.get("host"), why)
+                        holder.get("job"), holder.get("host"),
+                        _takeover_reason(holder, record, stale, _age(path)))
             write_json(path, record)
         else:
             with os.fdopen(fd, "wb") as handle:
@@ -94,6 +91,22 @@ class RunLock:
         self._stop.set()
         if _read(self.path) == self.record:
             self.path.unlink(missing_ok=True)
+
+
+def blocking_holder(pfs_run: Path, stale: float, me: dict[str, Any] | None = None
+                    ) -> str | None:
+    """Why a coordinator of this process could not take the run's lock now (a live
+    holder of another job), or None when it could."""
+    path = run_lock_path(pfs_run)
+    if not path.exists():
+        return None
+    me = me or {"job": job_id(), "host": socket.gethostname()}
+    holder, age = _read(path), _age(path)
+    if _takeover_reason(holder, me, stale, age) is not None:
+        return None
+    return (f"run {pfs_run.name!r} is coordinated by job {holder.get('job')} on"
+            f" {holder.get('host')} (pid {holder.get('pid')}, refreshed {age:.0f}s ago); a"
+            " second coordinator refuses (another run name, or end that job)")
 
 
 def _read(path: Path) -> dict[str, Any]:

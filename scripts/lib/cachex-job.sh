@@ -66,6 +66,7 @@ CX_TRAIN_PID=
 CX_AGENTS_T0=0
 CX_HALT_AT=
 CX_JOB_END=
+CX_CHECKED=0
 CX_HALTED=0
 CX_SET=()
 CX_SPARE=()
@@ -244,6 +245,7 @@ cx_fit() {      # SECONDS: that timeout, cut to what is left of the job (minus 3
 cx_cmd() {          # KIND [resume]: prints the command, one word per line
     case $1 in
         agents) printf '%s\n' "$(cx_bin cachex-agent)" --config "$CACHEX_CONFIG" ;;
+        check) printf '%s\n' "$(cx_bin cachex-agent)" --config "$CACHEX_CONFIG" --check ;;
         recover) printf '%s\n' "$(cx_bin cachex)" recover --config "$CACHEX_CONFIG" ;;
         stop) printf '%s\n' "$(cx_bin cachex)" stop --config "$CACHEX_CONFIG" --timeout "$2" ;;
         prepare) printf '%s\n' mkdir -p "${CX_NODE_DIRS[@]}" ;;
@@ -259,7 +261,7 @@ cx_cmd() {          # KIND [resume]: prints the command, one word per line
 cx_step() {         # KIND PPN [ARG]: CX_ARGV=(launcher + command) of a step
     local kind=$1 ppn=$2 name
     case $kind in
-        agents) name=$CX_STEP_AGENTS ;; recover) name=$CX_STEP_RECOVER ;;
+        agents | check) name=$CX_STEP_AGENTS ;; recover) name=$CX_STEP_RECOVER ;;
         prepare) name=$CX_STEP_PREPARE ;; train) name=$CX_STEP_TRAIN ;;
     esac
     "cx_${CX_SCHEDULER}_launcher" "$name" "$kind" "$ppn"
@@ -292,6 +294,12 @@ cx_agents_start() {     # the agent step, in the background
     if [[ ${#CX_NODE_DIRS[@]} -gt 0 ]]; then
         cx_step prepare 1
         "${CX_ARGV[@]}" </dev/null || cx_die "could not create ${CX_NODE_DIRS[*]} on the nodes"
+    fi
+    if ((CX_CHECKED == 0)); then    # once per job: the agents' checks, same launcher
+        cx_step check 1
+        cx_log "pre-flight: ${CX_ARGV[*]}"
+        "${CX_ARGV[@]}" </dev/null || cx_die "the agents' pre-flight check failed (its message is above)" 2
+        CX_CHECKED=1
     fi
     cx_step agents 1
     cx_log "agents: ${CX_ARGV[*]}"
@@ -479,7 +487,7 @@ cx_on_exit() {      # the batch shell ends: leave no launcher behind
 # ---------------------------------------------------------------- plan (dry run)
 cx_plan() {         # CX_PLAN=1: print every step's command line, launch nothing
     local kind
-    for kind in prepare agents recover train train-resume stop; do
+    for kind in prepare check agents recover train train-resume stop; do
         case $kind in
             train-resume) cx_step train "$RANKS_PER_NODE" resume ;;
             train) cx_step train "$RANKS_PER_NODE" ;;

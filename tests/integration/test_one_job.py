@@ -62,3 +62,26 @@ def test_agents_that_did_not_form_one_mpi_job_refuse_with_one_line(tmp_path):
                     " use the `srun --mpi=` plugin (or mpiexec) of the MPI that mpi4py was"
                     " built with"], said
     assert not (c.pfs / "coordinator.lock").exists()
+
+
+def test_check_prints_the_plan_and_refuses_what_the_agents_would(cluster):
+    c = cluster(nodes=2)
+    command = [str(BIN / "mpiexec"), "-n", "2", str(BIN / "cachex-agent"), "--config",
+               str(c.config), "--check"]
+    planned = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                             env={**os.environ, "CRAY_MPICH_DIR": "/opt/cray/pe/mpich/8"})
+    assert planned.returncode == 0, planned.stderr
+    lines = planned.stdout.splitlines()
+    assert lines[0].startswith("run t: 2 nodes, one agent each; coordinator on")
+    assert "(writable, run lock free)" in lines[0]
+    assert any(line.startswith("node 1 on ") and "replicas to 0" in line for line in lines)
+    assert any(line.startswith("MPI library: ") and "libmpi" in line for line in lines)
+    assert ("warning: node 0: the MPI of a PyPI wheel" in planned.stdout
+            and "CRAY_MPICH_DIR=/opt/cray/pe/mpich/8" in planned.stdout), planned.stdout
+    assert not (c.pfs / "coordinator.lock").exists()      # checked, not taken
+
+    c.start_agents()
+    refused = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert refused.returncode == 2, refused.stdout + refused.stderr
+    assert "coordinator.lock: run 't' is coordinated by job pid:" in refused.stderr
+    assert c.stop() == 0

@@ -122,18 +122,17 @@ def test_the_schedulers_walltime_warning_halts_at_once(local_job):
 
 
 def test_agents_that_cannot_start_fail_the_job_with_one_line(local_job):
+    """A bad key: the agents' pre-flight check (`cachex-agent --check`, the same
+    launcher) refuses it before anything starts; the job fails with status 2."""
     job = local_job("cx-badconf")
     job.submit(TRAIN_CMD=job.train_cmd(), CONFIG_EXTRA='[flush]\nno_such_key = 1')
     state, code = job.wait(120)
     out = job.output()
-    assert (state, code) == ("FAILED", "1:0"), f"{state} {code}\n{out}"
-    assert "no_such_key" in out
+    assert (state, code) == ("FAILED", "2:0"), f"{state} {code}\n{out}"
     errors = [line for line in out.splitlines() if "cachex-job: error:" in line]
-    # srun's step status is the highest of its tasks': the task that read the bad key
-    # exits 2, and --kill-on-bad-exit may end the other (143) before it exits 2 too
-    assert len(errors) == 1 and "agent step exited with status" in errors[0], out
-    assert "before it was running" in errors[0], out
+    assert len(errors) == 1 and "pre-flight check failed" in errors[0], out
     assert re.search(r"tasks? [0-9,-]+: Exited with exit code 2", out), out
     assert sum("no_such_key: unknown configuration key" in line
                for line in out.splitlines()) == 1, out
+    assert "agents: srun" not in out
     assert "training: srun" not in out

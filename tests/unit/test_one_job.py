@@ -84,3 +84,15 @@ def test_release_leaves_a_lock_that_another_coordinator_took_over(tmp_path, monk
     _holder(tmp_path, job="slurm:300", host="h", pid=1, t=time.time())
     lock.release()
     assert json.loads((tmp_path / "coordinator.lock").read_text())["job"] == "slurm:300"
+
+
+def test_a_wheel_mpi_beside_a_site_mpi_is_named():
+    from cachex_agent.preflight import mpi_warning, site_mpi_hint
+    wheel = f"{sys.prefix}/lib/libmpi.so.12"
+    assert site_mpi_hint({"LOADEDMODULES": "craype:cray-mpich/8.1.28:rocm"}) == (
+        "module cray-mpich/8.1.28 is loaded")
+    assert site_mpi_hint({"LOADEDMODULES": "gcc/12"}) is None
+    warning = mpi_warning(wheel, {"I_MPI_ROOT": "/opt/intel/mpi"})
+    assert warning is not None and wheel in warning and "I_MPI_ROOT=/opt/intel/mpi" in warning
+    assert mpi_warning("/opt/cray/pe/lib64/libmpi_cray.so.12", {"CRAY_MPICH_DIR": "x"}) is None
+    assert mpi_warning(wheel, {}) is None
