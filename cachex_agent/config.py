@@ -5,7 +5,8 @@ Precedence (lowest first): built-in defaults < `cachex.toml` (or `--config`, or
 section.key=value` flags. Unknown keys and bad values raise `ConfigError` naming the key.
 The key names are a contract: scripts and tests use them.
 
-Every number has a finite range (README, Configuration): a value past it is a typo or
+Every number has a finite range (docs/configuration.md, generated from `reference()` by
+`python -m cachex_agent.config_doc`): a value past it is a typo or
 an overflow, and is refused here, before the agent starts MPI, rather than crashing a
 thread or an allocation later. `check_paths` refuses overlapping directories and
 `check_memory` an agent whose up-front buffers do not fit in the node's memory.
@@ -19,7 +20,7 @@ import re
 import socket
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, fields
+from dataclasses import MISSING, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -110,7 +111,18 @@ def _format_duration(seconds: float) -> str:
     return f"{seconds * 1000:g}ms" if 0 < seconds < 1 else f"{seconds:g}s"
 
 
-def _int(low: int, high: int = MAX_COUNT) -> Callable[[Any, str], int]:
+@dataclass(frozen=True)
+class Parser:
+    """A key's parser, with what the reference says of its values (type and range)."""
+    parse: Callable[[Any, str], Any]
+    kind: str
+    limits: str = ""
+
+    def __call__(self, value: Any, key: str) -> Any:
+        return self.parse(value, key)
+
+
+def _int(low: int, high: int = MAX_COUNT) -> Parser:
     def parse(value: Any, key: str) -> int:
         try:
             number = int(str(value), 10) if not isinstance(value, int) else value
@@ -120,10 +132,10 @@ def _int(low: int, high: int = MAX_COUNT) -> Callable[[Any, str], int]:
             raise ConfigError(f"{key}: expected an integer, got {_shown(value)}")
         _check_range(number, low, high, key, value, str)
         return number
-    return parse
+    return Parser(parse, "integer", f"{low} to {high}")
 
 
-def _rate(value: Any, key: str) -> float:
+def _parse_rate(value: Any, key: str) -> float:
     """Failures per hour: a plain number."""
     try:
         number = float(value) if not isinstance(value, bool) else -1.0
@@ -136,17 +148,21 @@ def _rate(value: Any, key: str) -> float:
     return number
 
 
-def _choice(*options: str, prefixes: tuple[str, ...] = ()) -> Callable[[Any, str], str]:
+_rate = Parser(_parse_rate, "failures per hour", "0 to 1e6, exclusive")
+
+
+def _choice(*options: str, prefixes: tuple[str, ...] = ()) -> Parser:
+    allowed = " | ".join(list(options) + [p + "<...>" for p in prefixes])
+
     def parse(value: Any, key: str) -> str:
         text = str(value)
         if text in options or any(text.startswith(p) and len(text) > len(p) for p in prefixes):
             return text
-        allowed = " | ".join(list(options) + [p + "<...>" for p in prefixes])
         raise ConfigError(f"{key}: expected one of {allowed}, got {_shown(value)}")
-    return parse
+    return Parser(parse, "choice", allowed)
 
 
-def _bool(value: Any, key: str) -> bool:
+def _parse_bool(value: Any, key: str) -> bool:
     if isinstance(value, bool):
         return value
     text = str(value).strip().lower()
@@ -157,13 +173,13 @@ def _bool(value: Any, key: str) -> bool:
     raise ConfigError(f"{key}: expected true or false, got {_shown(value)}")
 
 
-def _text(value: Any, key: str) -> str:
+def _parse_text(value: Any, key: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"{key}: expected a non-empty string, got {_shown(value)}")
     return value
 
 
-def _names(value: Any, key: str) -> tuple[str, ...]:
+def _parse_names(value: Any, key: str) -> tuple[str, ...]:
     """A list of relative file names; a string is split on commas (environment, flags)."""
     items = value.split(",") if isinstance(value, str) else value
     if not isinstance(items, list | tuple) or not all(isinstance(i, str) for i in items):
@@ -174,20 +190,26 @@ def _names(value: Any, key: str) -> tuple[str, ...]:
     return names
 
 
-def _size(low: int, high: int) -> Callable[[Any, str], int]:
+_bool = Parser(_parse_bool, "boolean", "true | false")
+_text = Parser(_parse_text, "string", "not empty")
+_names = Parser(_parse_names, "list of file names",
+                "relative to the checkpoint, no `..`; a string is split on commas")
+
+
+def _size(low: int, high: int) -> Parser:
     def parse(value: Any, key: str) -> int:
         size = parse_size(value, key)
         _check_range(size, low, high, key, value, _format_size)
         return size
-    return parse
+    return Parser(parse, "size", f"{_format_size(low)} to {_format_size(high)}")
 
 
-def _duration(low: float = 0.0, high: float = MAX_DURATION) -> Callable[[Any, str], float]:
+def _duration(low: float = 0.0, high: float = MAX_DURATION) -> Parser:
     def parse(value: Any, key: str) -> float:
         seconds = parse_duration(value, key)
         _check_range(seconds, low, high, key, value, _format_duration)
         return seconds
-    return parse
+    return Parser(parse, "duration", f"{_format_duration(low)} to {_format_duration(high)}")
 
 
 _buffer_size = _size(4 * KiB, MAX_BUFFER)
@@ -262,7 +284,7 @@ class Agent:
     log: str = "info"
 
 
-_PARSERS: dict[str, dict[str, Callable[[Any, str], Any]]] = {
+_PARSERS: dict[str, dict[str, Parser]] = {
     "paths": {"spool": _text, "pfs": _text, "stage": _text, "cache": _text},
     "topology": {"domain": _choice("node", "rank", prefixes=("regex:", "file:"))},
     "commit": {
@@ -289,6 +311,122 @@ _PARSERS: dict[str, dict[str, Callable[[Any, str], Any]]] = {
 _SECTIONS = {"paths": Paths, "topology": Topology, "commit": Commit, "peer": Peer,
              "flush": Flush, "keep": Keep, "model": Model, "agent": Agent}
 _RESERVED_ENV = {"CACHEX_CONFIG"}
+
+# What each key means, beside its parser: docs/configuration.md is generated from these
+# (`python -m cachex_agent.config_doc`) and a unit test keeps the file equal to the output.
+MEANINGS: dict[str, str] = {
+    "run": "The run's name. Checkpoints of a run survive relaunches and later jobs: every"
+           " directory of the run is `<root>/<run>`.",
+    "paths.spool": "The trainer's checkpoint directory on this node, the one the agent"
+                   " watches. Created if its parent exists.",
+    "paths.pfs": "The parallel file system's directory for cachex. Must exist;"
+                 " `<pfs>/<run>/` is created.",
+    "paths.stage": "Local memory (tmpfs), owned by the agent: the captured copies.",
+    "paths.cache": "Node-local disk (NVMe), owned by the agent: the journal, events and the"
+                   " replicas kept for partners.",
+    "topology.domain": "Failure domains, so that partners sit in another one: `node` (one"
+                       " agent per host name), `rank` (every agent its own node: tests on"
+                       " one machine), `regex:<re>` (the domain is the first match of <re>"
+                       " in the host name, or its first group), `file:<path>` (lines"
+                       " `host domain`, `#` comments; every host must be listed).",
+    "commit.rule": "How a checkpoint in the spool is known complete: `auto` recognises"
+                   " each of the others per checkpoint; `dcp` (PyTorch DCP `.metadata`),"
+                   " `deepspeed` (`latest`), `megatron` (tracker or `metadata.json`), `hf`"
+                   " (`trainer_state.json`), `orbax` (renamed step directory or"
+                   " `commit_success.txt`), `torch` (single files at the spool root, once"
+                   " settled), `marker:<glob>` (a file the trainer writes last, glob"
+                   " relative to the spool), `quiescence` (nothing open for writing and"
+                   " nothing changed for `commit.settle`).",
+    "commit.settle": "How long a node's files must stay unchanged before they are captured"
+                     " when the rule's marker does not vouch for every node (`quiescence`,"
+                     " `marker:<glob>`, `torch`).",
+    "commit.timeout": "How long every node may take to capture its part after a commit (its"
+                      " directory may appear late); past it the checkpoint fails.",
+    "commit.scan": "Period of the polling rescan of the spool; inotify is the fast path.",
+    "commit.mirror": "Put the global files (written by one node only, e.g. DCP's"
+                     " `.metadata`) into every node's spool once every node captured.",
+    "commit.globals": "More files that only one node writes and every rank reads, e.g."
+                      " `[\"__0_0.distcp\"]` for DCP saved with"
+                      " `dedup_save_to_lowest_rank=True`.",
+    "peer.copies": "Partners per node, each in a different failure domain.",
+    "peer.stride": "The partners of node i are i+stride, i+2*stride, ... on the ring of"
+                   " nodes, skipping the node's own failure domain.",
+    "peer.slot": "Size of one RMA slot. Each owner replicating to a partner has `peer.slots`"
+                 " slots in the partner's window.",
+    "peer.slots": "Slots per owner in each partner's window: transfers in flight.",
+    "flush.bandwidth": "Bytes per second per node written to the PFS, enforced by a token"
+                       " bucket; 0 is unlimited.",
+    "flush.concurrency": "Bundles in flight per node, each of another checkpoint.",
+    "flush.writers": "Threads copying files into one bundle at once, a `flush.chunk` buffer"
+                     " each.",
+    "flush.every": "Flush every k-th checkpoint. The newest is always flushed at the drain,"
+                   " and a direct-path checkpoint always.",
+    "flush.chunk": "I/O size of capture and flush, and the verify's window.",
+    "flush.retry_max": "Cap of the jittered exponential backoff between flush retries.",
+    "flush.drain_timeout": "How long `cachex stop` or SIGTERM waits for pending flushes.",
+    "flush.verify": "Re-read each renamed bundle and compare checksums before reporting it"
+                    " flushed.",
+    "flush.nice": "CPU nice value of the flush threads (their I/O runs best-effort at the"
+                  " lowest priority).",
+    "keep.stage": "Captured checkpoints kept in the stage; one whose replication or flush is"
+                  " pending is never evicted. 0 keeps all.",
+    "keep.replica": "Replicas kept per owner on each partner. 0 keeps all.",
+    "keep.pfs": "Flushed checkpoints kept on the PFS; older ones are purged. 0 keeps all.",
+    "model.path": "The write path: `peer` (replicate, then flush), `direct` (flush right"
+                  " after capture, no replica), `auto` (per checkpoint, the path the model"
+                  " expects to lose less work).",
+    "model.crash_rate": "Trainer crashes per hour, for the whole job.",
+    "model.node_rate": "Node losses per node-hour.",
+    "model.job_rate": "Allocation losses per hour (preemption, system faults).",
+    "model.period": "Checkpoint period for `cachex model plan`; 0 takes the observed one.",
+    "model.window": "Checkpoints the online path choice learns from.",
+    "model.explore": "After this many direct checkpoints in a row, one goes by the peer path"
+                     " to refresh the replication estimate.",
+    "agent.poll": "Main loop tick; 100ms after 2s with nothing to do.",
+    "agent.timeout": "Bound on every wait for another agent (credits, collectives,"
+                     " recovery transfers); a partner silent this long is taken for dead.",
+    "agent.log": "Log level.",
+}
+
+
+@dataclass(frozen=True)
+class KeyReference:
+    """One configuration key as the reference shows it."""
+    key: str
+    kind: str
+    default: str
+    limits: str
+    meaning: str
+
+
+def reference() -> list[KeyReference]:
+    """Every key, in the order of the sections, with its type, default, range and meaning."""
+    rows = [KeyReference("run", "string", "`$SLURM_JOB_NAME`, else `cachex`",
+                         "a plain name without `/`", MEANINGS["run"])]
+    for section, cls in _SECTIONS.items():
+        for field in fields(cls):
+            key, parser = f"{section}.{field.name}", _PARSERS[section][field.name]
+            rows.append(KeyReference(key, parser.kind, _shown_default(field, parser),
+                                     parser.limits, MEANINGS[key]))
+    return rows
+
+
+def _shown_default(field: Any, parser: Parser) -> str:
+    if field.default is MISSING:
+        return "required"
+    value = field.default
+    if parser.kind == "size":
+        return f"`{_format_size(value) if value else 0}`"
+    if parser.kind == "duration":
+        minutes = value / 60
+        shown = (f"{minutes:g}min" if value >= 60 and minutes.is_integer() and value < 3600
+                 else _format_duration(value) if value else "0")
+        return f"`{shown}`"
+    if isinstance(value, bool):
+        return f"`{str(value).lower()}`"
+    if isinstance(value, tuple):
+        return "`[]`" if not value else f"`{list(value)}`"
+    return f'`"{value}"`' if isinstance(value, str) else f"`{value}`"
 
 
 @dataclass(frozen=True)

@@ -1,8 +1,8 @@
 # shellcheck shell=bash
 # cachex-job.sh: the job logic shared by scripts/slurm/*.sbatch and scripts/pbs/*.pbs.
 #
-# A template sets its site variables (see the README section "Running under Slurm and
-# PBS"), sources this file and calls `cx_main`. What happens:
+# A template sets its site variables (see docs/jobs.md), sources this file and calls
+# `cx_main`. What happens:
 #
 #   1. the node set: the first NODES hosts of the allocation (sorted like cachex numbers
 #      nodes), the others are spares; or VNODES virtual nodes on one host (local tests);
