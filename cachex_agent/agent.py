@@ -11,12 +11,14 @@ Threads and who does what:
   flush-*  stage -> PFS bundles (flush/flusher.py), low priority, throttled
   lane-*   rank 0: the coordinator's file writes and model (coordinator.py), so a hung
            PFS never holds up this loop
-Worker threads never call MPI: they put messages into `inbox`, which the main thread
-forwards. Each stage of each checkpoint (capture, replicate, flush, commit) is a handle
-(handles.py) whose state the journal keeps; a restarted agent resumes from those states.
-That keeps MPI single-threaded in practice and every wait bounded. The one
-exception is `fatal`: an unexpected error in any thread ends the agent at once (one
-line, an event, then MPI Abort naming the rank), never a thread that silently stops.
+Worker threads never call MPI: they put messages into `inbox` (inbox.py), which the
+main thread forwards. That keeps MPI single-threaded in practice and every wait bounded.
+The one exception is `fatal`: an unexpected error in any thread ends the agent at once
+(one line, an event, then MPI Abort naming the rank), never a thread that silently stops.
+
+Each stage of each checkpoint (capture, replicate, flush, commit) is a handle
+(handles.py) whose state the journal keeps; a restarted agent resumes from those states
+(`_resume`, docs/architecture.md).
 """
 
 from __future__ import annotations
@@ -24,7 +26,6 @@ from __future__ import annotations
 import logging
 import os
 import queue
-import select
 import signal
 import threading
 import time
@@ -35,17 +36,19 @@ from mpi4py import MPI
 
 from .cleanup import remove_stale
 from .collective import agree
-from .config import Config, check_paths
+from .config import Config
 from .coordinator import Coordinator
-from .errors import ConfigError, describe
+from .errors import describe
 from .events import EventLog
 from .flush.flusher import Flusher, flushed_report
-from .fsutil import create_file, makedirs, remove_under
+from .fsutil import remove_under
 from .handles import ENDED, Stage, StageLog, State, is_done, is_failed, stage_state
+from .inbox import Inbox, exit_watchdog
 from .index import read_index
 from .journal import Journal
 from .layout import bundle_path, events_path, journal_stop_file, pfs_stop_file, root_entry
 from .manifest import GlobalManifest, LocalManifest
+from .node_dirs import prepare_dirs
 from .peer.globals import GlobalFiles
 from .peer.mirror import Mirror
 from .peer.partners import replication_map
@@ -56,7 +59,7 @@ from .stage.retention import retain_stage
 from .stage.rules import make_rule, natural_key
 from .stage.watch import SpoolWatcher
 from .stage.worker import CaptureWorker
-from .topology import Placement, place_in
+from .topology import place_in
 
 log = logging.getLogger(__name__)
 TAG = 7           # coordinator protocol
@@ -64,80 +67,6 @@ PEER_TAG = 8      # replication protocol (peer/replicator.py)
 IDLE_AFTER = 2.0    # seconds without a message or work in flight before the loop slows down
 IDLE_TICK = 0.1     # the slowed tick: a first message from another agent waits this long
 RUN_LOCK_STALE = 60.0   # seconds without a refresh before another job takes the run over
-
-
-class Inbox(queue.Queue):  # type: ignore[type-arg]
-    """The worker threads' messages to the main thread. A put wakes the main loop at
-    once, through a pipe: the signal handler puts too, and a pipe write is safe there.
-    The pipe lives as long as the process (a late put from a worker must not write to a
-    descriptor reused since)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
-
-    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
-        super().put(item, block, timeout)
-        self.wake()
-
-    def wake(self) -> None:
-        """End the main loop's sleep (also from another thread)."""
-        try:
-            os.write(self._wake_w, b"x")
-        except BlockingIOError:
-            pass                # full of wake-ups already
-
-    def wait(self, timeout: float) -> None:
-        """Sleep up to `timeout` seconds, less if something is put meanwhile."""
-        if select.select([self._wake_r], [], [], timeout)[0]:
-            try:
-                os.read(self._wake_r, 1 << 16)     # a pipe's worth: every wake-up so far
-            except BlockingIOError:
-                pass
-
-
-def exit_watchdog(bound: float) -> threading.Timer:
-    """End the process if leaving takes longer than `bound` seconds: the collective
-    calls of leaving (window free, MPI finalize) wait on every agent, and one may be gone
-    or stuck. Cancel it once out."""
-    def leave() -> None:
-        log.error("exit not complete after %.0fs (another agent gone?): leaving", bound)
-        os._exit(1)
-    timer = threading.Timer(bound, leave)
-    timer.daemon = True
-    timer.start()
-    return timer
-
-
-def probe_writable(directory: Path, key: str) -> None:
-    """Root passes every permission check, so try a real write."""
-    probe = directory / f".cachex-probe-{threading.get_native_id()}"
-    try:
-        os.close(create_file(probe))
-        probe.unlink()
-    except OSError as exc:
-        raise ConfigError(f"{key}: {directory}: not writable ({exc.strerror})") from None
-
-
-def prepare_dirs(config: Config, placement: Placement) -> Any:
-    """Check and create this node's directories; ConfigError names the key and path."""
-    paths = config.node_paths(placement.node, placement.rank, placement.host)
-    check_paths(paths)      # `load` checked node 0's; {node} or {host} may differ here
-    if not paths.spool.is_dir():
-        if not paths.spool.parent.is_dir():
-            raise ConfigError(f"paths.spool: {paths.spool}: no such directory")
-        makedirs(paths.spool)
-    pfs_root = paths.pfs.parent
-    if not pfs_root.is_dir():
-        raise ConfigError(f"paths.pfs: {pfs_root}: no such directory")
-    for key, directory in (("paths.stage", paths.stage), ("paths.cache", paths.cache),
-                           ("paths.pfs", paths.pfs)):
-        try:
-            makedirs(directory)
-        except OSError as exc:
-            raise ConfigError(f"{key}: {directory}: cannot create ({exc.strerror})") from None
-        probe_writable(directory, key)
-    return paths
 
 
 class Agent:

@@ -20,6 +20,8 @@ from cachex_agent.config import Flush
 from cachex_agent.events import EventLog, read_events
 from cachex_agent.flush.bundle import extract, read_manifest, verify_bundle
 from cachex_agent.flush.flusher import Flusher
+from cachex_agent.handles import Stage, StageLog, State, stage_state
+from cachex_agent.journal import Journal
 from cachex_agent.layout import bundle_path, pfs_ckpt_dir
 from cachex_agent.manifest import LocalManifest
 from cachex_agent.stage.capture import capture_copy, list_files
@@ -168,6 +170,28 @@ def test_flush_writes_the_bundle_and_reports(tmp_path, pfs_run, events, make_flu
     assert evs[0]["bytes"] == manifest.bytes and evs[0]["target"] == str(target)
     assert evs[1]["adopted"] is False and evs[1]["node"] == NODE
     assert evs[0]["t"] <= evs[1]["t"]
+
+
+@pytest.mark.timeout(20)
+def test_flush_states_reach_the_journal_before_the_report(tmp_path, pfs_run, events):
+    """A FlushHandle (handles.py): queued, running, done with its bundle in the journal,
+    which holds `done` by the time the coordinator could hear `flushed`."""
+    manifest, stage = stage_checkpoint(tmp_path)
+    journal = Journal(tmp_path / "journal")
+    seen: list[str | None] = []
+
+    def report(msg: dict[str, Any]) -> None:
+        if msg["type"] == "flushed":
+            seen.append(stage_state(Journal(journal.root).get(CKPT), Stage.FLUSH))
+
+    flusher = Flusher(pfs_run, SETTINGS, events, report, StageLog(events, journal))
+    handle = flusher.submit(manifest, stage)
+    assert handle.wait(DEADLINE) and handle.test() and handle.state == State.DONE
+    assert flusher.close(timeout=5) == []
+    assert seen == [State.DONE]
+    entry = Journal(journal.root).get(CKPT)
+    assert entry["stages"] == {"flush": "done"} and entry["bundle"] == "node-00001.h5"
+    assert not handle.cancel()
 
 
 @pytest.mark.timeout(20)
