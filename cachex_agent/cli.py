@@ -126,8 +126,9 @@ def agent_command(cfg: configuration.Config, verbose: int, quiet: bool, check: b
     short_of_memory = _memory_error(cfg)
     from mpi4py import MPI  # only the agent needs MPI: `cachex status` must not
 
-    from .agent import Agent, exit_watchdog
+    from .agent import Agent
     from .collective import agree
+    from .inbox import exit_watchdog
     comm = MPI.COMM_WORLD
     level = "debug" if verbose else "warning" if quiet else cfg.agent.log
     _setup_logging(level, f"{comm.Get_rank()}@{socket.gethostname()}")

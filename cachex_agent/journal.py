@@ -7,8 +7,9 @@
     status.json             coordinator only: what `cachex status` shows
     events.jsonl            structured events (events.py)
 
-A restarted agent reads it to resume: captured checkpoints are flushed (or their
-finished bundles adopted), nothing is captured twice.
+Each entry of state.json holds, under `stages`, the state of every stage of that
+checkpoint on this node (handles.py), written before the state is reported: a
+restarted agent resumes each stage from it, and never repeats one that is done.
 """
 
 from __future__ import annotations
@@ -28,8 +29,6 @@ from .layout import (
 )
 from .manifest import GlobalManifest, LocalManifest
 from .safepath import UnsafeInput, checkpoint_id, relative_paths
-
-LOCAL_STATES = ("capturing", "captured", "flushed", "failed")
 
 
 class Journal:
@@ -64,6 +63,14 @@ class Journal:
     def update(self, ckpt: str, **fields: Any) -> None:
         with self._lock:
             self.entries.setdefault(ckpt, {}).update(fields)
+            self._save()
+
+    def set_stage(self, ckpt: str, stage: str, state: str, **fields: Any) -> None:
+        """One stage's new state (and what resuming it needs), durable on return."""
+        with self._lock:
+            entry = self.entries.setdefault(ckpt, {})
+            entry["stages"] = {**entry.get("stages", {}), stage: state}
+            entry.update(fields)
             self._save()
 
     def forget(self, ckpt: str) -> None:

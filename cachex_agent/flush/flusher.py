@@ -1,13 +1,13 @@
 """The asynchronous flusher: stage -> one HDF5 bundle per node per checkpoint on the PFS.
 
-Call order (agent main thread): `submit(manifest, source)` for each captured checkpoint,
-then `close(timeout)` at drain. Worker threads run at low CPU and I/O priority, share one
-token bucket (the byte-rate limit of the node), and retry failures with capped
-exponential backoff: a PFS that is down or full delays the flush, it never loses the
-staged data and never crashes the agent. An unexpected error (a bug) is reported, then
-goes where any thread's does (`threading.excepthook`: the agent ends). Every outcome is
-handed to `report`, which the agent forwards to the coordinator; `report` must be
-thread-safe.
+Call order (agent main thread): `submit(manifest, source)` for each captured checkpoint
+(a FlushHandle: handles.py), then `close(timeout)` at drain. Worker threads run at low
+CPU and I/O priority, share one token bucket (the byte-rate limit of the node), and
+retry failures with capped exponential backoff: a PFS that is down or full delays the
+flush, it never loses the staged data and never crashes the agent. An unexpected error
+(a bug) is reported, then goes where any thread's does (`threading.excepthook`: the
+agent ends). Every outcome is handed to `report`, which the agent forwards to the
+coordinator; `report` must be thread-safe.
 
 A bundle already complete on the PFS whose files match the manifest is adopted, not
 rewritten (an agent restarted after the rename but before the coordinator's commit).
@@ -31,6 +31,7 @@ from ..config import Flush
 from ..errors import OperationError, describe
 from ..events import EventLog
 from ..fsutil import makedirs
+from ..handles import Handle, Stage, StageLog, State, held_for_tests
 from ..layout import bundle_path
 from ..manifest import LocalManifest
 from .bundle import BundleError, is_complete, read_manifest, write_bundle
@@ -40,99 +41,141 @@ log = logging.getLogger(__name__)
 Report = Callable[[dict[str, Any]], None]
 
 
+class FlushHandle(Handle):
+    """One checkpoint's bundle: queued in the pool, running per attempt, done once the
+    bundle is renamed into place (or adopted), failed when retrying cannot help."""
+
+    stage = Stage.FLUSH
+
+    def __init__(self, manifest: LocalManifest, source: Path, flusher: Flusher) -> None:
+        super().__init__(manifest.ckpt, manifest.seq, flusher.log)
+        self.manifest, self.source, self.flusher = manifest, source, flusher
+        self.future: Future[None] | None = None
+
+    def _start(self) -> None:
+        self.future = self.flusher.pool.submit(self.flusher.run, self)
+        self.future.add_done_callback(_raise_in_thread)
+
+    def _cancel(self) -> None:
+        if self.future is not None:
+            self.future.cancel()        # a queued one never runs; a write in progress ends
+
+
 class Flusher:
-    def __init__(self, pfs_run: Path, settings: Flush, events: EventLog, report: Report) -> None:
+    def __init__(self, pfs_run: Path, settings: Flush, events: EventLog, report: Report,
+                 log_: StageLog | None = None) -> None:
+        """`log_`: where stage states go (journal and events); events only if None."""
         self.pfs_run = pfs_run
         self.settings = settings
-        self.events = events
+        self.log = log_ or StageLog(events)
         self.report = report
         self.bucket = TokenBucket(settings.bandwidth)
         self._stop = threading.Event()
-        self._futures: dict[str, Future[None]] = {}
-        self._cancelled: set[str] = set()
-        self._pool = ThreadPoolExecutor(settings.concurrency, thread_name_prefix="flush",
-                                        initializer=_lower_priority, initargs=(settings.nice,))
+        self.handles: dict[str, FlushHandle] = {}
+        self.pool = ThreadPoolExecutor(settings.concurrency, thread_name_prefix="flush",
+                                       initializer=_lower_priority, initargs=(settings.nice,))
 
-    def submit(self, manifest: LocalManifest, source: Path) -> None:
-        """Queue the flush of one captured checkpoint (no-op if already queued)."""
-        if manifest.ckpt in self._futures and not self._futures[manifest.ckpt].done():
-            return
-        self._cancelled.discard(manifest.ckpt)
-        future = self._pool.submit(self._flush, manifest, source)
-        future.add_done_callback(_raise_in_thread)
-        self._futures[manifest.ckpt] = future
+    def submit(self, manifest: LocalManifest, source: Path) -> FlushHandle:
+        """Queue the flush of one captured checkpoint (the live handle if already queued)."""
+        handle = self.handles.get(manifest.ckpt)
+        if handle is not None and not handle.test():
+            return handle
+        handle = FlushHandle(manifest, source, self)
+        self.handles[manifest.ckpt] = handle
+        return handle.submit()
 
     def cancel(self, ckpt: str) -> None:
         """Stop retrying `ckpt` (it failed elsewhere); a write in progress completes."""
-        self._cancelled.add(ckpt)
-        future = self._futures.get(ckpt)
-        if future is not None:
-            future.cancel()
+        handle = self.handles.get(ckpt)
+        if handle is not None:
+            handle.cancel()
 
     def pending(self) -> list[str]:
-        return [ckpt for ckpt, future in self._futures.items() if not future.done()]
+        """Not ended, and a worker still has it (after `close`, none does)."""
+        return [ckpt for ckpt, handle in list(self.handles.items())
+                if not handle.test() and handle.future is not None
+                and not handle.future.done()]
 
     def close(self, timeout: float) -> list[str]:
-        """Wait up to `timeout` for queued flushes; return the ones left unfinished."""
+        """Wait up to `timeout` for queued flushes; return the ones left unfinished (their
+        state stays `queued` or `running`: a restarted agent flushes them)."""
         deadline = time.monotonic() + timeout
-        while self.pending() and time.monotonic() < deadline:
-            time.sleep(0.05)
+        for handle in list(self.handles.values()):
+            handle.wait(max(0.0, deadline - time.monotonic()))
         left = self.pending()
         self._stop.set()
-        self._pool.shutdown(wait=not left, cancel_futures=True)
+        self.pool.shutdown(wait=not left, cancel_futures=True)
         return left
 
-    def _flush(self, manifest: LocalManifest, source: Path) -> None:
+    def run(self, handle: FlushHandle) -> None:
+        """A pool worker: attempts with backoff until done, failed, cancelled or closed."""
+        source = handle.source
         attempt = 0
-        while not self._stop.is_set() and manifest.ckpt not in self._cancelled:
+        while not self._stop.is_set() and not handle.cancelled.is_set():
             try:
-                self._attempt(manifest, source)
+                self._attempt(handle)
                 return
             except Exception as exc:        # noqa: BLE001 (a worker must always report)
                 if not isinstance(exc, (OSError, OperationError)):
-                    self._failed(manifest, f"internal error: {exc!r}", final=True)
+                    self._failed(handle, f"internal error: {exc!r}", final=True)
                     raise
                 if not source.exists():
-                    self._failed(manifest, f"{source}: staged copy is gone", final=True)
+                    self._failed(handle, f"{source}: staged copy is gone", final=True)
                     return
                 if isinstance(exc, BundleError):    # the data is wrong: retrying cannot help
-                    self._failed(manifest, str(exc), final=True)
+                    self._failed(handle, str(exc), final=True)
                     return
                 attempt += 1
                 delay = backoff(attempt, self.settings.retry_max)
-                self._failed(manifest, describe(exc), final=False, retry_in=delay)
+                self._failed(handle, describe(exc), final=False, retry_in=delay)
                 self._stop.wait(delay)
+        if handle.cancelled.is_set():
+            handle.set(State.CANCELLED)
 
-    def _attempt(self, manifest: LocalManifest, source: Path) -> None:
+    def _attempt(self, handle: FlushHandle) -> None:
+        manifest = handle.manifest
         target = bundle_path(self.pfs_run, manifest.ckpt, manifest.node)
         start = time.time()
         if _matches(target, manifest):
-            self._done(manifest, target, start, adopted=True)
+            self._done(handle, target, start, adopted=True)
             return
         makedirs(target.parent)
-        self.events.emit("flush_start", ckpt=manifest.ckpt, seq=manifest.seq,
-                         bytes=manifest.bytes, target=str(target))
+        handle.set(State.RUNNING, bytes=manifest.bytes, target=str(target))
+        while held_for_tests(Stage.FLUSH, manifest.node) and not (
+                self._stop.is_set() or handle.cancelled.is_set()):
+            self._stop.wait(0.1)
         progress = _Progress(manifest, self.report)
-        write_bundle(target, manifest, source, chunk=self.settings.chunk, throttle=self.bucket,
-                     on_bytes=progress.add, verify=self.settings.verify,
+        write_bundle(target, manifest, handle.source, chunk=self.settings.chunk,
+                     throttle=self.bucket, on_bytes=progress.add, verify=self.settings.verify,
                      writers=self.settings.writers)
-        self._done(manifest, target, start, adopted=False)
+        self._done(handle, target, start, adopted=False)
 
-    def _done(self, manifest: LocalManifest, target: Path, start: float, adopted: bool) -> None:
+    def _done(self, handle: FlushHandle, target: Path, start: float, adopted: bool) -> None:
+        manifest = handle.manifest
         duration = time.time() - start
-        self.events.emit("flushed", ckpt=manifest.ckpt, seq=manifest.seq, bytes=manifest.bytes,
-                         duration=duration, adopted=adopted, target=str(target))
-        self.report({"type": "flushed", "ckpt": manifest.ckpt, "node": manifest.node,
-                     "bundle": target.name, "duration": duration, "adopted": adopted})
+        if handle.set(State.DONE, persist={"bundle": target.name}, bytes=manifest.bytes,
+                      duration=duration, adopted=adopted, target=str(target)):
+            self.report(flushed_report(manifest.ckpt, manifest.node, target.name, duration,
+                                       adopted))
 
-    def _failed(self, manifest: LocalManifest, error: str, final: bool,
-                retry_in: float = 0.0) -> None:
+    def _failed(self, handle: FlushHandle, error: str, final: bool, retry_in: float = 0.0
+                ) -> None:
+        manifest = handle.manifest
         log.warning("flush of %s failed: %s%s", manifest.ckpt, error,
                     "" if final else f" (retry in {retry_in:.0f}s)")
-        self.events.emit("flush_error", ckpt=manifest.ckpt, seq=manifest.seq, error=error,
-                         final=final, retry_in=retry_in)
+        if final:
+            handle.set(State.FAILED, error=error, final=True, retry_in=retry_in)
+        else:
+            handle.note("flush_error", error=error, final=False, retry_in=retry_in)
         self.report({"type": "flush_error", "ckpt": manifest.ckpt, "node": manifest.node,
                      "error": error, "final": final, "retry_in": retry_in})
+
+
+def flushed_report(ckpt: str, node: int, bundle: str, duration: float, adopted: bool
+                   ) -> dict[str, Any]:
+    """The coordinator's `flushed` message (also re-sent from the journal on resume)."""
+    return {"type": "flushed", "ckpt": ckpt, "node": node, "bundle": bundle,
+            "duration": duration, "adopted": adopted}
 
 
 def _raise_in_thread(future: Future[None]) -> None:

@@ -33,6 +33,7 @@ import numpy as np
 
 from ..config import Config
 from ..events import EventLog
+from ..handles import Handle, Stage, StageLog, State, held_for_tests
 from ..layout import NodePaths
 from ..manifest import LocalManifest
 from .partners import incoming
@@ -131,10 +132,30 @@ def map_piece(fd: int, offset: int, length: int) -> np.ndarray:
     return np.frombuffer(mapping, dtype=np.uint8, count=length, offset=offset - start)
 
 
+class ReplicateHandle(Handle):
+    """One checkpoint to every partner: queued, running from the first `begin`, done
+    when every partner acked it verified (failed if any did not: the PFS still gets it)."""
+
+    stage = Stage.REPLICATE
+
+    def __init__(self, manifest: LocalManifest, source: Path, mapped: bool,
+                 replicator: Replicator) -> None:
+        super().__init__(manifest.ckpt, manifest.seq, replicator.log)
+        self.manifest, self.source, self.mapped = manifest, source, mapped
+        self.replicator = replicator
+
+    def _start(self) -> None:
+        self.replicator.queue(self)
+
+    def _cancel(self) -> None:
+        self.replicator.cancel(self.ckpt)
+
+
 class Replicator:
     def __init__(self, comm: Any, node: int, pmap: list[list[int]], ranks_by_node: list[int],
                  config: Config, paths: NodePaths, events: EventLog, send: Send,
-                 post: Post) -> None:
+                 post: Post, log_: StageLog | None = None) -> None:
+        """`log_`: where stage states go (journal and events); events only if None."""
         self.node = node
         self.partners = pmap[self.node]
         self.ranks = ranks_by_node
@@ -142,6 +163,7 @@ class Replicator:
         self.timeout = config.agent.timeout
         self.slots = config.peer.slots
         self.events, self.send, self.post = events, send, post
+        self.log = log_ or StageLog(events)
         self.window = ReceiveWindow(comm, len(incoming(self.node, pmap)), config.peer.slots,
                                     config.peer.slot)
         self.store = ReplicaStore(paths.replicas, self.window,
@@ -151,25 +173,40 @@ class Replicator:
         self.queues: dict[int, deque[Sender]] = {p: deque() for p in self.partners}
         self.dead: dict[int, str] = {}
         self.results: dict[str, dict[int, str | None]] = {}     # ckpt -> partner -> error
+        self.handles: dict[str, ReplicateHandle] = {}           # not ended yet
         self.started: dict[str, float] = {}
 
     # ----------------------------------------------------------------- owner side
-    def replicate(self, manifest: LocalManifest, source: Path, mapped: bool = True) -> None:
+    def replicate(self, manifest: LocalManifest, source: Path, mapped: bool = True
+                  ) -> ReplicateHandle:
         """Queue `manifest` to every partner; `post`s `replicated` when all answered.
         `mapped`: `source` is the agent's own copy (never truncated), Put from mappings."""
-        if manifest.ckpt in self.results:
-            return                      # already under way (a repeated announcement)
+        handle = self.handles.get(manifest.ckpt)
+        if handle is not None:
+            return handle               # already under way (a repeated announcement)
+        handle = ReplicateHandle(manifest, source, mapped, self)
+        self.handles[manifest.ckpt] = handle
+        return handle.submit()
+
+    def queue(self, handle: ReplicateHandle) -> None:
+        manifest = handle.manifest
         self.results[manifest.ckpt] = {}
         self.started[manifest.ckpt] = time.monotonic()
-        self.events.emit("replicate_start", ckpt=manifest.ckpt, seq=manifest.seq,
-                         bytes=manifest.bytes, partners=self.partners)
         for partner in self.partners:
             if partner in self.dead:
                 self._finish(manifest, partner, f"partner node {partner}: {self.dead[partner]}")
                 continue
             self.queues[partner].append(Sender(
-                manifest, source, partner, self.ranks[partner], self.regions[partner],
-                deque(range(self.slots)), mapped))
+                manifest, handle.source, partner, self.ranks[partner], self.regions[partner],
+                deque(range(self.slots)), handle.mapped))
+
+    def cancel(self, ckpt: str) -> None:
+        """Drop the partners' streams of `ckpt` not begun yet; a begun one runs to its ack
+        (the partner holds slots of it)."""
+        for queue in self.queues.values():
+            for sender in queue:
+                if sender.manifest.ckpt == ckpt and sender.state == "queued":
+                    self._fail(sender, "cancelled")
 
     def pump(self) -> None:
         """Move what can move now; detect partners that stopped answering."""
@@ -190,9 +227,13 @@ class Replicator:
     def _pump_one(self, sender: Sender, now: float) -> None:
         if sender.state == "queued":
             sender.state, sender.heard = "sending", now
+            handle = self.handles[sender.manifest.ckpt]
+            if handle.state == State.QUEUED:
+                handle.set(State.RUNNING, bytes=sender.manifest.bytes, partners=self.partners)
             self.send(sender.rank, {"type": "begin", "manifest": sender.manifest.to_json()})
+        held = held_for_tests(Stage.REPLICATE, self.node)
         try:
-            while sender.state == "sending" and sender.free:
+            while sender.state == "sending" and sender.free and not held:
                 chunk = sender.next_chunk(self.buffer)
                 if chunk is None:
                     sender.state = "ending"
@@ -250,12 +291,21 @@ class Replicator:
     def _finish(self, manifest: LocalManifest, partner: int, error: str | None) -> None:
         results = self.results.setdefault(manifest.ckpt, {})
         results[partner] = error
-        if len(results) == len(self.partners):
-            errors = {str(p): e for p, e in results.items() if e}
-            duration = time.monotonic() - self.started.pop(manifest.ckpt, time.monotonic())
-            self.post({"type": "replicated", "ckpt": manifest.ckpt, "ok": not errors,
-                       "errors": errors, "partners": self.partners, "duration": duration})
-            del self.results[manifest.ckpt]
+        if len(results) < len(self.partners):
+            return
+        errors = {str(p): e for p, e in results.items() if e}
+        duration = time.monotonic() - self.started.pop(manifest.ckpt, time.monotonic())
+        del self.results[manifest.ckpt]
+        handle = self.handles.pop(manifest.ckpt)
+        if errors:
+            log.warning("replication of %s failed: %s", manifest.ckpt, errors)
+            state = State.CANCELLED if handle.cancelled.is_set() else State.FAILED
+            handle.set(state, error="; ".join(errors.values()), errors=errors)
+        else:
+            handle.set(State.DONE, bytes=manifest.bytes, partners=self.partners,
+                       duration=duration)
+        self.post({"type": "replicated", "ckpt": manifest.ckpt, "ok": not errors,
+                   "errors": errors, "partners": self.partners, "duration": duration})
 
     # --------------------------------------------------------------- partner side
     def handle(self, source_node: int, msg: dict[str, Any]) -> None:

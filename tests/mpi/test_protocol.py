@@ -161,7 +161,8 @@ def test_agents_commit_capture_and_flush_together(mpi_tmp_path):
               f"__{comm.rank}_0.distcp"})
     assert all_ok(comm, ok), gm
     journal = json.loads((root / f"node{comm.rank}/nvme/m/journal/state.json").read_text())
-    assert all_ok(comm, journal["ckpts"]["step_00002"]["finalized"] is True)
+    stages = journal["ckpts"]["step_00002"]["stages"]
+    assert all_ok(comm, stages["capture"] == "done" and stages["commit"] == "done"), stages
 
 
 def test_bad_directory_on_one_rank_is_a_config_error_everywhere(mpi_tmp_path):

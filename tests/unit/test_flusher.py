@@ -20,6 +20,8 @@ from cachex_agent.config import Flush
 from cachex_agent.events import EventLog, read_events
 from cachex_agent.flush.bundle import extract, read_manifest, verify_bundle
 from cachex_agent.flush.flusher import Flusher
+from cachex_agent.handles import Stage, StageLog, State, stage_state
+from cachex_agent.journal import Journal
 from cachex_agent.layout import bundle_path, pfs_ckpt_dir
 from cachex_agent.manifest import LocalManifest
 from cachex_agent.stage.capture import capture_copy, list_files
@@ -160,10 +162,36 @@ def test_flush_writes_the_bundle_and_reports(tmp_path, pfs_run, events, make_flu
         assert 0 < progress["done"] <= manifest.bytes
 
     evs = flush_events(events.path)
-    assert [e["event"] for e in evs] == ["flush_start", "flushed"]
+    assert [e["event"] for e in evs] == ["flush_queued", "flush_start", "flushed"]
+    # one events schema (handles.py): stage, state, ckpt, seq on every stage event
+    assert [(e["stage"], e["state"], e["seq"]) for e in evs] == [
+        ("flush", s, manifest.seq) for s in ("queued", "running", "done")]
+    evs = evs[1:]
     assert evs[0]["bytes"] == manifest.bytes and evs[0]["target"] == str(target)
     assert evs[1]["adopted"] is False and evs[1]["node"] == NODE
     assert evs[0]["t"] <= evs[1]["t"]
+
+
+@pytest.mark.timeout(20)
+def test_flush_states_reach_the_journal_before_the_report(tmp_path, pfs_run, events):
+    """A FlushHandle (handles.py): queued, running, done with its bundle in the journal,
+    which holds `done` by the time the coordinator could hear `flushed`."""
+    manifest, stage = stage_checkpoint(tmp_path)
+    journal = Journal(tmp_path / "journal")
+    seen: list[str | None] = []
+
+    def report(msg: dict[str, Any]) -> None:
+        if msg["type"] == "flushed":
+            seen.append(stage_state(Journal(journal.root).get(CKPT), Stage.FLUSH))
+
+    flusher = Flusher(pfs_run, SETTINGS, events, report, StageLog(events, journal))
+    handle = flusher.submit(manifest, stage)
+    assert handle.wait(DEADLINE) and handle.test() and handle.state == State.DONE
+    assert flusher.close(timeout=5) == []
+    assert seen == [State.DONE]
+    entry = Journal(journal.root).get(CKPT)
+    assert entry["stages"] == {"flush": "done"} and entry["bundle"] == "node-00001.h5"
+    assert not handle.cancel()
 
 
 @pytest.mark.timeout(20)
@@ -211,7 +239,8 @@ def test_restarted_flusher_adopts_a_complete_bundle(tmp_path, pfs_run, events, m
     assert (after.st_ino, after.st_mtime_ns, after.st_size) == (
         before.st_ino, before.st_mtime_ns, before.st_size)
     names = [e["event"] for e in flush_events(events.path)]
-    assert names == ["flush_start", "flushed", "flushed"]     # no second flush_start
+    assert names == ["flush_queued", "flush_start", "flushed",    # no second flush_start
+                     "flush_queued", "flushed"]
     assert flush_events(events.path)[-1]["adopted"] is True
 
 
@@ -267,7 +296,8 @@ def test_unwritable_pfs_is_retried_until_it_recovers(tmp_path, pfs_run, events, 
     evs = flush_events(events.path)
     names = [e["event"] for e in evs]
     assert names[-2:] == ["flush_start", "flushed"]
-    assert set(names[:-2]) == {"flush_error"} and len(names) >= 4
+    assert names[0] == "flush_queued"
+    assert set(names[1:-2]) == {"flush_error"} and len(names) >= 5
     assert all(e["final"] is False for e in evs if e["event"] == "flush_error")
 
 

@@ -6,7 +6,7 @@ import threading
 
 import pytest
 
-from cachex_agent.agent import Inbox
+from cachex_agent.inbox import Inbox
 
 pytestmark = pytest.mark.timeout(30)
 

@@ -1,0 +1,181 @@
+"""Handles: every unit of asynchronous work on a checkpoint, with one verb set and one
+state enum.
+
+    stage      capture | replicate | flush | commit | restore
+    state      queued -> running -> done | failed | cancelled
+    verbs      submit()  test()  wait(timeout)  cancel()
+
+A transition is written to the journal (state.json: `stages`, per checkpoint, per
+stage; fsynced) before its event is written and before anyone is told, so what a
+restarted agent reads is never behind what the coordinator heard. Every stage event
+carries `stage`, `state`, `ckpt` and `seq`; its name comes from EVENTS (the names the
+model reads: capture_start, captured, replicate_start, replicated, flush_start,
+flushed...). A restarted agent resumes each checkpoint from these states (agent.py,
+`_resume`): capture not done -> capture again; replicate not done -> replicate again;
+flush not done -> flush again (a finished bundle is adopted); done -> never again.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from enum import StrEnum
+from typing import Any, Protocol
+
+TEST_HOLD = "CACHEX_TEST_HOLD"  # tests: "<stage>:<node>" holds that stage in `running`
+
+
+class Stage(StrEnum):
+    CAPTURE = "capture"
+    REPLICATE = "replicate"
+    FLUSH = "flush"
+    COMMIT = "commit"       # the global manifest on the PFS: this node hears `finalized`
+    RESTORE = "restore"
+
+
+class State(StrEnum):
+    QUEUED = "queued"
+    RUNNING = "running"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+ENDED = frozenset({State.DONE, State.FAILED, State.CANCELLED})
+
+# the one events schema: (stage, state) -> event name
+EVENTS: dict[tuple[Stage, State], str] = {
+    **{(stage, State.QUEUED): f"{stage.value}_queued" for stage in Stage},
+    **{(stage, State.RUNNING): f"{stage.value}_start" for stage in Stage},
+    **{(stage, State.FAILED): f"{stage.value}_failed" for stage in Stage},
+    **{(stage, State.CANCELLED): f"{stage.value}_cancelled" for stage in Stage},
+    (Stage.CAPTURE, State.DONE): "captured",
+    (Stage.REPLICATE, State.DONE): "replicated",
+    (Stage.FLUSH, State.DONE): "flushed",
+    (Stage.FLUSH, State.FAILED): "flush_error",     # final=True; a retry is final=False
+    (Stage.COMMIT, State.DONE): "finalized",
+    (Stage.RESTORE, State.DONE): "restored",
+}
+
+
+class Emitter(Protocol):
+    def emit(self, event: str, **fields: Any) -> dict[str, Any]: ...
+
+
+class Persister(Protocol):
+    def set_stage(self, ckpt: str, stage: str, state: str, **fields: Any) -> None: ...
+
+
+class StageLog:
+    """Persist, then name: the journal first (when there is one), then the event."""
+
+    def __init__(self, events: Emitter, journal: Persister | None = None) -> None:
+        self.events, self.journal = events, journal
+
+    def record(self, stage: Stage, state: State, ckpt: str, seq: int | None,
+               persist: dict[str, Any] | None = None, **fields: Any) -> None:
+        """`persist`: fields the journal keeps with the state (what resuming needs)."""
+        if self.journal is not None:
+            self.journal.set_stage(ckpt, stage.value, state.value, **(persist or {}))
+        self.note(EVENTS[(stage, state)], stage, state, ckpt, seq, **fields)
+
+    def note(self, event: str, stage: Stage, state: State, ckpt: str, seq: int | None,
+             **fields: Any) -> None:
+        """An event within a state (a retry, progress): named, not a transition."""
+        self.events.emit(event, stage=stage.value, state=state.value, ckpt=ckpt, seq=seq,
+                         **fields)
+
+    def emit(self, event: str, **fields: Any) -> dict[str, Any]:
+        """Events that are not about one stage of one checkpoint."""
+        return self.events.emit(event, **fields)
+
+
+class Handle:
+    """One stage of one checkpoint. Subclasses start the work in `_start` and stop it
+    in `_cancel`; the work reports through `set` (any thread)."""
+
+    stage: Stage
+
+    def __init__(self, ckpt: str, seq: int | None, log: StageLog) -> None:
+        self.ckpt, self.seq, self.log = ckpt, seq, log
+        self.state: State | None = None
+        self.error: str | None = None
+        self.cancelled = threading.Event()      # the work looks at it between steps
+        self._ended = threading.Event()
+        self._lock = threading.Lock()
+
+    # ----------------------------------------------------------------- verbs
+    def submit(self, **fields: Any) -> Handle:
+        """Queue the work (persisted as queued first); returns self."""
+        self.set(State.QUEUED, **fields)
+        self._start()
+        return self
+
+    def test(self) -> bool:
+        """Ended (done, failed or cancelled)? Never blocks."""
+        return self.state in ENDED
+
+    def wait(self, timeout: float) -> bool:
+        """Block up to `timeout` seconds for the end; True if it ended."""
+        return self._ended.wait(timeout)
+
+    def cancel(self) -> bool:
+        """Ask the work to stop; True if it had not ended. Queued work ends cancelled at
+        once; running work ends when it next looks (or finishes first)."""
+        if self.test():
+            return False
+        self.cancelled.set()
+        self._cancel()
+        if self.state == State.QUEUED:
+            self.set(State.CANCELLED)
+        return True
+
+    # ---------------------------------------------------------- transitions
+    def set(self, state: State, persist: dict[str, Any] | None = None, **fields: Any
+            ) -> bool:
+        """Record a transition; True if recorded as asked (False: the handle had ended,
+        or a cancel turned a start into `cancelled`)."""
+        with self._lock:
+            if self.state in ENDED:
+                return False
+            if state == State.RUNNING and self.cancelled.is_set():
+                state = State.CANCELLED
+            if state == State.FAILED:
+                self.error = str(fields.get("error", ""))
+            self.log.record(self.stage, state, self.ckpt, self.seq, persist, **fields)
+            self.state = state
+        if state in ENDED:
+            self._ended.set()
+        return state != State.CANCELLED
+
+    def note(self, event: str, **fields: Any) -> None:
+        assert self.state is not None
+        self.log.note(event, self.stage, self.state, self.ckpt, self.seq, **fields)
+
+    def _start(self) -> None:
+        """Hand the work to whoever runs it (a thread, a pool, the main loop)."""
+
+    def _cancel(self) -> None:
+        """Tell whoever runs the work; the default relies on `cancelled`."""
+
+
+def stage_state(entry: dict[str, Any] | None, stage: Stage) -> State | None:
+    """A stage's persisted state in a journal entry (None: never submitted)."""
+    value = (entry or {}).get("stages", {}).get(stage.value)
+    return State(value) if value is not None else None
+
+
+def is_done(entry: dict[str, Any] | None, stage: Stage) -> bool:
+    return stage_state(entry, stage) == State.DONE
+
+
+def is_failed(entry: dict[str, Any] | None) -> bool:
+    """The checkpoint failed on this node: its capture, or the coordinator said so (a
+    failed replication still goes to the PFS; a flush retries)."""
+    return State.FAILED in (stage_state(entry, Stage.CAPTURE), stage_state(entry, Stage.COMMIT))
+
+
+def held_for_tests(stage: Stage, node: int) -> bool:
+    """The integration tests' way to keep a stage `running` long enough to kill the
+    agent there (CACHEX_TEST_HOLD=<stage>:<node>); never set in production."""
+    return os.environ.get(TEST_HOLD) == f"{stage.value}:{node}"

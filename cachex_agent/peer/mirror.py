@@ -1,0 +1,61 @@
+"""Mirroring (`commit.mirror`): once every node captured a checkpoint and its global
+files reached this node's journal (peer/globals.py), put them into this node's spool
+too, so loaders that read only their own node's directory (DCP's `load`) find them."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from ..errors import CachexError, describe
+from ..events import EventLog
+from ..journal import Journal
+from ..layout import NodePaths, global_files_dir, spool_root_name
+from ..stage.rules import natural_key, tracker_names, tracker_text
+from .globals import mirror_file
+
+log = logging.getLogger(__name__)
+
+
+class Mirror:
+    def __init__(self, journal: Journal, paths: NodePaths, node: int, events: EventLog,
+                 enabled: bool) -> None:
+        self.journal, self.paths, self.node = journal, paths, node
+        self.events, self.enabled = events, enabled
+
+    def mirror(self, ckpt: str) -> None:
+        """Mirror what has arrived; called again as more arrives (idempotent)."""
+        manifest = self.journal.global_manifest(ckpt)
+        if not self.enabled or manifest is None:
+            return
+        target = self.paths.spool_dir(ckpt)
+        held = global_files_dir(self.paths.journal, ckpt)
+        for entry in manifest.files:
+            path = entry["path"]
+            into = self._target(ckpt, target, path, entry["node"])
+            if path not in manifest.global_files or into is None:
+                continue
+            if not (held / path).is_file():
+                return                          # not arrived yet: the next call does it
+            try:
+                mirror_file(held / path, into, entry["checksum"], entry["mode"])
+            except (OSError, CachexError) as exc:
+                log.warning("mirror of %s/%s failed: %s", ckpt, path, describe(exc))
+                return
+            self.events.emit("mirrored", ckpt=ckpt, path=path)
+
+    def _target(self, ckpt: str, ckpt_dir: Path, path: str, owner: int) -> Path | None:
+        """Where this node's spool gets a global file (None: nowhere, or there already).
+        A spool-root file (tracker, single-file checkpoint) goes to the spool root of
+        the other nodes; a tracker is replaced when it names an older save."""
+        name = spool_root_name(path)
+        if name is None:
+            into = ckpt_dir / path
+            return into if ckpt_dir.is_dir() and not into.exists() else None
+        into = self.paths.spool / name
+        if owner == self.node:
+            return None
+        if tracker_text(name, ckpt) is not None:
+            named = tracker_names(into, name)
+            return into if named is None or natural_key(named) < natural_key(ckpt) else None
+        return None if into.exists() else into

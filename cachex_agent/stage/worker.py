@@ -1,0 +1,244 @@
+"""The capture worker: one thread, one checkpoint at a time, spool -> stage.
+
+Each announced checkpoint is a `CaptureHandle` (handles.py): queued when the coordinator
+announces it, running from the first listing, done once its local manifest and
+journal entry are durable; then the worker posts `captured` to the agent's inbox. A
+part that keeps changing is captured again (bounded); a capture that cannot complete
+fails with one line, never a torn part reported captured.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from ..config import Config
+from ..errors import CachexError, describe
+from ..fsutil import remove_under
+from ..handles import Handle, Stage, StageLog, State, held_for_tests
+from ..journal import Journal
+from ..layout import NodePaths, root_entry
+from ..manifest import FileEntry, LocalManifest
+from ..topology import Placement
+from .capture import (
+    CaptureError,
+    PartChanged,
+    capture_copy,
+    capture_reference,
+    is_stage_full,
+    part_changes,
+)
+from .quiescence import FileState, snapshot, wait_for_directory, wait_settled
+from .rules import CommitRule
+
+log = logging.getLogger(__name__)
+MEMORY_RESERVE = 1 << 30    # capture by reference when the copy would leave less than this
+CAPTURE_ATTEMPTS = 3        # captures of a part that keeps changing before it fails
+TEST_FAIL_CAPTURE = "CACHEX_TEST_FAIL_CAPTURE"  # tests: this rank's capture thread raises
+Captured = tuple[Path, list[FileEntry], str, str]   # where, entries, mode, why that mode
+
+
+class CaptureHandle(Handle):
+    stage = Stage.CAPTURE
+
+    def __init__(self, task: dict[str, Any], log_: StageLog, worker: CaptureWorker) -> None:
+        super().__init__(task["ckpt"], task["seq"], log_)
+        self.task, self.worker = task, worker
+
+    def _start(self) -> None:
+        self.worker.queue.put(self)
+
+
+class CaptureWorker:
+    def __init__(self, config: Config, paths: NodePaths, placement: Placement, rule: CommitRule,
+                 journal: Journal, log_: StageLog, post: Callable[[dict[str, Any]], None],
+                 first_seen: Callable[[str], float | None]) -> None:
+        self.config, self.paths, self.placement, self.rule = config, paths, placement, rule
+        self.journal, self.log, self.post, self.first_seen = journal, log_, post, first_seen
+        self.queue: queue.Queue[CaptureHandle | None] = queue.Queue()
+        self.handles: dict[str, CaptureHandle] = {}     # not ended yet
+        self._thread = threading.Thread(target=self._loop, name="capture", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, task: dict[str, Any]) -> CaptureHandle:
+        """Capture `task["ckpt"]` (the coordinator's `commit` message)."""
+        handle = CaptureHandle(task, self.log, self)
+        self.handles[handle.ckpt] = handle
+        handle.submit(persist={"seq": task["seq"], "global_files": task["global_files"]})
+        return handle
+
+    def cancel(self, ckpt: str) -> None:
+        handle = self.handles.get(ckpt)
+        if handle is not None:
+            handle.cancel()
+
+    def busy(self, ckpt: str | None = None) -> bool:
+        """A capture not ended (of `ckpt`, or of any checkpoint)."""
+        live = {c for c, h in list(self.handles.items()) if not h.test()}
+        return ckpt in live if ckpt is not None else bool(live)
+
+    def stop(self) -> None:
+        for handle in list(self.handles.values()):
+            handle.cancel()
+        self.queue.put(None)
+
+    def _loop(self) -> None:
+        while (handle := self.queue.get()) is not None:
+            try:
+                self._fail_for_tests()
+                if handle.set(State.RUNNING):
+                    self._capture(handle)
+            except (CachexError, OSError) as exc:
+                error = describe(exc)
+                log.error("capture of %s failed: %s", handle.ckpt, error)
+                if handle.set(State.FAILED, persist={"reason": error}, error=error):
+                    self.post({"type": "capture_failed", "ckpt": handle.ckpt, "error": error})
+            finally:
+                self.handles.pop(handle.ckpt, None)
+
+    def _fail_for_tests(self) -> None:
+        """The integration tests' way to raise an unexpected error in this thread; the
+        variable is never set in production."""
+        if os.environ.get(TEST_FAIL_CAPTURE) == str(self.placement.rank):
+            raise RuntimeError(f"{TEST_FAIL_CAPTURE}={self.placement.rank}")
+
+    def _capture(self, handle: CaptureHandle) -> None:
+        task, ckpt, seq = handle.task, handle.ckpt, handle.seq
+        assert seq is not None
+        source = self.paths.spool_dir(ckpt)
+        start = time.time()
+        deadline = time.monotonic() + self.config.commit.timeout
+        single = self.rule.is_file_checkpoint(self.paths.spool, ckpt)
+        # a single file is written by one rank: a node without it holds an empty part
+        late = not single and (self._wait_for_part(handle, source, deadline)
+                               or self._wait_for_own_marker(handle, source, deadline))
+        # A marker vouches at most for files written before it: a directory that
+        # appeared after the commit gets this node's own check.
+        vouched = self.rule.vouches_for(source) and not late
+        target, entries, mode, reason = self._capture_whole(handle, source, vouched, deadline)
+        if held_for_tests(Stage.CAPTURE, self.placement.node):
+            handle.cancelled.wait(3600)
+        manifest = LocalManifest(run=self.config.run, ckpt=ckpt, seq=seq,
+                                 node=self.placement.node, host=self.placement.host,
+                                 rank=self.placement.rank, files=entries)
+        self.journal.save_manifest(manifest)
+        duration = time.time() - start
+        if not handle.set(State.DONE, persist={
+                "source": str(target), "mode": mode, "mode_reason": reason,
+                "bytes": manifest.bytes}, bytes=manifest.bytes, files=len(entries), mode=mode,
+                reason=reason, duration=duration, write_start=self.first_seen(ckpt),
+                committed_at=task.get("received")):
+            return
+        self.post({"type": "captured", "ckpt": ckpt, "manifest": manifest.to_json(),
+                   "duration": duration, "mode": mode, "reason": reason})
+
+    def _wait_for_part(self, handle: CaptureHandle, source: Path, deadline: float) -> bool:
+        """Wait (until `deadline`: `commit.timeout`) for this node's directory; True if
+        it was not there yet."""
+        if source.is_dir():
+            return False
+        handle.note("capture_waiting", reason=f"{source}: directory not there yet",
+                    timeout=self.config.commit.timeout)
+        return wait_for_directory(source, max(0.0, deadline - time.monotonic()),
+                                  handle.cancelled)
+
+    def _wait_for_own_marker(self, handle: CaptureHandle, source: Path, deadline: float
+                             ) -> bool:
+        """A node that saves writes its own marker, with no barrier before it (HF's
+        `trainer_state.json`): wait for it; True if it was not there yet."""
+        marker = self.rule.own_marker(source)
+        if marker is None or (source / marker).is_file():
+            return False
+        handle.note("capture_waiting", reason=f"{source / marker}: this node's marker not"
+                    " there yet", timeout=self.config.commit.timeout)
+        while not (source / marker).is_file():
+            if time.monotonic() > deadline or handle.cancelled.wait(0.05):
+                raise CaptureError(f"{source / marker}: this node's marker did not appear"
+                                   f" within commit.timeout")
+        return True
+
+    def _capture_whole(self, handle: CaptureHandle, source: Path, vouched: bool,
+                       deadline: float) -> Captured:
+        """Capture until a listing after the capture equals the one before it (bounded):
+        a file missing or torn is never reported captured."""
+        changes = ""
+        for attempt in range(1, CAPTURE_ATTEMPTS + 1):
+            # a part seen changing is checked by this node, whatever the marker said
+            settle = 0.0 if vouched and attempt == 1 else self.config.commit.settle
+            listed = self._settled(handle, source, settle, deadline)
+            try:
+                captured = self._capture_once(handle.ckpt, source, listed)
+                changes = part_changes(listed, self._listing(source))
+            except PartChanged as exc:
+                captured, changes = None, str(exc)
+            if not changes and captured is not None:
+                return captured
+            log.warning("capture of %s, attempt %d: %s", handle.ckpt, attempt, changes)
+            handle.note("capture_retry", attempt=attempt, reason=changes)
+        remove_under(self.paths.stage, self.paths.stage_dir(handle.ckpt))
+        raise CaptureError(f"{source}: still changing after {CAPTURE_ATTEMPTS} captures"
+                           f" ({changes})")
+
+    def _settled(self, handle: CaptureHandle, source: Path, settle: float, deadline: float
+                 ) -> dict[Path, FileState]:
+        if self._single_file(source):
+            return {}           # the rule saw the file settle; the copy checks it is unchanged
+        try:
+            return wait_settled(source, settle, max(0.0, deadline - time.monotonic()),
+                                handle.cancelled)
+        except FileNotFoundError:
+            raise CaptureError(f"{source}: checkpoint directory is missing") from None
+
+    def _single_file(self, source: Path) -> bool:
+        return self.rule.is_file_checkpoint(self.paths.spool, source.name)
+
+    def _listing(self, source: Path) -> dict[Path, FileState]:
+        if self._single_file(source):
+            return {}
+        try:
+            return snapshot(source)
+        except FileNotFoundError:
+            raise CaptureError(f"{source}: checkpoint directory is missing") from None
+
+    def _capture_once(self, ckpt: str, source: Path, listed: dict[Path, FileState]
+                      ) -> Captured:
+        """(where the captured bytes are, entries, mode, why that mode) of one capture."""
+        relpaths = sorted(rel for rel in (p.relative_to(source).as_posix() for p in listed)
+                          if not self.rule.ignore(rel))
+        roots = {root_entry(n): self.paths.spool / n
+                 for n in self.rule.root_entries(self.paths.spool, ckpt)}
+        total = sum(listed[source / rel][0] for rel in relpaths) + sum(
+            p.stat().st_size for p in roots.values())
+        target = self.paths.stage_dir(ckpt)
+        if not memory_allows(total):
+            reason = f"memory short: {total} bytes would leave less than {MEMORY_RESERVE}"
+        else:
+            try:
+                return target, capture_copy(source, target, [*relpaths, *roots],
+                                            sources=roots), "copy", ""
+            except OSError as exc:
+                if not is_stage_full(exc):
+                    raise
+                reason = f"stage full ({describe(exc)})"
+        # by reference: the flush and the replicas read the spool part and check it
+        # against these checksums
+        remove_under(self.paths.stage, target)     # an earlier attempt, partial or whole
+        if roots:   # a reference reads the part's directory: spool-root files stay out
+            reason += f"; not captured: {', '.join(sorted(p.name for p in roots.values()))}"
+        log.warning("capture of %s by reference: %s", ckpt, reason)
+        return source, capture_reference(source, relpaths), "reference", reason
+
+
+def memory_allows(nbytes: int) -> bool:
+    return psutil.virtual_memory().available - nbytes > MEMORY_RESERVE
+
