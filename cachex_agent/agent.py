@@ -429,7 +429,8 @@ class Agent:
         if entry.get("state") in ("captured", "flushed") and manifest and _held(entry):
             # a repeated announcement (restart): report what is already held
             self.inbox.put({"type": "captured", "ckpt": ckpt, "manifest": manifest.to_json(),
-                            "mode": entry["mode"], "reason": entry.get("mode_reason", "")})
+                            "mode": entry["mode"], "reason": entry.get("mode_reason", ""),
+                            "global_files": entry.get("global_files", [])})
             return
         self.journal.update(ckpt, seq=msg["seq"], state="capturing",
                             global_files=msg["global_files"])
@@ -450,7 +451,8 @@ class Agent:
 
     def _share_globals(self, manifest: LocalManifest, entry: dict[str, Any]) -> None:
         """This node wrote the checkpoint's global files: every journal gets a copy."""
-        names = set(self.announced.get(manifest.ckpt, {}).get("global_files", []))
+        names = {*self.announced.get(manifest.ckpt, {}).get("global_files", []),
+                 *entry.get("global_files", [])}
         held = [e for e in manifest.files if e.path in names]
         if held and not entry.get("globals_shared"):
             others = [r for r in self.ranks_by_node if r != self.rank]
@@ -617,16 +619,21 @@ class Agent:
         manifest = LocalManifest(run=self.config.run, ckpt=ckpt, seq=seq, node=self.node,
                                  host=self.placement.host, rank=self.rank, files=entries)
         self.journal.save_manifest(manifest)
+        # This node's own candidates, from its finished part: the marker's list is the
+        # view of whichever node committed first (HF: node 1's trainer_state.json may
+        # come before node 0 wrote the weights that it alone holds).
+        candidates = sorted({*task["global_files"], *self._global_files(ckpt)})
         self.journal.update(ckpt, seq=seq, state="captured", source=str(target), mode=mode,
                             mode_reason=reason, bytes=manifest.bytes,
-                            global_files=task["global_files"])
+                            global_files=candidates)
         duration = time.time() - start
         self.events.emit("captured", ckpt=ckpt, seq=seq, bytes=manifest.bytes,
                          files=len(entries), mode=mode, reason=reason, duration=duration,
                          write_start=self.watcher.first_seen(ckpt),
                          committed_at=task.get("received"))
         self.inbox.put({"type": "captured", "ckpt": ckpt, "manifest": manifest.to_json(),
-                        "duration": duration, "mode": mode, "reason": reason})
+                        "duration": duration, "mode": mode, "reason": reason,
+                        "global_files": candidates})
 
     def _wait_for_part(self, source: Path, ckpt: str, seq: int, deadline: float) -> bool:
         """Wait (until `deadline`: `commit.timeout`) for this node's directory; True if

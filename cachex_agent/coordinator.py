@@ -161,6 +161,9 @@ class Coordinator:
         if record is None or record["level"] not in IN_FLIGHT:
             return
         record["captured"][str(node)] = msg["manifest"]
+        # each node's candidates from its own finished part (GlobalManifest.build keeps
+        # those one node alone holds): the first marker saw one node's part only
+        record["global_files"] = sorted({*record["global_files"], *msg.get("global_files", [])})
         if msg.get("mode", "copy") != "copy":   # status says why a part is not staged
             record.setdefault("capture", {})[str(node)] = {"mode": msg["mode"],
                                                            "reason": msg.get("reason", "")}
