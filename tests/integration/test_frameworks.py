@@ -35,7 +35,10 @@ def train(example: str, root, *args: str) -> str:
          "--spool", f"{root}/node{{node}}/spool", "--port", str(free_port()), *args],
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    return result.stdout.strip().splitlines()[-1].split()[-1]
+    # rank 0's line; the other rank's own output may come after it
+    done = [line for line in result.stdout.splitlines() if line.startswith("done: ")]
+    assert len(done) == 1, result.stdout[-2000:]
+    return done[0].split()[-1]
 
 
 def lose_node0_and_recover(c, *ckpts: str) -> None:
