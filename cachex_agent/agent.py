@@ -46,7 +46,7 @@ from .handles import ENDED, Stage, StageLog, State, is_done, is_failed, stage_st
 from .inbox import Inbox, exit_watchdog
 from .index import read_index
 from .journal import Journal
-from .layout import bundle_path, events_path, journal_stop_file, pfs_stop_file, root_entry
+from .layout import bundle_path, events_path, journal_stop_file, pfs_stop_file
 from .manifest import GlobalManifest, LocalManifest
 from .node_dirs import prepare_dirs
 from .peer.globals import GlobalFiles
@@ -58,7 +58,7 @@ from .safepath import UnsafeInput, checkpoint_id, index, relative_path, relative
 from .stage.retention import retain_stage
 from .stage.rules import make_rule, natural_key
 from .stage.watch import SpoolWatcher
-from .stage.worker import CaptureWorker
+from .stage.worker import CaptureWorker, global_candidates
 from .topology import place_in
 
 log = logging.getLogger(__name__)
@@ -361,7 +361,8 @@ class Agent:
         if is_done(entry, Stage.CAPTURE) and not is_failed(entry) and manifest and _held(entry):
             # a repeated announcement (restart): report what is already held
             self.inbox.put({"type": "captured", "ckpt": ckpt, "manifest": manifest.to_json(),
-                            "mode": entry["mode"], "reason": entry.get("mode_reason", "")})
+                            "mode": entry["mode"], "reason": entry.get("mode_reason", ""),
+                            "global_files": entry.get("global_files", [])})
             return
         self.capture.submit(self.announced[ckpt])
 
@@ -381,7 +382,8 @@ class Agent:
 
     def _share_globals(self, manifest: LocalManifest, entry: dict[str, Any]) -> None:
         """This node wrote the checkpoint's global files: every journal gets a copy."""
-        names = set(self.announced.get(manifest.ckpt, {}).get("global_files", []))
+        names = {*self.announced.get(manifest.ckpt, {}).get("global_files", []),
+                 *entry.get("global_files", [])}
         held = [e for e in manifest.files if e.path in names]
         if held and not entry.get("globals_shared"):
             others = [r for r in self.ranks_by_node if r != self.rank]
@@ -472,16 +474,7 @@ class Agent:
                         "rule": self.rule.kind(ckpt)})
 
     def _global_files(self, ckpt: str) -> list[str]:
-        """What only this node may hold of `ckpt` and every node reads: the rule's
-        global files and the spool-root files captured with it (trackers, a single-file
-        checkpoint); GlobalManifest.build keeps those that one node alone holds."""
-        try:
-            inside = ([] if self.rule.is_file_checkpoint(self.paths.spool, ckpt)
-                      else self.rule.global_files(self.paths.spool_dir(ckpt)))
-            return inside + [root_entry(n) for n in self.rule.root_entries(self.paths.spool,
-                                                                              ckpt)]
-        except OSError:
-            return []
+        return global_candidates(self.rule, self.paths.spool, ckpt)
 
     # ------------------------------------------------------------------- fatal
     def _thread_failed(self, args: Any) -> None:

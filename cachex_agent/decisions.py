@@ -168,6 +168,7 @@ class Captured:
     mode: str = "copy"
     reason: str = ""
     duration: float = 0.0
+    global_files: list[str] = field(default_factory=list)   # the node's own candidates
 
 
 @dataclass(frozen=True, slots=True)
@@ -440,6 +441,9 @@ def _on_captured(s: CoordinatorState, e: Captured, out: Effects) -> None:
     if record is None or record.level not in IN_FLIGHT:
         return
     record.captured[str(e.node)] = e.manifest
+    # each node's candidates from its own finished part (GlobalManifest.build keeps
+    # those one node alone holds): the first marker saw one node's part only
+    record.global_files = sorted({*record.global_files, *e.global_files})
     if e.mode != "copy":                    # status says why a part is not staged
         record.capture[str(e.node)] = {"mode": e.mode, "reason": e.reason}
     out.append(Observe("capture", e.ckpt, e.node, part_bytes(e.manifest), e.duration))

@@ -141,14 +141,18 @@ def commit_rename(temp: Path, final: Path) -> None:
 
 
 @contextmanager
-def atomic_open(path: str | os.PathLike[str]) -> Iterator[BinaryIO]:
-    """Write a file that appears whole under `path` (mode 0600) or not at all."""
+def atomic_open(path: str | os.PathLike[str], mode: int | None = None
+                ) -> Iterator[BinaryIO]:
+    """Write a file that appears whole under `path` (mode 0600, or `mode`: a trainer
+    file's own bits, see trainer_mode) or not at all."""
     final = Path(path)
     temp = temp_name(final)
     try:
         with open_private(temp) as handle:
             yield handle
             handle.flush()
+            if mode is not None:
+                os.fchmod(handle.fileno(), trainer_mode(mode))
             os.fsync(handle.fileno())
         os.replace(temp, final)
         fsync_dir(final.parent)

@@ -343,7 +343,8 @@ def _hoist_root_files(spool: Path, tree: Path, ckpt: str) -> bool:
     for path in sorted(held.iterdir()):
         text = tracker_text(path.name, ckpt)
         if text is not None:
-            with atomic_open(spool / path.name) as handle:
+            # rewritten with the mode the trainer gave it (restored on the captured copy)
+            with atomic_open(spool / path.name, mode=path.stat().st_mode) as handle:
                 handle.write(f"{text}\n".encode())
             path.unlink()
         else:

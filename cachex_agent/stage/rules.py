@@ -302,20 +302,27 @@ class MegatronRule(TrackerRule):
 class HfRule(CommitRule):
     """Hugging Face `transformers.Trainer`: `checkpoint-N/` directories.
 
-    transformers/trainer.py, `Trainer._save_checkpoint`: `save_model` (weights and
-    `config.json`, on the saving processes only: global rank 0, or each node's local
-    rank 0 with `save_on_each_node=True`; transformers 5.x writes the weights and
-    `config.json` on global rank 0 only even then), `_save_optimizer_and_scheduler`
-    (`optimizer.pt`, `scheduler.pt` on the saving processes), `_save_rng_state` (every
-    process: `rng_state_<rank>.pth`, creating the directory), then
+    Read in transformers 5.24.0, trainer.py `Trainer._save_checkpoint`, in this order:
+    `save_model` -> `_save` (the saving processes, `args.should_save`: global rank 0, or
+    each node's local rank 0 with `save_on_each_node=True`): `save_pretrained` writes
+    `config.json`, `generation_config.json` and `model.safetensors` only where
+    distributed/mixin.py `should_save_on_this_rank` holds (torch.distributed rank 0,
+    whatever `save_on_each_node` says), then `training_args.bin` on every saving
+    process; `_save_optimizer_and_scheduler` (`optimizer.pt`, `scheduler.pt`, saving
+    processes); `_save_scaler`; `_save_rng_state` (every process:
+    `rng_state_<process_index>.pth`, creating the directory); then
     `TrainerState.save_to_json("trainer_state.json")` on the saving processes, with no
-    barrier before it.
+    barrier before it; then `rotate_checkpoints` (each saving process deletes its own
+    node's oldest `checkpoint-N/` past `save_total_limit`).
 
-    So `trainer_state.json` is each saving node's own marker: it commits the checkpoint,
-    and each node that saves waits for its own before capturing (`own_marker`); a node
-    that only holds its RNG state captures after its own settle check. Every file but
-    the RNG states is read by every rank on resume: those a single node holds are
-    mirrored to the others.
+    So `trainer_state.json` is each saving node's own marker: the first one seen commits
+    the checkpoint (in the drill, node 1's, which writes less, comes before node 0 has
+    written the weights), and each node that saves waits for its own before capturing
+    (`own_marker`); a node that only holds its RNG state captures after its own settle
+    check. Every file but the RNG states is read by every rank on resume
+    (`_load_from_checkpoint`, `_load_optimizer_and_scheduler`): the candidates are
+    taken from each node's own captured part and those a single node holds (the
+    weights and configs) are mirrored to the others.
     """
 
     name = "hf"
@@ -367,16 +374,25 @@ class TorchFileRule(CommitRule):
     """Single files at the top of the spool: `torch.save(obj, "<spool>/step10.pt")`,
     Lightning's `ModelCheckpoint` (`epoch=E-step=S.ckpt`, `last.ckpt`), safetensors.
 
-    lightning/pytorch/callbacks/model_checkpoint.py, `ModelCheckpoint._save_checkpoint`
-    calls `trainer.save_checkpoint`, which saves on global rank 0 only
-    (lightning/pytorch/strategies/strategy.py, `Strategy.save_checkpoint`:
+    Read in lightning 2.6.6: pytorch/callbacks/model_checkpoint.py,
+    `ModelCheckpoint._save_checkpoint` calls `trainer.save_checkpoint`, which saves on
+    global rank 0 only (pytorch/strategies/strategy.py, `Strategy.save_checkpoint`:
     `if self.is_global_zero`), through `TorchCheckpointIO.save_checkpoint` into
-    lightning/fabric/utilities/cloud_io.py `_atomic_save`: the bytes are serialized
-    into memory first and written in one go, but into the final name. `torch.save`
-    writes its zip in place too. No marker exists, so a file is committed once no
-    process holds it open for writing and it stayed unchanged for `settle` seconds; the
-    file is the whole checkpoint and is mirrored to every node (every rank loads it).
-    Symbolic links (`save_last="link"`) are not checkpoints of their own.
+    fabric/utilities/cloud_io.py `_atomic_save`: the bytes are serialized into memory,
+    then written inside an fsspec transaction, i.e. into a `tempfile.mkstemp()` file of
+    the system temp directory that `LocalFileOpener.commit` moves to the final name
+    (`shutil.move`: a rename when /tmp is on the spool's file system, else a copy into
+    the final name) and then chmods to 0666 & ~umask. `ModelCheckpoint.setup`
+    broadcasts rank 0's `dirpath` to every rank, and `_remove_checkpoint` deletes the
+    previous file on rank 0 (`save_top_k`). `_save_last_checkpoint` with
+    `save_last=True` saves `last.ckpt` again in full, under the same name each time;
+    with `save_last="link"`, `_link_checkpoint` has rank 0 replace it by a relative
+    symbolic link to the newest file. `torch.save` writes its zip in place.
+
+    No marker exists, so a file is committed once no process holds it open for writing
+    and it stayed unchanged for `settle` seconds; the file is the whole checkpoint and
+    is mirrored to every node (every rank loads it). Symbolic links
+    (`save_last="link"`) are not checkpoints of their own.
     """
 
     name = "torch"

@@ -25,7 +25,7 @@ from ..errors import CachexError, describe
 from ..fsutil import remove_under
 from ..handles import Handle, Stage, StageLog, State, held_for_tests
 from ..journal import Journal
-from ..layout import NodePaths, root_entry
+from ..layout import NodePaths, ckpt_dir, root_entry
 from ..manifest import FileEntry, LocalManifest
 from ..topology import Placement
 from .capture import (
@@ -133,14 +133,20 @@ class CaptureWorker:
                                  rank=self.placement.rank, files=entries)
         self.journal.save_manifest(manifest)
         duration = time.time() - start
+        # This node's own candidates, from its finished part: the marker's list is the
+        # view of whichever node committed first (HF: node 1's trainer_state.json may
+        # come before node 0 wrote the weights that it alone holds).
+        candidates = sorted({*task["global_files"],
+                             *global_candidates(self.rule, self.paths.spool, ckpt)})
         if not handle.set(State.DONE, persist={
                 "source": str(target), "mode": mode, "mode_reason": reason,
-                "bytes": manifest.bytes}, bytes=manifest.bytes, files=len(entries), mode=mode,
-                reason=reason, duration=duration, write_start=self.first_seen(ckpt),
-                committed_at=task.get("received")):
+                "bytes": manifest.bytes, "global_files": candidates}, bytes=manifest.bytes,
+                files=len(entries), mode=mode, reason=reason, duration=duration,
+                write_start=self.first_seen(ckpt), committed_at=task.get("received")):
             return
         self.post({"type": "captured", "ckpt": ckpt, "manifest": manifest.to_json(),
-                   "duration": duration, "mode": mode, "reason": reason})
+                   "duration": duration, "mode": mode, "reason": reason,
+                   "global_files": candidates})
 
     def _wait_for_part(self, handle: CaptureHandle, source: Path, deadline: float) -> bool:
         """Wait (until `deadline`: `commit.timeout`) for this node's directory; True if
@@ -237,6 +243,18 @@ class CaptureWorker:
             reason += f"; not captured: {', '.join(sorted(p.name for p in roots.values()))}"
         log.warning("capture of %s by reference: %s", ckpt, reason)
         return source, capture_reference(source, relpaths), "reference", reason
+
+
+def global_candidates(rule: CommitRule, spool: Path, ckpt: str) -> list[str]:
+    """What only this node may hold of `ckpt` and every node reads: the rule's global
+    files and the spool-root files captured with it (trackers, a single-file checkpoint);
+    GlobalManifest.build keeps those that one node alone holds."""
+    try:
+        inside = ([] if rule.is_file_checkpoint(spool, ckpt)
+                  else rule.global_files(ckpt_dir(spool, ckpt)))
+        return inside + [root_entry(n) for n in rule.root_entries(spool, ckpt)]
+    except OSError:
+        return []
 
 
 def memory_allows(nbytes: int) -> bool:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import stat
 import subprocess
 
 import pytest
@@ -36,6 +37,9 @@ def megatron_save(c) -> None:
     write(c.spool(0) / ITER / ".metadata", b"dcp-metadata")
     write(c.spool(0) / ITER / "metadata.json",
           b'{"sharded_backend": "torch_dist", "sharded_backend_version": 1}')
+    # a mode of its own (not our 0600 nor the umask's), set before it names anything
+    os.close(os.open(c.spool(0) / TRACKER, os.O_CREAT | os.O_WRONLY, 0o640))
+    os.chmod(c.spool(0) / TRACKER, 0o640)
     write(c.spool(0) / TRACKER, b"4")
 
 
@@ -78,5 +82,7 @@ def test_tracker_and_single_file_captured_mirrored_recovered(cluster):
     # at the spool root as a file, not a directory
     for node in range(2):
         assert (c.spool(node) / TRACKER).read_text().strip() == "4"
+        # rewritten to name the recovered iteration, with the trainer's mode
+        assert stat.S_IMODE((c.spool(node) / TRACKER).stat().st_mode) == 0o640
         assert (c.spool(node) / SINGLE).read_bytes() == node0[SINGLE]
     assert not any(p.name.startswith(".cachex") for n in range(2) for p in c.spool(n).iterdir())

@@ -1,0 +1,116 @@
+"""The failure drill on the frameworks' own trainers, unchanged (the `[frameworks]`
+extra): Hugging Face `transformers.Trainer` and Lightning `Trainer` + `ModelCheckpoint`,
+CPU, gloo, 2 processes in 2 virtual nodes, each saving into its own node's spool.
+Agents run beside them with `commit.rule = "auto"`; then node 0 is lost (its spool,
+stage and NVMe wiped, the PFS moved away), `cachex recover` rebuilds it from node 1's
+replicas, the framework's own resume reads each node's spool, and the final weights equal
+those of an uninterrupted run."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import socket
+import stat
+import subprocess
+import sys
+
+import pytest
+from harness import BIN, MPIEXEC, ROOT, files_of, kill_tree
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+COMMIT = 'settle = "0.5s"\ntimeout = "60s"'
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def train(example: str, root, *args: str) -> str:
+    """Run examples/<example> on 2 processes; the sha256 of its final weights."""
+    result = subprocess.run(
+        [str(MPIEXEC), "-n", "2", sys.executable, str(ROOT / "examples" / example),
+         "--spool", f"{root}/node{{node}}/spool", "--port", str(free_port()), *args],
+        capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    # rank 0's line; the other rank's own output may come after it
+    done = [line for line in result.stdout.splitlines() if line.startswith("done: ")]
+    assert len(done) == 1, result.stdout[-2000:]
+    return done[0].split()[-1]
+
+
+def lose_node0_and_recover(c, *ckpts: str) -> None:
+    kill_tree(c.agents)                                 # node 0 is lost ...
+    shutil.rmtree(c.root / "node0")
+    c.spool(0).mkdir(parents=True)
+    os.rename(c.pfs, c.root / "pfs-gone")               # ... and the PFS is down
+    c.pfs.write_text("down")
+    for ckpt in ckpts:
+        result = subprocess.run([str(MPIEXEC), "-n", "2", str(BIN / "cachex"), "recover",
+                                 "--config", str(c.config), "--ckpt", ckpt],
+                                capture_output=True, text=True, timeout=180)
+        assert result.returncode == 0, result.stdout + result.stderr
+        assert "from replica on node 1" in result.stdout, result.stdout
+
+
+def rules_shown(c) -> dict[str, str]:
+    shown = c.cachex("status").stdout
+    rules = {row["id"]: row.get("rule") for row in c.status()["checkpoints"]}
+    assert all(rule in shown for rule in rules.values()), shown
+    return rules
+
+
+def test_hf_trainer_drill(cluster, tmp_path):
+    c = cluster(nodes=2, rule="auto", commit=COMMIT)
+    c.start_agents()
+    # save_on_each_node=True: both nodes write checkpoint-N/, node 0 alone the weights
+    train("hf_trainer.py", c.root, "--steps", "8", "--save-steps", "2", "--stop-at", "4")
+    c.wait_level("checkpoint-4", "flushed", timeout=120)
+    assert rules_shown(c) == {"checkpoint-2": "hf", "checkpoint-4": "hf"}
+    ckpt = "checkpoint-4"
+    for name in ("model.safetensors", "config.json", "generation_config.json"):
+        assert not (c.root / "node1" / name).exists()
+        assert (c.spool(1) / ckpt / name).read_bytes() == (c.spool(0) / ckpt / name).read_bytes()
+    modes = {p.name: stat.S_IMODE(p.stat().st_mode) for p in (c.spool(0) / ckpt).iterdir()}
+    before = {n: files_of(c.spool(n) / ckpt) for n in range(2)}
+    assert "rng_state_0.pth" in before[0] and "rng_state_1.pth" in before[1]
+
+    lose_node0_and_recover(c, ckpt)
+    for node in range(2):
+        assert files_of(c.spool(node) / ckpt) == before[node]
+    assert {p.name: stat.S_IMODE(p.stat().st_mode)
+            for p in (c.spool(0) / ckpt).iterdir()} == modes
+
+    resumed = train("hf_trainer.py", c.root, "--steps", "8", "--save-steps", "2",
+                    "--resume")
+    reference = train("hf_trainer.py", tmp_path / "reference", "--steps", "8",
+                      "--save-steps", "2")
+    assert resumed == reference
+
+
+def test_lightning_drill(cluster, tmp_path):
+    c = cluster(nodes=2, rule="auto", commit=COMMIT)
+    c.start_agents()
+    # Lightning saves on global rank 0 only: node 1's spool gets nothing from it
+    train("lightning_trainer.py", c.root, "--epochs", "4", "--every", "2", "--stop-at", "2")
+    names = ("epoch=1-step=4.ckpt", "last.ckpt")
+    for name in names:
+        c.wait_level(name, "flushed", timeout=120)
+    assert rules_shown(c) == dict.fromkeys(names, "torch")
+    saved = {name: (c.spool(0) / name).read_bytes() for name in names}
+    for name in names:                                  # mirrored: every rank loads it
+        assert (c.spool(1) / name).read_bytes() == saved[name]
+    mode = stat.S_IMODE((c.spool(0) / "last.ckpt").stat().st_mode)
+
+    lose_node0_and_recover(c, *names)
+    for node in range(2):
+        assert {n: (c.spool(node) / n).read_bytes() for n in names} == saved
+    assert stat.S_IMODE((c.spool(0) / "last.ckpt").stat().st_mode) == mode
+
+    resumed = train("lightning_trainer.py", c.root, "--epochs", "4", "--every", "2",
+                    "--resume")
+    reference = train("lightning_trainer.py", tmp_path / "reference", "--epochs", "4",
+                      "--every", "2")
+    assert resumed == reference
