@@ -53,7 +53,7 @@ from .peer.globals import GlobalFiles
 from .peer.mirror import Mirror
 from .peer.partners import replication_map
 from .peer.replicator import Replicator
-from .runlock import RunLock
+from .runlock import RunLock, stale_after
 from .safepath import UnsafeInput, checkpoint_id, index, relative_path, relative_paths
 from .stage.retention import retain_stage
 from .stage.rules import make_rule, natural_key
@@ -66,7 +66,6 @@ TAG = 7           # coordinator protocol
 PEER_TAG = 8      # replication protocol (peer/replicator.py)
 IDLE_AFTER = 2.0    # seconds without a message or work in flight before the loop slows down
 IDLE_TICK = 0.1     # the slowed tick: a first message from another agent waits this long
-RUN_LOCK_STALE = 60.0   # seconds without a refresh before another job takes the run over
 
 
 class Agent:
@@ -84,7 +83,7 @@ class Agent:
         self.stages = StageLog(self.events, self.journal)   # journal first, then event
         # before any agent touches the PFS: a second job on this run removes nothing
         self.run_lock = agree(comm, "run lock", lambda: RunLock.acquire(
-            self.paths.pfs, max(RUN_LOCK_STALE, 2 * config.agent.timeout))
+            self.paths.pfs, stale_after(config.agent.timeout))
             if self.rank == 0 else None)
         self._remove_stale()
         self.inbox = Inbox()

@@ -17,8 +17,9 @@ from .collective import agree
 from .config import Config, upfront_memory
 from .errors import ConfigError
 from .layout import run_lock_path
+from .node_dirs import prepare_dirs, probe_writable
 from .peer.partners import replication_map
-from .runlock import blocking_holder
+from .runlock import blocking_holder, stale_after
 from .topology import place_in
 
 # what says a site MPI is installed next to the one mpi4py loaded
@@ -73,13 +74,12 @@ def mpi_warning(library: str, env: dict[str, str] | None = None) -> str | None:
 
 def check(config: Config, comm: Any) -> list[str]:
     """Every check, collectively; the plan's lines on rank 0 (others: [])."""
-    from .agent import prepare_dirs, probe_writable
     placement = place_in(comm, config.topology.domain)
     paths = agree(comm, "paths", lambda: prepare_dirs(config, placement))
     library = loaded_mpi_library()
 
     def lock_free() -> None:
-        holder = blocking_holder(paths.pfs, _stale(config))
+        holder = blocking_holder(paths.pfs, stale_after(config.agent.timeout))
         if holder is not None:
             raise ConfigError(f"{run_lock_path(paths.pfs)}: {holder}")
         probe_writable(paths.pfs, "paths.pfs")
@@ -91,11 +91,6 @@ def check(config: Config, comm: Any) -> list[str]:
     if placement.rank != 0:
         return []
     return _plan(config, placement, paths, every)
-
-
-def _stale(config: Config) -> float:
-    from .agent import RUN_LOCK_STALE
-    return max(RUN_LOCK_STALE, 2 * config.agent.timeout)
 
 
 def _plan(config: Config, placement: Any, paths: Any, every: list[dict[str, Any]]

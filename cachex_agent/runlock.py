@@ -35,6 +35,12 @@ from .layout import run_lock_path
 
 log = logging.getLogger(__name__)
 REFRESH = 2.0       # seconds between refreshes of a held lock
+STALE = 60.0        # seconds without a refresh before another job takes the run over
+
+
+def stale_after(agent_timeout: float) -> float:
+    """A lock not refreshed for this long is taken over: its holder is gone or cut off."""
+    return max(STALE, 2 * agent_timeout)
 _JOB_VARS = ("SLURM_JOB_ID", "PBS_JOBID", "LSB_JOBID", "FLUX_JOB_ID")
 
 
