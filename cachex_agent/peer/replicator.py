@@ -22,6 +22,7 @@ import errno
 import logging
 import mmap
 import os
+import socket
 import time
 from collections import deque
 from collections.abc import Callable
@@ -132,6 +133,15 @@ def map_piece(fd: int, offset: int, length: int) -> np.ndarray:
     return np.frombuffer(mapping, dtype=np.uint8, count=length, offset=offset - start)
 
 
+def shared_memory_ranks(comm: Any) -> set[int]:
+    """Collective: the ranks whose windows this rank reaches through shared memory (those
+    of its host, unless MPICH is told not to use shared memory between them)."""
+    hosts = comm.allgather(socket.gethostname())
+    if os.environ.get("MPIR_CVAR_NOLOCAL", "").lower() in ("1", "yes", "true", "on"):
+        return {comm.Get_rank()}
+    return {rank for rank, host in enumerate(hosts) if host == hosts[comm.Get_rank()]}
+
+
 class ReplicateHandle(Handle):
     """One checkpoint to every partner: queued, running from the first `begin`, done
     when every partner acked it verified (failed if any did not: the PFS still gets it)."""
@@ -164,6 +174,11 @@ class Replicator:
         self.slots = config.peer.slots
         self.events, self.send, self.post = events, send, post
         self.log = log_ or StageLog(events)
+        # Put from a mapping pays only where the window is shared memory; over the network
+        # path a reused buffer is faster (1 GiB, quiet machine: ratio 0.64 mapped vs 0.83
+        # from the buffer with MPIR_CVAR_NOLOCAL=1; 0.92 vs 0.85 with shared memory)
+        local = shared_memory_ranks(comm)
+        self.map_to = {p for p in self.partners if self.ranks[p] in local}
         self.window = ReceiveWindow(comm, len(incoming(self.node, pmap)), config.peer.slots,
                                     config.peer.slot)
         self.store = ReplicaStore(paths.replicas, self.window,
@@ -198,7 +213,7 @@ class Replicator:
                 continue
             self.queues[partner].append(Sender(
                 manifest, handle.source, partner, self.ranks[partner], self.regions[partner],
-                deque(range(self.slots)), handle.mapped))
+                deque(range(self.slots)), handle.mapped and partner in self.map_to))
 
     def cancel(self, ckpt: str) -> None:
         """Drop the partners' streams of `ckpt` not begun yet; a begun one runs to its ack
