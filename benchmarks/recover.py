@@ -158,8 +158,8 @@ def recover(config: Path, *args: str, profile: Path | None = None
                 f" cProfile.run('main()', '{profile}.' + os.environ.get('PMI_RANK', '0'))")
         command = [sys.executable, "-c", code]
     start = time.perf_counter()
-    result = subprocess.run(["mpiexec", "-n", "2", *command], capture_output=True, text=True,
-                            timeout=600)
+    result = subprocess.run([str(BIN / "mpiexec"), "-n", "2", *command],
+                            capture_output=True, text=True, timeout=600)
     wall = time.perf_counter() - start
     if result.returncode != 0:
         raise SystemExit(f"cachex recover failed ({result.returncode}):\n{result.stdout}"
