@@ -34,7 +34,6 @@ import json
 import os
 import resource
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -48,14 +47,15 @@ import numpy as np
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from agents import AgentJob  # noqa: E402
 
 from cachex_agent.agent import IDLE_AFTER  # noqa: E402
 from cachex_agent.config import parse_size  # noqa: E402
-from cachex_agent.events import read_events  # noqa: E402
 from cachex_agent.stage.capture import capture_copy  # noqa: E402
 
 MiB = 1024 * 1024
-BIN = Path(sys.executable).parent
 #: events between the marker and `captured`: the coordinator heard it, the capture began
 PHASES = ("committed", "capture_start", "captured")
 TARGET_COPY = 0.8           # capture >= 0.8x cp -r
@@ -146,39 +146,16 @@ timeout = "30s"
     return path
 
 
-class AgentRun:
+class AgentRun(AgentJob):
     """One agent under mpiexec; its events file and its process."""
 
     def __init__(self, root: Path, journal_root: Path) -> None:
-        self.config = write_config(root, journal_root)
+        super().__init__(write_config(root, journal_root), 1, root / "agent.log",
+                         lambda _node: journal_root / "cache" / "bench" / "journal"
+                         / "events.jsonl", poll=0.002, stop_timeout=30)
         self.spool = root / "spool"
-        self.events_path = journal_root / "cache" / "bench" / "journal" / "events.jsonl"
-        self.log = (root / "agent.log").open("wb")
-        self.proc = subprocess.Popen(
-            [str(BIN / "mpiexec"), "-n", "1", str(BIN / "cachex-agent"), "--config",
-             str(self.config)], stdout=self.log, stderr=subprocess.STDOUT,
-            start_new_session=True)
-        start = self.wait_event(lambda e: e["event"] == "agent_start", 60)
+        (start,) = self.started(60)
         self.process = psutil.Process(start["pid"])
-
-    def events(self) -> list[dict[str, Any]]:
-        try:
-            return read_events(self.events_path)
-        except FileNotFoundError:
-            return []
-
-    def wait_event(self, match: Callable[[dict[str, Any]], bool], timeout: float
-                   ) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = [e for e in self.events() if match(e)]
-            if found:
-                return found[-1]
-            if self.proc.poll() is not None:
-                log = Path(self.log.name).read_text()[-2000:]
-                raise SystemExit(f"agent exited with {self.proc.returncode}:\n{log}")
-            time.sleep(0.002)
-        raise SystemExit(f"timed out after {timeout:.0f}s waiting for an agent event")
 
     def cpu(self, flush: bool = False) -> float:
         """CPU seconds of the agent's threads (schedstat: nanoseconds, where psutil has
@@ -208,10 +185,11 @@ class AgentRun:
         cpu = self.cpu()
         start = time.time()
         os.rename(temp, directory / ".metadata")
-        captured = self.wait_event(lambda e: e["event"] == "captured" and e["ckpt"] == ckpt, 60)
-        self.wait_event(lambda e: e["event"] == "level_captured" and e["ckpt"] == ckpt, 60)
+        captured = self.wait_event(0, lambda e: e["event"] == "captured"
+                                   and e["ckpt"] == ckpt, 60)
+        self.wait_event(0, lambda e: e["event"] == "level_captured" and e["ckpt"] == ckpt, 60)
         used = self.cpu() - cpu
-        self.wait_event(lambda e: e["event"] == "level_flushed" and e["ckpt"] == ckpt, 60)
+        self.wait_event(0, lambda e: e["event"] == "level_flushed" and e["ckpt"] == ckpt, 60)
         marks = {e["event"]: e["t"] - start for e in self.events()
                  if e.get("ckpt") == ckpt and e["event"] in PHASES}
         return captured["t"] - start, used, marks
@@ -223,17 +201,6 @@ class AgentRun:
         cpu, start = self.cpu(flush=True), time.monotonic()
         time.sleep(seconds)
         return 100 * (self.cpu(flush=True) - cpu) / (time.monotonic() - start)
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            subprocess.run([str(BIN / "cachex"), "stop", "--timeout", "30", "--config",
-                            str(self.config)], capture_output=True, timeout=60)
-        try:
-            self.proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-        self.log.close()
 
 
 def bench_agent(root: Path, journal_root: Path, size: int, count: int, idle: float

@@ -36,26 +36,24 @@ import argparse
 import json
 import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from agents import AgentJob  # noqa: E402
 
 from cachex_agent.config import load, parse_size, upfront_memory  # noqa: E402
-from cachex_agent.events import read_events  # noqa: E402
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
-BIN = Path(sys.executable).parent
 SLACK = 64 * MiB            # the target's allowance on top of the up-front buffers
 FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
 RUN = "mem"
@@ -136,45 +134,21 @@ def write_part(directory: Path, size: int, files: int, seed: int) -> None:
                 left -= n
 
 
-class Agents:
+class Agents(AgentJob):
     """NODES agents under mpiexec, their pids, their events."""
 
     def __init__(self, spool: Path, shm: Path, disk: Path, nodes: int, timeout: float,
                  shared_memory: bool) -> None:
-        self.spool_root, self.disk, self.nodes = spool, disk, nodes
-        self.config = write_config(spool, shm, disk, timeout)
+        self.spool_root = spool
         make_spools(spool, nodes)
-        self.log = (disk / "agents.log").open("wb")
-        self.proc = subprocess.Popen(
-            [str(BIN / "mpiexec"), "-n", str(nodes), str(BIN / "cachex-agent"), "--config",
-             str(self.config)], stdout=self.log, stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, "MPIR_CVAR_NOLOCAL": "0" if shared_memory else "1"})
-        self.pids = [self.wait_event(node, lambda e: e["event"] == "agent_start", 120)["pid"]
-                     for node in range(nodes)]
+        super().__init__(
+            write_config(spool, shm, disk, timeout), nodes, disk / "agents.log",
+            lambda node: disk / f"node{node}" / "cache" / RUN / "journal" / "events.jsonl",
+            env={"MPIR_CVAR_NOLOCAL": "0" if shared_memory else "1"}, poll=0.1)
+        self.pids = [event["pid"] for event in self.started(120)]
 
     def spool(self, node: int) -> Path:
         return self.spool_root / f"node{node}" / "spool"
-
-    def events(self, node: int) -> list[dict[str, Any]]:
-        path = self.disk / f"node{node}" / "cache" / RUN / "journal" / "events.jsonl"
-        try:
-            return read_events(path)
-        except FileNotFoundError:
-            return []
-
-    def wait_event(self, node: int, match: Callable[[dict[str, Any]], bool], timeout: float
-                   ) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = [e for e in self.events(node) if match(e)]
-            if found:
-                return found[-1]
-            if self.proc.poll() is not None:
-                log = Path(self.log.name).read_text()[-2000:]
-                raise SystemExit(f"agents exited with {self.proc.returncode}:\n{log}")
-            time.sleep(0.1)
-        raise SystemExit(f"timed out after {timeout:.0f}s waiting for an event of node {node}")
 
     def checkpoint(self, ckpt: str, size: int, files: int, seq: int, timeout: float) -> float:
         """Write the part of every node, commit (DCP marker on node 0), wait until the
@@ -191,17 +165,6 @@ class Agents:
         for node in range(self.nodes):
             shutil.rmtree(self.spool(node) / ckpt, ignore_errors=True)
         return elapsed
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            subprocess.run([str(BIN / "cachex"), "stop", "--timeout", "60", "--config",
-                            str(self.config)], capture_output=True, timeout=120)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-            self.proc.wait(10)
-        self.log.close()
 
 
 def fits(shm: Path, nodes: int, size: int, copies: int) -> str | None:

@@ -47,14 +47,13 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from agents import AgentJob  # noqa: E402
 from capture import write_files  # noqa: E402
 
 from cachex_agent.config import parse_size  # noqa: E402
-from cachex_agent.events import read_events  # noqa: E402
 from cachex_agent.fsutil import fsync_dir  # noqa: E402
 
 MiB = 1024 * 1024
-BIN = Path(sys.executable).parent
 NODES = 2
 RUN = "bench"
 TARGET = 0.7
@@ -88,47 +87,13 @@ timeout = "60s"
     return path
 
 
-class Agents:
-    """`mpiexec -n 2 cachex-agent` and its events files."""
-
-    def __init__(self, root: Path, config: Path) -> None:
-        self.root, self.config = root, config
-        self.log = (root / "agents.log").open("wb")
-        self.proc = subprocess.Popen(
-            [str(BIN / "mpiexec"), "-n", str(NODES), str(BIN / "cachex-agent"), "--config",
-             str(config)], stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        for node in range(NODES):
-            self.wait(node, lambda e: e["event"] == "agent_start", 120)
-
-    def events(self, node: int) -> list[dict[str, Any]]:
-        path = self.root / f"node{node}" / "nvme" / RUN / "journal" / "events.jsonl"
-        try:
-            return read_events(path)
-        except FileNotFoundError:
-            return []
-
-    def wait(self, node: int, match: Any, timeout: float) -> dict[str, Any]:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            found = [e for e in self.events(node) if match(e)]
-            if found:
-                return found[-1]
-            if self.proc.poll() is not None:
-                tail = Path(self.log.name).read_text()[-2000:]
-                raise SystemExit(f"agents exited with {self.proc.returncode}:\n{tail}")
-            time.sleep(0.005)
-        raise SystemExit(f"timed out after {timeout:.0f}s waiting for an event of node {node}")
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            subprocess.run([str(BIN / "cachex"), "stop", "--timeout", "60", "--config",
-                            str(self.config)], capture_output=True, timeout=120)
-        try:
-            self.proc.wait(60)
-        except subprocess.TimeoutExpired:
-            os.killpg(self.proc.pid, 9)
-            self.proc.wait(10)
-        self.log.close()
+def start_agents(root: Path, config: Path) -> AgentJob:
+    """`mpiexec -n 2 cachex-agent`, once every node said it started."""
+    agents = AgentJob(config, NODES, root / "agents.log",
+                      lambda node: root / f"node{node}" / "nvme" / RUN / "journal"
+                      / "events.jsonl")
+    agents.started(120)
+    return agents
 
 
 # -------------------------------------------------------------------------- floor
@@ -198,7 +163,7 @@ def commit(root: Path, ckpt: str) -> float:
     return start
 
 
-def pipeline_once(agents: Agents, root: Path, ckpt: str, total: int, files: int, seed: int
+def pipeline_once(agents: AgentJob, root: Path, ckpt: str, total: int, files: int, seed: int
                   ) -> dict[str, float]:
     """Seconds from the commit to each node's `captured` and the later `replicated`."""
     write_part(root, ckpt, total, files, seed)
@@ -207,8 +172,9 @@ def pipeline_once(agents: Agents, root: Path, ckpt: str, total: int, files: int,
     marks: dict[str, float] = {}
     for node in range(NODES):
         for event in ("captured", "replicated"):
-            found = agents.wait(node, lambda e, ev=event: e["event"] in (ev, "replicate_failed")
-                                and e.get("ckpt") == ckpt, 600)
+            found = agents.wait_event(
+                node, lambda e, ev=event: e["event"] in (ev, "replicate_failed")
+                and e.get("ckpt") == ckpt, 600)
             if found["event"] == "replicate_failed":
                 raise SystemExit(f"node {node}: replication of {ckpt} failed: {found}")
             marks[f"{event}{node}"] = found["t"] - start
@@ -245,7 +211,7 @@ def main() -> int:
                                "nolocal": os.environ.get("MPIR_CVAR_NOLOCAL", "")}
     sizes = part_sizes(total, args.files)
     pool = np.frombuffer(np.random.default_rng(3).bytes(min(total, 256 * MiB)), dtype=np.uint8)
-    agents = Agents(root, write_config(root, pfs))
+    agents = start_agents(root, write_config(root, pfs))
     floors: list[float] = []
     runs: list[dict[str, float]] = []
     try:
@@ -253,7 +219,7 @@ def main() -> int:
               f" replicas under {root}; PFS {pfs};"
               f" MPIR_CVAR_NOLOCAL={results['nolocal']!r}", flush=True)
         pipeline_once(agents, root, "step_00000", total, args.files, 0)     # warm-up
-        agents.wait(0, lambda e: e["event"] == "level_flushed"
+        agents.wait_event(0, lambda e: e["event"] == "level_flushed"
                     and e.get("ckpt") == "step_00000", 600)
         remove_part(root, "step_00000")
         for rep in range(1, args.repeat + 1):
