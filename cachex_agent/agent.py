@@ -469,11 +469,8 @@ class Agent:
         if known is not None and not is_failed(known) and not force:
             return          # e.g. a mirrored `.metadata`: this checkpoint is under way
         self.inbox.put({"type": "marker", "ckpt": ckpt, "t": time.time(),
-                        "global_files": self._global_files(ckpt),
+                        "global_files": global_candidates(self.rule, self.paths.spool, ckpt),
                         "rule": self.rule.kind(ckpt)})
-
-    def _global_files(self, ckpt: str) -> list[str]:
-        return global_candidates(self.rule, self.paths.spool, ckpt)
 
     # ------------------------------------------------------------------- fatal
     def _thread_failed(self, args: Any) -> None:

@@ -244,14 +244,15 @@ def verify_command(cfg: configuration.Config, ckpt: str, as_json: bool) -> None:
     from .recovery.verify import verify
     findings = verify(cfg, _checkpoint_argument(ckpt, "CKPT"))
     bad = [f for f in findings if f.checked and f.problems]
+    seen = any(f.checked for f in findings)
     if as_json:
-        _echo_json({"ckpt": ckpt, "ok": not bad and any(f.checked for f in findings),
+        _echo_json({"ckpt": ckpt, "ok": not bad and seen,
                     "copies": [{"level": f.level, "node": f.node, "where": f.where,
                                 "checked": f.checked, "ok": f.ok, "problems": f.problems,
                                 "note": None if f.checked else f.note} for f in findings]})
     else:
         _say_findings(ckpt, findings)
-    if bad or not any(f.checked for f in findings):
+    if bad or not seen:
         raise OperationError(f"{ckpt}: {len(bad)} bad copies" if bad
                              else f"{ckpt}: no copy visible from this machine")
     if not as_json:
