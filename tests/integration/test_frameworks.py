@@ -9,6 +9,7 @@ those of an uninterrupted run."""
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import socket
 import stat
@@ -20,6 +21,9 @@ from harness import BIN, MPIEXEC, ROOT, files_of, kill_tree
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 COMMIT = 'settle = "0.5s"\ntimeout = "60s"'
+
+
+DONE = re.compile(r"done: step \d+ sha256 ([0-9a-f]{64})")
 
 
 def free_port() -> int:
@@ -35,10 +39,11 @@ def train(example: str, root, *args: str) -> str:
          "--spool", f"{root}/node{{node}}/spool", "--port", str(free_port()), *args],
         capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
-    # rank 0's line; the other rank's own output may come after it
-    done = [line for line in result.stdout.splitlines() if line.startswith("done: ")]
+    # rank 0's report; mpiexec interleaves the ranks' output, so the other rank's text
+    # may come before it on the same line, or after it
+    done = DONE.findall(result.stdout)
     assert len(done) == 1, result.stdout[-2000:]
-    return done[0].split()[-1]
+    return done[0]
 
 
 def lose_node0_and_recover(c, *ckpts: str) -> None:
