@@ -66,10 +66,11 @@ from cachex_agent.events import EventLog  # noqa: E402
 from cachex_agent.fsutil import fsync_dir  # noqa: E402
 from cachex_agent.layout import events_path  # noqa: E402
 from cachex_agent.manifest import FileEntry, LocalManifest  # noqa: E402
+from cachex_agent.messages import Ack, Credit, Tag, ToNode, decode, wire  # noqa: E402
 
 MiB = 1024 * 1024
 GiB = 1024 * MiB
-PEER = 8            # the agent's PEER_TAG
+PEER = Tag.PEER
 CTRL = 9            # this benchmark's own "stop idling" message
 BUSY_TICK = 0.001   # agent.py sleeps this long between steps while the replicator is busy
 SMALL = [0, 100, 4096, 64 * 1024 + 1, MiB, 3 * MiB - 1]
@@ -352,26 +353,26 @@ class Driver:
         self.finished = 0.0
 
     def send(self, rank: int, msg: dict[str, Any]) -> None:
-        self.requests.append(self.comm.isend(msg, dest=rank, tag=PEER))
+        self.requests.append(self.comm.isend(wire(msg), dest=rank, tag=PEER))
 
     def step(self) -> None:
         from mpi4py import MPI
         while not self.posts.empty():
             msg = self.posts.get()
-            if msg["type"] in ("credit", "ack"):
-                if self.trace is not None and msg["type"] == "credit":
+            if isinstance(msg, ToNode):
+                if self.trace is not None and isinstance(msg.message, Credit):
                     self.trace.mark("credit_send")
-                self.send(msg.pop("owner"), msg)
+                self.send(msg.node, msg.message)
             elif msg["type"] == "replicated":
                 self.result = msg
         status = MPI.Status()
         while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=PEER, status=status):
             source = status.Get_source()
-            msg = self.comm.recv(source=source, tag=PEER)
+            msg = decode(self.comm.recv(source=source, tag=PEER), f"rank {source}", PEER)
             if self.trace is not None:
-                self.trace.mark(f"{msg['type']}_in")
+                self.trace.mark(f"{msg.TYPE}_in")
             self.replicator.handle(source, msg)
-            if msg["type"] == "ack":        # the post happened inside handle(): stop the clock
+            if isinstance(msg, Ack):        # the post happened inside handle(): stop the clock
                 self.finished = time.perf_counter()
                 if self.trace is not None:
                     self.trace.mark("end")

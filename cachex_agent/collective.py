@@ -13,9 +13,9 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from .errors import CachexError, ConfigError, OperationError
+from .messages import Tag
 
 T = TypeVar("T")
-ARRIVE_TAG = 31         # arrivals at rank 0 and its answers; no other protocol uses it
 _POLL = 0.001
 
 
@@ -78,7 +78,7 @@ def arrive(comm: Any, step: str, timeout: float) -> None:
 
 
 def _gather_arrivals(comm: Any, step: str, timeout: float) -> None:
-    pending = {rank: comm.irecv(source=rank, tag=ARRIVE_TAG) for rank in range(1, comm.Get_size())}
+    pending = {rank: comm.irecv(source=rank, tag=Tag.ARRIVE) for rank in range(1, comm.Get_size())}
     deadline = time.monotonic() + timeout
     while pending and time.monotonic() < deadline:
         for rank, request in list(pending.items()):
@@ -91,7 +91,7 @@ def _gather_arrivals(comm: Any, step: str, timeout: float) -> None:
     for request in pending.values():
         request.Cancel()
     answer = {"step": step, "missing": missing}
-    sends = [comm.isend(answer, dest=rank, tag=ARRIVE_TAG)
+    sends = [comm.isend(answer, dest=rank, tag=Tag.ARRIVE)
              for rank in range(1, comm.Get_size()) if rank not in pending]
     _wait_all(sends, timeout)
     if missing:
@@ -99,8 +99,8 @@ def _gather_arrivals(comm: Any, step: str, timeout: float) -> None:
 
 
 def _report_arrival(comm: Any, step: str, timeout: float) -> None:
-    sent = comm.isend({"step": step}, dest=0, tag=ARRIVE_TAG)
-    request = comm.irecv(source=0, tag=ARRIVE_TAG)
+    sent = comm.isend({"step": step}, dest=0, tag=Tag.ARRIVE)
+    request = comm.irecv(source=0, tag=Tag.ARRIVE)
     deadline = time.monotonic() + 2 * timeout
     while time.monotonic() < deadline:
         done, answer = request.test()

@@ -69,6 +69,7 @@ from .index import Index, read_index, write_index
 from .journal import Journal
 from .lanes import Lane
 from .manifest import GlobalManifest
+from .messages import wire
 from .model.choose import LEARNED, PathChooser, fixed_choice
 
 __all__ = ["HEARTBEAT", "HISTORY", "Coordinator"]
@@ -187,10 +188,11 @@ class Coordinator:
     def _carry_out(self, effect: Any) -> None:
         kind = type(effect)
         if kind is Send:
-            self.send(effect.rank, effect.msg)
+            self.send(effect.rank, wire(effect.msg))
         elif kind is Broadcast:
+            msg = wire(effect.msg)      # once: a manifest's JSON form is O(nodes)
             for rank in self.ranks:
-                self.send(rank, effect.msg)
+                self.send(rank, msg)
         elif kind is Observe:
             self._observed.append(effect)
             self.lanes["model"].offer("observe", self._feed_model)

@@ -38,6 +38,7 @@ from typing import Any
 from . import layout
 from .index import Row, state_of_level
 from .manifest import GlobalManifest, LocalManifest
+from .messages import Commit, Drain, Exit, Failed, Finalized, ManifestReady
 from .safepath import checkpoint_id, relative_paths
 
 LEVELS = ("written", "captured", "replicated", "flushed")   # plus failed, evicted, purged
@@ -292,12 +293,12 @@ def from_wire(node: int, msg: dict[str, Any], now: float) -> Any:
 @dataclass(frozen=True, slots=True)
 class Send:
     rank: int
-    msg: dict[str, Any]
+    msg: Any                # a typed message (messages.py)
 
 
 @dataclass(frozen=True, slots=True)
 class Broadcast:
-    msg: dict[str, Any]
+    msg: Any                # a typed message (messages.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -427,8 +428,8 @@ def _announce(s: CoordinatorState, record: CheckpointRecord, out: Effects,
     """To every agent the first time in this coordinator's life; later (a marker from
     each node that saw the checkpoint's marker, at scale) only to the one asking, else
     N markers cost N broadcasts."""
-    msg = {"type": "commit", "ckpt": record.id, "seq": record.seq,
-           "global_files": record.global_files, "flush": record.flush, "path": record.path}
+    msg = Commit(ckpt=record.id, seq=record.seq, global_files=record.global_files,
+                 flush=record.flush, path=record.path)
     if rank is not None:
         out.append(Send(rank, msg))
         return
@@ -477,8 +478,7 @@ def _advance(s: CoordinatorState, record: CheckpointRecord, now: float, out: Eff
         # what a recovery needs when the coordinator's node is the one lost
         manifest = global_manifest(record, record.times, now)
         out.append(SaveGlobal(manifest))
-        out.append(Broadcast({"type": "manifest", "ckpt": record.id,
-                              "manifest": manifest.to_json()}))
+        out.append(Broadcast(ManifestReady(record.id, manifest)))
     if (record.level == "captured" and len(record.replicated) == nodes
             and not record.replication_failed):
         _reach(s, record, "replicated", now, out)
@@ -542,7 +542,7 @@ def _on_stop(s: CoordinatorState, e: Stop, out: Effects) -> None:
     if newest:
         newest.flush = True
     out.append(Emit("drain", {"requested_by": e.node, "flush": flush}))
-    out.append(Broadcast({"type": "drain", "flush": flush}))
+    out.append(Broadcast(Drain(flush)))
 
 
 def _on_drained(s: CoordinatorState, e: Drained, out: Effects) -> None:
@@ -592,8 +592,7 @@ def _on_finalize_done(s: CoordinatorState, e: FinalizeDone, out: Effects) -> Non
     record.errors.pop("coordinator", None)
     out.append(SaveGlobal(e.manifest))
     _reach(s, record, "flushed", e.now, out)
-    out.append(Broadcast({"type": "finalized", "ckpt": e.ckpt,
-                          "manifest": e.manifest.to_json()}))
+    out.append(Broadcast(Finalized(e.ckpt, e.manifest)))
     if not _purge_pfs(s, out):
         out.append(WriteIndex())    # a snapshot taken while the finalize was out lacks it
     _exit_if_drained(s, out)
@@ -635,7 +634,7 @@ def _fail(s: CoordinatorState, record: CheckpointRecord, reason: str, out: Effec
     _finish(s, record)
     out.append(Emit("failed", {"ckpt": record.id, "seq": record.seq, "reason": reason}))
     out.append(Log("error", f"checkpoint {record.id} failed: {reason}"))
-    out.append(Broadcast({"type": "failed", "ckpt": record.id, "reason": reason}))
+    out.append(Broadcast(Failed(record.id, reason)))
     out.append(SaveState())
     out.append(WriteIndex())
 
@@ -675,8 +674,7 @@ def _exit(s: CoordinatorState, why: str, out: Effects) -> None:
     s.phase = "stopped"
     out.append(Emit("exit", {"reason": why}))
     out.append(Log("info", f"coordinator: {why}; agents exit"))
-    out.append(Broadcast({"type": "exit",
-                          "dead": [n for n, node in enumerate(s.nodes) if node.dead]}))
+    out.append(Broadcast(Exit([n for n, node in enumerate(s.nodes) if node.dead])))
     out.append(WriteStatus())
 
 

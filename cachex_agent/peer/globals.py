@@ -24,9 +24,9 @@ from ..errors import OperationError
 from ..fsutil import atomic_open, fsync_dir, makedirs, temp_name, trainer_mode
 from ..layout import global_files_dir
 from ..manifest import FileEntry
+from ..messages import GlobalFile, Tag
 
 log = logging.getLogger(__name__)
-DATA_TAG = 9
 
 
 class GlobalFiles:
@@ -35,7 +35,7 @@ class GlobalFiles:
         self.timeout = timeout
         # (request, buffer, peer rank, deadline); headers for the incoming ones
         self._outgoing: list[tuple[Any, np.ndarray, int, float]] = []
-        self._incoming: list[tuple[Any, np.ndarray, int, float, dict[str, Any]]] = []
+        self._incoming: list[tuple[Any, np.ndarray, int, float, GlobalFile]] = []
         self._abandoned: list[tuple[Any, np.ndarray]] = []   # MPI may still touch these
 
     def share(self, ckpt: str, source: Path, entries: list[FileEntry], ranks: list[int]
@@ -43,23 +43,22 @@ class GlobalFiles:
         """Send each file of `entries` (read from `source`) to every rank in `ranks`."""
         for entry in entries:
             data = np.fromfile(source / entry.path, dtype=np.uint8)
-            header = {"type": "global_file", "ckpt": ckpt, "path": entry.path,
-                      "size": entry.size, "checksum": entry.checksum}
+            header = GlobalFile(ckpt, entry.path, entry.size, entry.checksum)
             self.keep(ckpt, entry, data)
             for rank in ranks:
                 self.send_header(rank, header)
-                request = self.comm.Isend([data, MPI.BYTE], rank, DATA_TAG)
+                request = self.comm.Isend([data, MPI.BYTE], rank, Tag.GLOBAL_DATA)
                 self._outgoing.append((request, data, rank, self._deadline()))
 
-    def on_header(self, source: int, header: dict[str, Any]) -> None:
-        buffer = np.empty(header["size"], dtype=np.uint8)
-        request = self.comm.Irecv([buffer, MPI.BYTE], source, DATA_TAG)
+    def on_header(self, source: int, header: GlobalFile) -> None:
+        buffer = np.empty(header.size, dtype=np.uint8)
+        request = self.comm.Irecv([buffer, MPI.BYTE], source, Tag.GLOBAL_DATA)
         self._incoming.append((request, buffer, source, self._deadline(), header))
 
     def _deadline(self) -> float:
         return time.monotonic() + self.timeout
 
-    def poll(self) -> list[dict[str, Any]]:
+    def poll(self) -> list[GlobalFile]:
         """Complete what arrived; return the headers of files now in the journal."""
         now = time.monotonic()
         self._outgoing = [t for t in self._outgoing
@@ -69,14 +68,14 @@ class GlobalFiles:
         for request, buffer, source, deadline, header in self._incoming:
             if not request.Test():
                 if not self._expired((request, buffer, source, deadline), now, "from",
-                                     f" ({header['ckpt']}/{header['path']})"):
+                                     f" ({header.ckpt}/{header.path})"):
                     waiting.append((request, buffer, source, deadline, header))
                 continue
-            entry = FileEntry(header["path"], header["size"], 0o644, header["checksum"])
+            entry = FileEntry(header.path, header.size, 0o644, header.checksum)
             if _checksum(buffer) != entry.checksum:
-                log.error("global file %s of %s: checksum mismatch", entry.path, header["ckpt"])
+                log.error("global file %s of %s: checksum mismatch", entry.path, header.ckpt)
                 continue
-            self.keep(header["ckpt"], entry, buffer)
+            self.keep(header.ckpt, entry, buffer)
             done.append(header)
         self._incoming = waiting
         return done

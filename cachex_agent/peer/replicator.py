@@ -37,13 +37,14 @@ from ..events import EventLog
 from ..handles import Handle, Stage, StageLog, State, held_for_tests
 from ..layout import NodePaths
 from ..manifest import LocalManifest
+from ..messages import Ack, Begin, Credit, End, Slot
 from .partners import incoming
 from .store import ReplicaStore
 from .window import ReceiveWindow
 
 log = logging.getLogger(__name__)
-Send = Callable[[int, dict[str, Any]], None]
-Post = Callable[[dict[str, Any]], None]
+Send = Callable[[int, Any], None]         # (rank, a typed message)
+Post = Callable[[Any], None]        # into the agent's inbox
 POPULATE = getattr(mmap, "MAP_POPULATE", 0)     # Linux; elsewhere faults per page
 
 
@@ -245,28 +246,27 @@ class Replicator:
             handle = self.handles[sender.manifest.ckpt]
             if handle.state == State.QUEUED:
                 handle.set(State.RUNNING, bytes=sender.manifest.bytes, partners=self.partners)
-            self.send(sender.rank, {"type": "begin", "manifest": sender.manifest.to_json()})
+            self.send(sender.rank, Begin(sender.manifest))
         held = held_for_tests(Stage.REPLICATE, self.node)
         try:
             while sender.state == "sending" and sender.free and not held:
                 chunk = sender.next_chunk(self.buffer)
                 if chunk is None:
                     sender.state = "ending"
-                    self.send(sender.rank, {"type": "end", "ckpt": sender.manifest.ckpt})
+                    self.send(sender.rank, End(sender.manifest.ckpt))
                     break
                 index, offset, data = chunk
                 slot = sender.free.popleft()
                 self.window.put(data, sender.rank, sender.region, slot)
-                self.send(sender.rank, {"type": "slot", "ckpt": sender.manifest.ckpt,
-                                        "slot": slot, "file": index, "offset": offset,
-                                        "length": data.nbytes})
+                self.send(sender.rank, Slot(sender.manifest.ckpt, slot, index, offset,
+                                            data.nbytes))
                 del data, chunk     # a mapped piece is unmapped with its last view
         except OSError as exc:
             # end the stream but stay at the head of the queue until the partner's ack:
             # credits for slots it still writes must not reach the next checkpoint's sender
             sender.error, sender.state = f"reading {sender.source}: {exc}", "ending"
             sender.close()
-            self.send(sender.rank, {"type": "end", "ckpt": sender.manifest.ckpt})
+            self.send(sender.rank, End(sender.manifest.ckpt))
         waiting = sender.state == "ending" or not sender.free
         if waiting and now - sender.heard > self.timeout:
             reason = f"did not answer for {self.timeout:.0f}s"
@@ -323,19 +323,19 @@ class Replicator:
                    "errors": errors, "partners": self.partners, "duration": duration})
 
     # --------------------------------------------------------------- partner side
-    def handle(self, source_node: int, msg: dict[str, Any]) -> None:
-        kind = msg["type"]
-        if kind == "begin":
-            self.store.begin(source_node, msg["manifest"])
-        elif kind == "slot":
-            self.store.slot(source_node, msg["ckpt"], msg["slot"], msg["file"], msg["offset"],
-                            msg["length"])
-        elif kind == "end":
-            self.store.end(source_node, msg["ckpt"])
-        elif kind == "credit":
-            self.on_credit(source_node, msg["slot"])
-        elif kind == "ack":
-            self.on_ack(source_node, msg["ckpt"], msg["ok"], msg.get("error"))
+    def handle(self, source_node: int, msg: Begin | Slot | End | Credit | Ack) -> None:
+        """A peer message (messages.decode) from the agent of `source_node`."""
+        kind = type(msg)
+        if kind is Begin:
+            self.store.begin(source_node, msg.manifest)
+        elif kind is Slot:
+            self.store.slot(source_node, msg.ckpt, msg.slot, msg.file, msg.offset, msg.length)
+        elif kind is End:
+            self.store.end(source_node, msg.ckpt)
+        elif kind is Credit:
+            self.on_credit(source_node, msg.slot)
+        elif kind is Ack:
+            self.on_ack(source_node, msg.ckpt, msg.ok, msg.error)
 
     def close(self, free: bool = True) -> None:
         """Collective when `free`: pass False when any agent is known dead (freeing the

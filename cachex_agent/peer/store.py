@@ -44,11 +44,12 @@ from ..fsutil import (
 )
 from ..layout import replica_dir, replica_manifest_path, replica_manifest_paths
 from ..manifest import LocalManifest
+from ..messages import Ack, Credit, ToNode
 from ..safepath import UnsafeInput
 from .window import ReceiveWindow
 
 log = logging.getLogger(__name__)
-Post = Callable[[dict[str, Any]], None]
+Post = Callable[[Any], None]        # into the agent's inbox (main thread sends)
 
 
 def held_replicas(root: Path) -> dict[int, list[LocalManifest]]:
@@ -115,12 +116,11 @@ class ReplicaStore:
         self._thread.start()
 
     # ------------------------------------------------------------ main thread
-    def begin(self, owner: int, manifest: dict[str, Any]) -> None:
+    def begin(self, owner: int, manifest: LocalManifest) -> None:
         self._open_streams[owner] = time.monotonic()
-        parsed = LocalManifest.from_json(manifest, f"replication from node {owner}")
-        if parsed.node != owner:
-            raise UnsafeInput(f"replication from node {owner}: manifest of node {parsed.node}")
-        self._tasks.put(("begin", (owner, parsed)))
+        if manifest.node != owner:
+            raise UnsafeInput(f"replication from node {owner}: manifest of node {manifest.node}")
+        self._tasks.put(("begin", (owner, manifest)))
 
     def slot(self, owner: int, ckpt: str, slot: int, index: int, offset: int, length: int
              ) -> None:
@@ -183,7 +183,7 @@ class ReplicaStore:
             item.error = describe(exc)
             self._abandon(item)             # give the space back now, not at `end`
         finally:
-            self.post({"type": "credit", "owner": owner, "slot": slot})
+            self.post(ToNode(owner, Credit(slot)))
 
     def _write(self, item: _Incoming, region: int, slot: int, index: int, offset: int,
                length: int) -> None:
@@ -241,8 +241,7 @@ class ReplicaStore:
             self.events.emit("replica_done", ckpt=ckpt, seq=item.manifest.seq, owner=owner,
                              bytes=item.manifest.bytes)
             self._retain(owner)
-        self.post({"type": "ack", "owner": owner, "ckpt": ckpt, "ok": error is None,
-                   "error": error})
+        self.post(ToNode(owner, Ack(ckpt, error is None, error)))
 
     def _abandon(self, item: _Incoming) -> None:
         for fd in item.fds.values():

@@ -18,11 +18,12 @@ from cachex_agent.config import load
 from cachex_agent.events import EventLog
 from cachex_agent.layout import replica_dir, replica_manifest_path
 from cachex_agent.manifest import FileEntry, LocalManifest
+from cachex_agent.messages import Tag, ToNode, decode, wire
 from cachex_agent.peer.partners import incoming, partner_map, replication_map
 from cachex_agent.topology import place_in
 
 pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(180)]
-PEER = 8
+PEER = Tag.PEER
 
 
 def all_ok(comm, ok) -> bool:
@@ -64,7 +65,7 @@ def run_replication(root: Path, cfg, sizes_of_rank, ckpts=("c1",), mapped=True,
     requests = []
 
     def send(rank, msg):
-        requests.append(comm.isend(msg, dest=rank, tag=PEER))
+        requests.append(comm.isend(wire(msg), dest=rank, tag=PEER))
     events = EventLog(paths.journal / "events.jsonl", node=comm.rank)
     pmap = replication_map(cfg, list(placement.hosts))
     replicator = Replicator(comm, placement.node, pmap, list(range(comm.size)), cfg, paths,
@@ -84,11 +85,12 @@ def run_replication(root: Path, cfg, sizes_of_rank, ckpts=("c1",), mapped=True,
     while time.monotonic() < deadline:
         while comm.iprobe(source=MPI.ANY_SOURCE, tag=PEER, status=status):
             source_rank = status.Get_source()
-            replicator.handle(source_rank, comm.recv(source=source_rank, tag=PEER))
+            raw = comm.recv(source=source_rank, tag=PEER)
+            replicator.handle(source_rank, decode(raw, f"rank {source_rank}", PEER))
         while not posts.empty():
             msg = posts.get()
-            if msg["type"] in ("credit", "ack"):
-                send(msg.pop("owner"), msg)
+            if isinstance(msg, ToNode):
+                send(msg.node, msg.message)
             else:
                 results[msg["ckpt"]] = msg
         replicator.pump()

@@ -9,6 +9,7 @@ import pytest
 
 from cachex_agent import decisions as d
 from cachex_agent.manifest import FileEntry, LocalManifest
+from cachex_agent.messages import Exit, wire
 from cachex_agent.safepath import UnsafeInput
 
 NODES = 4
@@ -32,7 +33,8 @@ def of(effects: list, kind: type) -> list:
 
 
 def broadcasts(effects: list, kind: str) -> list[dict]:
-    return [e.msg for e in of(effects, d.Broadcast) if e.msg["type"] == kind]
+    """The broadcasts of `kind` as they travel (messages.wire)."""
+    return [wire(e.msg) for e in of(effects, d.Broadcast) if e.msg.TYPE == kind]
 
 
 def feed(s: d.CoordinatorState, *events) -> list:
@@ -63,7 +65,7 @@ def test_marker_commits_once_with_a_sequence_number():
     assert (record.level, record.times["written"], record.deadline) == ("written", 0.5, 16.0)
     again = feed(s, d.Marker(3, 1.5, "s1", []))
     assert not broadcasts(again, "commit")
-    assert [(e.rank, e.msg["seq"]) for e in of(again, d.Send)] == [(13, 1)]  # only the asker
+    assert [(e.rank, e.msg.seq) for e in of(again, d.Send)] == [(13, 1)]  # only the asker
     assert broadcasts(feed(s, d.Marker(0, 2.0, "s2", [])), "commit")[0]["seq"] == 2
 
 
@@ -137,7 +139,7 @@ def test_a_dead_partner_skips_replicated_and_is_named_at_exit():
     feed(s, d.FinalizeDone(4.5, "s1", request.manifest))
     assert record.level == "flushed"
     assert of(feed(s, d.Stop(0, 5.0), *(d.Drained(n, 6.0) for n in range(NODES))),
-              d.Broadcast)[-1].msg == {"type": "exit", "dead": [2]}
+              d.Broadcast)[-1].msg == Exit(dead=[2])
 
 
 def test_finalization_is_a_round_trip_and_the_index_says_valid_only_with_it():
@@ -224,7 +226,7 @@ def test_the_drain_waits_for_a_finalize_still_out():
     out = feed(s, *(d.Drained(n, 4.5) for n in range(NODES)))
     assert not broadcasts(out, "exit") and s.phase == "draining"
     out = feed(s, d.FinalizeDone(5.0, "s1", request.manifest))
-    assert [m["type"] for m in (e.msg for e in of(out, d.Broadcast))] == ["finalized", "exit"]
+    assert [e.msg.TYPE for e in of(out, d.Broadcast)] == ["finalized", "exit"]
     assert s.ckpts["s1"].level == "flushed" and s.phase == "stopped"
 
 

@@ -1,0 +1,253 @@
+"""The messages agents exchange, typed, and the MPI tags they travel on.
+
+Control messages are small dataclasses that travel as dicts (`{"type": name, **fields}`,
+pickled by mpi4py's lowercase calls); bulk bytes never do: they move by Put into a
+window or by Isend/Irecv of numpy buffers on the data tags. What arrives from another
+rank is hostile until `decode` has checked it: the type must be known on that tag, every
+field the type needs present and of the right kind, every name that reaches a path
+(checkpoint ids, file paths, node numbers, manifests) safe (safepath.py). Anything else
+raises UnsafeInput, which the agent refuses with one line.
+
+Protocols (docs/architecture.md draws them):
+  Tag.COORDINATOR  coordinator -> agents: Commit, ManifestReady, Finalized, Failed,
+                   Drain, Exit; agents -> coordinator: the names in TO_COORDINATOR,
+                   typed by decisions.from_wire (the coordinator's events)
+  Tag.PEER         replication between an owner and its partner: Begin, Slot, End
+                   (owner -> partner), Credit, Ack (partner -> owner); GlobalFile headers
+  Tag.GLOBAL_DATA  a global file's bytes after its GlobalFile header (peer/globals.py)
+  Tag.RECOVERY     file bytes between the ranks of `cachex recover` (recovery/transfer.py)
+  Tag.ARRIVE       the bounded start-up agreement (collective.py)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any, ClassVar
+
+from .manifest import GlobalManifest, LocalManifest
+from .safepath import UnsafeInput, checkpoint_id, index, relative_path, relative_paths
+
+
+class Tag(IntEnum):
+    COORDINATOR = 7
+    PEER = 8
+    GLOBAL_DATA = 9
+    RECOVERY = 21
+    ARRIVE = 31
+
+
+# ------------------------------------------------------- coordinator -> agents
+@dataclass(frozen=True, slots=True)
+class Commit:
+    """`ckpt` is committed: capture it (then replicate, and flush when `flush`)."""
+    TYPE: ClassVar[str] = "commit"
+    ckpt: str
+    seq: int
+    flush: bool
+    path: str = "peer"
+    global_files: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class ManifestReady:
+    """Every node captured `ckpt`: its global manifest, for every journal."""
+    TYPE: ClassVar[str] = "manifest"
+    ckpt: str
+    manifest: GlobalManifest
+
+
+@dataclass(frozen=True, slots=True)
+class Finalized:
+    """Global manifest and index of `ckpt` are durable on the PFS (level flushed)."""
+    TYPE: ClassVar[str] = "finalized"
+    ckpt: str
+    manifest: GlobalManifest
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """`ckpt` can never be whole: every stage of it stops."""
+    TYPE: ClassVar[str] = "failed"
+    ckpt: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Drain:
+    """Finish pending work (flush the checkpoints in `flush`), then report drained."""
+    TYPE: ClassVar[str] = "drain"
+    flush: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Exit:
+    """Every agent drained (or the drain timed out); `dead` agents will not answer."""
+    TYPE: ClassVar[str] = "exit"
+    dead: list[int] = field(default_factory=list)
+
+
+# ----------------------------------------------------------- owner <-> partner
+@dataclass(frozen=True, slots=True)
+class Begin:
+    """A checkpoint's part follows: its local manifest."""
+    TYPE: ClassVar[str] = "begin"
+    manifest: LocalManifest
+
+
+@dataclass(frozen=True, slots=True)
+class Slot:
+    """`length` bytes of file `file` at `offset` are in the partner's window slot."""
+    TYPE: ClassVar[str] = "slot"
+    ckpt: str
+    slot: int
+    file: int
+    offset: int
+    length: int
+
+
+@dataclass(frozen=True, slots=True)
+class End:
+    """Every byte of `ckpt` was put: verify and answer with an Ack."""
+    TYPE: ClassVar[str] = "end"
+    ckpt: str
+
+
+@dataclass(frozen=True, slots=True)
+class Credit:
+    """The partner wrote the slot out: the owner may put into it again."""
+    TYPE: ClassVar[str] = "credit"
+    slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class Ack:
+    """The partner's copy of `ckpt` is durable and verified (`ok`), or why not."""
+    TYPE: ClassVar[str] = "ack"
+    ckpt: str
+    ok: bool
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GlobalFile:
+    """A global file (e.g. `.metadata`) of `ckpt`; its bytes follow on Tag.GLOBAL_DATA."""
+    TYPE: ClassVar[str] = "global_file"
+    ckpt: str
+    path: str
+    size: int
+    checksum: str
+
+
+@dataclass(frozen=True, slots=True)
+class ToNode:
+    """Inside one agent: a worker thread asks the main thread to send `message` to the
+    agent of `node` on Tag.PEER (worker threads never call MPI)."""
+    node: int
+    message: Any
+
+
+TO_AGENT: dict[str, type] = {c.TYPE: c for c in (
+    Commit, ManifestReady, Finalized, Failed, Drain, Exit)}
+PEER: dict[str, type] = {c.TYPE: c for c in (Begin, Slot, End, Credit, Ack, GlobalFile)}
+# typed on arrival by decisions.from_wire (the coordinator's events); a test keeps the
+# two lists equal
+TO_COORDINATOR = frozenset({
+    "marker", "captured", "capture_failed", "replicated", "flushed", "flush_error",
+    "progress", "evicted", "unprotected", "stop", "drained"})
+
+
+def wire(message: Any) -> dict[str, Any]:
+    """What travels: a typed message as a dict (manifests as their JSON form); a dict
+    (an agent's report to the coordinator) as it is."""
+    if isinstance(message, dict):
+        return message
+    fields = {f.name: getattr(message, f.name) for f in dataclasses.fields(message)}
+    for name, value in fields.items():
+        if isinstance(value, (GlobalManifest, LocalManifest)):
+            fields[name] = value.to_json()
+    return {"type": message.TYPE, **fields}
+
+
+def decode(raw: Any, source: str, tag: Tag) -> Any:
+    """The typed message that arrived on `tag` from `source`; for a report to the
+    coordinator, the checked dict (decisions.from_wire types it). Raises UnsafeInput."""
+    if not isinstance(raw, dict) or not isinstance(raw.get("type"), str):
+        raise UnsafeInput(f"{source}: not a cachex message: {_short(raw)}")
+    name = raw["type"]
+    if tag == Tag.COORDINATOR and name in TO_COORDINATOR:
+        return _checked_report(raw, source)
+    kind = (TO_AGENT if tag == Tag.COORDINATOR else PEER if tag == Tag.PEER else {}).get(name)
+    if kind is None:
+        raise UnsafeInput(f"{source}: unknown message type {name!r} on tag {tag.name}")
+    fields = {k: v for k, v in raw.items() if k != "type"}
+    names = {f.name for f in dataclasses.fields(kind)}
+    required = {f.name for f in dataclasses.fields(kind)
+                if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING}
+    if not required <= fields.keys() or not fields.keys() <= names:
+        raise UnsafeInput(f"{source}: {name} message with fields {sorted(fields)},"
+                          f" expected {sorted(names)}")
+    return kind(**_checked_fields(kind, fields, source))
+
+
+def _checked_fields(kind: type, fields: dict[str, Any], source: str) -> dict[str, Any]:
+    what = f"{source} ({kind.TYPE})"
+    for name, value in fields.items():
+        if name == "ckpt":
+            checkpoint_id(value, what)
+        elif name == "path":
+            if kind is GlobalFile:
+                relative_path(value, what)
+            elif value not in ("peer", "direct"):
+                raise UnsafeInput(f"{what}: path must be peer or direct, not {_short(value)}")
+        elif name == "global_files":
+            relative_paths(_list(value, name, what), what, "global file path")
+        elif name == "flush" and kind is Drain:
+            for ckpt in _list(value, name, what):
+                checkpoint_id(ckpt, what)
+        elif name == "dead":
+            for node in _list(value, name, what):
+                index(node, what)
+        elif name in ("seq", "slot", "file", "offset", "length", "size"):
+            _count(value, name, what)
+        elif name in ("flush", "ok") and not isinstance(value, bool):
+            raise UnsafeInput(f"{what}: {name} must be true or false, not {_short(value)}")
+        elif name in ("reason", "error", "checksum") and not isinstance(value, (str, type(None))):
+            raise UnsafeInput(f"{what}: {name} must be text, not {_short(value)}")
+    if "manifest" in fields:
+        manifest_kind = LocalManifest if kind is Begin else GlobalManifest
+        fields["manifest"] = manifest_kind.from_json(fields["manifest"], what, fields.get("ckpt"))
+    return fields
+
+
+def _checked_report(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """An agent's report to the coordinator: the names in it checked."""
+    what = f"{source} ({raw['type']})"
+    index(raw.get("node"), what)            # the coordinator files it under that node
+    if "ckpt" in raw:
+        checkpoint_id(raw["ckpt"], what)
+    relative_paths(_list(raw.get("global_files", []), "global_files", what), what,
+                   "global file path")
+    for ckpt in _list(raw.get("ckpts", []), "ckpts", what):
+        checkpoint_id(ckpt, what)
+    if "manifest" in raw:
+        LocalManifest.from_json(raw["manifest"], what, raw.get("ckpt"))
+    return raw
+
+
+def _list(value: Any, name: str, what: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise UnsafeInput(f"{what}: {name} must be a list, not {_short(value)}")
+    return value
+
+
+def _count(value: Any, name: str, what: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise UnsafeInput(f"{what}: {name} must be a count >= 0, not {_short(value)}")
+    return value
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."

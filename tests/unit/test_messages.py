@@ -1,0 +1,119 @@
+"""The typed messages: what travels, and what a hostile rank cannot make an agent do."""
+
+from __future__ import annotations
+
+import pytest
+
+from cachex_agent import decisions
+from cachex_agent.manifest import FileEntry, GlobalManifest, LocalManifest
+from cachex_agent.messages import (
+    PEER,
+    TO_AGENT,
+    TO_COORDINATOR,
+    Ack,
+    Begin,
+    Commit,
+    Credit,
+    Drain,
+    End,
+    Exit,
+    Failed,
+    Finalized,
+    GlobalFile,
+    ManifestReady,
+    Slot,
+    Tag,
+    decode,
+    wire,
+)
+from cachex_agent.safepath import UnsafeInput
+
+SOURCE = "message from rank 3"
+
+
+def local(ckpt: str = "step-1", node: int = 1, path: str = "a/b.pt") -> LocalManifest:
+    files = [FileEntry(path, 10, 0o644, "0" * 32)]
+    return LocalManifest(run="r", ckpt=ckpt, seq=1, node=node, host="h", rank=node,
+                         files=files, captured_at=1.0)
+
+
+def global_manifest(ckpt: str = "step-1") -> GlobalManifest:
+    return GlobalManifest.build([local(ckpt, 0)], [], {"captured": 1.0}, {0: "node-00000.h5"},
+                                committed_at=2.0)
+
+
+EVERY = [
+    (Tag.COORDINATOR, Commit("step-1", 1, True, "peer", [".metadata"])),
+    (Tag.COORDINATOR, Commit("step-2", 2, False, "direct")),
+    (Tag.COORDINATOR, ManifestReady("step-1", global_manifest())),
+    (Tag.COORDINATOR, Finalized("step-1", global_manifest())),
+    (Tag.COORDINATOR, Failed("step-1", "node 2: gone")),
+    (Tag.COORDINATOR, Drain(["step-1", "step-2"])),
+    (Tag.COORDINATOR, Exit([0, 3])),
+    (Tag.PEER, Begin(local())),
+    (Tag.PEER, Slot("step-1", 3, 0, 4 << 20, 1 << 20)),
+    (Tag.PEER, End("step-1")),
+    (Tag.PEER, Credit(3)),
+    (Tag.PEER, Ack("step-1", False, "disk full")),
+    (Tag.PEER, GlobalFile("step-1", ".metadata", 10, "0" * 32)),
+]
+
+
+@pytest.mark.parametrize("tag,message", EVERY, ids=lambda v: getattr(v, "TYPE", str(v)))
+def test_every_message_arrives_as_it_was_sent(tag, message):
+    raw = wire(message)
+    assert raw["type"] == message.TYPE and "manifest" not in raw or isinstance(
+        raw["manifest"], dict)
+    assert decode(raw, SOURCE, tag) == message
+
+
+def test_every_type_has_one_tag_and_the_coordinator_knows_every_report():
+    assert not TO_AGENT.keys() & PEER.keys()
+    assert not TO_COORDINATOR & (TO_AGENT.keys() | PEER.keys())
+    assert set(decisions.FROM_AGENTS) == TO_COORDINATOR
+
+
+def test_a_report_to_the_coordinator_stays_a_checked_dict():
+    raw = {"type": "captured", "node": 2, "ckpt": "step-1", "manifest": local(node=2).to_json()}
+    assert decode(raw, SOURCE, Tag.COORDINATOR) is raw
+
+
+HOSTILE = [
+    (Tag.COORDINATOR, "not a dict", "not a cachex message"),
+    (Tag.COORDINATOR, {"type": 7}, "not a cachex message"),
+    (Tag.COORDINATOR, {"type": "launch", "ckpt": "s"}, "unknown message type 'launch'"),
+    (Tag.PEER, {"type": "commit", "ckpt": "s", "seq": 1, "flush": True}, "unknown message"),
+    (Tag.COORDINATOR, {"type": "failed", "ckpt": "s"}, "expected"),
+    (Tag.PEER, {"type": "end", "ckpt": "s", "then": "rm -rf"}, "expected"),
+    (Tag.COORDINATOR, {"type": "commit", "ckpt": "../../etc", "seq": 1, "flush": True},
+     "../../etc"),
+    (Tag.COORDINATOR, {"type": "commit", "ckpt": "s", "seq": -1, "flush": True}, "seq"),
+    (Tag.COORDINATOR, {"type": "commit", "ckpt": "s", "seq": 1, "flush": "yes"}, "flush"),
+    (Tag.COORDINATOR, {"type": "commit", "ckpt": "s", "seq": 1, "flush": True,
+                       "path": "/pfs"}, "path must be peer or direct"),
+    (Tag.COORDINATOR, {"type": "commit", "ckpt": "s", "seq": 1, "flush": True,
+                       "global_files": ["/etc/passwd"]}, "/etc/passwd"),
+    (Tag.COORDINATOR, {"type": "drain", "flush": ["ok", ".."]}, "'..'"),
+    (Tag.COORDINATOR, {"type": "drain", "flush": "s1"}, "flush must be a list"),
+    (Tag.COORDINATOR, {"type": "exit", "dead": [-1]}, "node"),
+    (Tag.PEER, {"type": "slot", "ckpt": "s", "slot": True, "file": 0, "offset": 0,
+                "length": 1}, "slot must be a count"),
+    (Tag.PEER, {"type": "credit", "slot": 1.5}, "slot must be a count"),
+    (Tag.PEER, {"type": "global_file", "ckpt": "s", "path": "../x", "size": 1,
+                "checksum": "0"}, "../x"),
+    (Tag.PEER, {"type": "begin", "manifest": {**local().to_json(),
+                                               "files": [{"path": "/abs", "size": 1,
+                                                          "mode": 420, "checksum": "0"}]}},
+     "/abs"),
+    (Tag.COORDINATOR, {"type": "captured", "ckpt": "s"}, "node"),
+    (Tag.COORDINATOR, {"type": "unprotected", "node": 1, "ckpts": ["a/../../b"]}, "a/../../b"),
+    (Tag.GLOBAL_DATA, {"type": "end", "ckpt": "s"}, "unknown message type"),
+]
+
+
+@pytest.mark.parametrize("tag,raw,says", HOSTILE)
+def test_hostile_messages_are_refused_with_a_line_naming_the_sender(tag, raw, says):
+    with pytest.raises(UnsafeInput) as refused:
+        decode(raw, SOURCE, tag)
+    line = str(refused.value)
+    assert SOURCE in line and says in line and "\n" not in line
