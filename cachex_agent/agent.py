@@ -47,14 +47,28 @@ from .inbox import Inbox, exit_watchdog
 from .index import read_index
 from .journal import Journal
 from .layout import bundle_path, events_path, journal_stop_file, pfs_stop_file
-from .manifest import GlobalManifest, LocalManifest
+from .manifest import LocalManifest
+from .messages import (
+    PEER,
+    Commit,
+    Drain,
+    Exit,
+    Failed,
+    Finalized,
+    GlobalFile,
+    ManifestReady,
+    Tag,
+    ToNode,
+    decode,
+    wire,
+)
 from .node_dirs import prepare_dirs
 from .peer.globals import GlobalFiles
 from .peer.mirror import Mirror
 from .peer.partners import replication_map
 from .peer.replicator import Replicator
 from .runlock import RunLock, stale_after
-from .safepath import UnsafeInput, checkpoint_id, index, relative_path, relative_paths
+from .safepath import UnsafeInput
 from .stage.retention import retain_stage
 from .stage.rules import make_rule, natural_key
 from .stage.watch import SpoolWatcher
@@ -62,8 +76,6 @@ from .stage.worker import CaptureWorker, global_candidates
 from .topology import place_in
 
 log = logging.getLogger(__name__)
-TAG = 7           # coordinator protocol
-PEER_TAG = 8      # replication protocol (peer/replicator.py)
 IDLE_AFTER = 2.0    # seconds without a message or work in flight before the loop slows down
 IDLE_TICK = 0.1     # the slowed tick: a first message from another agent waits this long
 
@@ -116,6 +128,10 @@ class Agent:
                                      self.watcher.first_seen)
         self.mirror = Mirror(self.journal, self.paths, self.node, self.events,
                              config.commit.mirror)
+        self._from_coordinator = {
+            Commit: self._on_commit, ManifestReady: self._on_manifest,
+            Finalized: self._on_finalized, Failed: self._on_failed, Drain: self._on_drain,
+            Exit: self._on_exit}
         self._preexisting = set(self._committed_now())
 
     def _remove_stale(self) -> None:
@@ -199,9 +215,9 @@ class Agent:
         if self.replicator is not None:
             self.replicator.pump()
         for header in self.globals.poll():
-            self.events.emit("global_file", ckpt=header["ckpt"], path=header["path"],
-                             bytes=header["size"])
-            self.mirror.mirror(header["ckpt"])
+            self.events.emit("global_file", ckpt=header.ckpt, path=header.path,
+                             bytes=header.size)
+            self.mirror.mirror(header.ckpt)
         if self.coordinator:
             self.coordinator.tick()
         self._check_stop_files()
@@ -215,8 +231,8 @@ class Agent:
         catch up on what the trainer committed while no agent was watching.
 
         Captured, not committed: the coordinator hears of it again (a marker) and
-        announces it again; `_after_capture` then goes on from the first stage not done
-        (replicate, then flush), a stage done is never run again. A capture queued or
+        announces it again; `_after_capture` then runs the stages not done (replicate
+        and flush), a stage done is never run again. A capture queued or
         running when the agent ended is captured again."""
         in_order = sorted(self.journal.entries.items(), key=lambda kv: kv[1]["seq"])
         for ckpt, entry in in_order:
@@ -251,11 +267,11 @@ class Agent:
         return known
 
     # -------------------------------------------------------------- messaging
-    def _send(self, rank: int, msg: dict[str, Any], tag: int = TAG) -> None:
-        self._requests.append(self.comm.isend(msg, dest=rank, tag=tag))
+    def _send(self, rank: int, msg: Any, tag: Tag = Tag.COORDINATOR) -> None:
+        self._requests.append(self.comm.isend(wire(msg), dest=rank, tag=tag))
 
-    def _send_peer(self, rank: int, msg: dict[str, Any]) -> None:
-        self._send(rank, msg, PEER_TAG)
+    def _send_peer(self, rank: int, msg: Any) -> None:
+        self._send(rank, msg, Tag.PEER)
 
     def _to_coordinator(self, msg: dict[str, Any]) -> None:
         self._send(0, {**msg, "node": self.node})
@@ -264,37 +280,32 @@ class Agent:
         """Handle the messages from other agents that arrived; return how many."""
         status = MPI.Status()
         count = 0
-        while self._probe(PEER_TAG, status):
-            source = status.Get_source()
-            msg = self.comm.recv(source=source, tag=PEER_TAG)
-            self._refusing(source, msg, self._on_peer_message)
-            count += 1
-        while self._probe(TAG, status):
-            source = status.Get_source()
-            msg = self.comm.recv(source=source, tag=TAG)
-            self._refusing(source, msg, self._on_message)
-            count += 1
+        for tag in (Tag.PEER, Tag.COORDINATOR):
+            while self._probe(tag, status):
+                source = status.Get_source()
+                raw = self.comm.recv(source=source, tag=tag)
+                count += 1
+                try:
+                    msg = decode(raw, f"message from rank {source}", tag)
+                except UnsafeInput as exc:
+                    log.error("refused: %s", exc)
+                    self.events.emit("refused", error=str(exc))
+                    continue
+                self._dispatch(source, msg)
         return count
 
-    def _refusing(self, source: int, msg: Any, handle: Any) -> None:
-        """Handle a message whose names are safe; refuse any other with one line."""
-        try:
-            handle(source, checked_message(msg, f"message from rank {source}"))
-        except UnsafeInput as exc:
-            log.error("refused: %s", exc)
-            self.events.emit("refused", error=str(exc))
-
-    def _on_peer_message(self, source: int, msg: dict[str, Any]) -> None:
-        if msg["type"] == "global_file":
+    def _dispatch(self, source: int, msg: Any) -> None:
+        """One message from another agent to the part of this one that takes it."""
+        if isinstance(msg, dict):           # a report to the coordinator (rank 0)
+            if self.coordinator:
+                self.coordinator.handle(msg["node"], msg)
+        elif isinstance(msg, GlobalFile):
             self.globals.on_header(source, msg)
-        elif self.replicator is not None:
-            self.replicator.handle(self.node_of_rank[source], msg)
-
-    def _on_message(self, _source: int, msg: dict[str, Any]) -> None:
-        if "node" in msg and self.coordinator and msg["type"] not in _TO_AGENT:
-            self.coordinator.handle(msg["node"], msg)
+        elif type(msg).TYPE in PEER:
+            if self.replicator is not None:
+                self.replicator.handle(self.node_of_rank[source], msg)
         else:
-            self._handle(msg)
+            self._from_coordinator[type(msg)](msg)
 
     def _probe(self, tag: int, status: Any) -> bool:
         # MPICH: the first probe may only drive progress; a message that has already
@@ -311,14 +322,14 @@ class Agent:
             except queue.Empty:
                 return count
             count += 1
-            kind = msg["type"]
-            if kind in ("credit", "ack"):           # the replica store answers an owner
-                self._send_peer(self.ranks_by_node[msg.pop("owner")], msg)
+            if isinstance(msg, ToNode):         # the replica store answers an owner
+                self._send_peer(self.ranks_by_node[msg.node], msg.message)
                 continue
+            kind = msg["type"]
             if kind == "captured":
                 self._after_capture(msg)
             elif kind == "replicated":
-                self._after_replicate(msg["ckpt"])
+                self._retain_stage()
                 msg = {**msg, "dead": sorted(self.replicator.dead) if self.replicator else []}
             self._to_coordinator(msg)
         return count
@@ -330,28 +341,19 @@ class Agent:
             time.sleep(0.01)
 
     # ------------------------------------------------------- from coordinator
-    def _handle(self, msg: dict[str, Any]) -> None:
-        kind = msg["type"]
-        if kind == "commit":
-            self._on_commit(msg)
-        elif kind == "finalized":
-            self._on_finalized(msg)
-        elif kind == "manifest":
-            self.journal.save_global(GlobalManifest.from_json(msg["manifest"]))
-            self.mirror.mirror(msg["ckpt"])
-        elif kind == "failed":
-            self._on_failed(msg)
-        elif kind == "drain":
-            self._on_drain(msg)
-        elif kind == "exit":
-            self._dead_agents = msg.get("dead", [])
-            self.exit_now = True
+    def _on_manifest(self, msg: ManifestReady) -> None:
+        self.journal.save_global(msg.manifest)
+        self.mirror.mirror(msg.ckpt)
 
-    def _on_commit(self, msg: dict[str, Any]) -> None:
-        ckpt = msg["ckpt"]
+    def _on_exit(self, msg: Exit) -> None:
+        self._dead_agents = msg.dead
+        self.exit_now = True
+
+    def _on_commit(self, msg: Commit) -> None:
+        ckpt = msg.ckpt
         previous = self.announced.get(ckpt)
-        flush = msg["flush"] or bool(previous and previous["flush"])
-        self.announced[ckpt] = {**msg, "flush": flush,
+        flush = msg.flush or bool(previous and previous["flush"])
+        self.announced[ckpt] = {**wire(msg), "flush": flush,
                                 "received": (previous or {}).get("received", time.time())}
         if self.capture.busy(ckpt):
             return
@@ -366,7 +368,8 @@ class Agent:
         self.capture.submit(self.announced[ckpt])
 
     def _after_capture(self, msg: dict[str, Any]) -> None:
-        """Captured: the next stage not done yet (replicate, else flush)."""
+        """Captured: the stages not done yet, replicate and flush side by side (both
+        read the stage; the flush is throttled and has threads of its own)."""
         ckpt = msg["ckpt"]
         entry = self.journal.get(ckpt) or {}
         manifest = LocalManifest.from_json(msg["manifest"])
@@ -375,8 +378,7 @@ class Agent:
         if self.replicator is not None and peer and not is_done(entry, Stage.REPLICATE):
             self.replicator.replicate(manifest, Path(entry["source"]),
                                       mapped=entry.get("mode") == "copy")
-        else:
-            self._flush_if_wanted(ckpt)
+        self._flush_if_wanted(ckpt)
         self._retain_stage()
 
     def _share_globals(self, manifest: LocalManifest, entry: dict[str, Any]) -> None:
@@ -388,11 +390,6 @@ class Agent:
             others = [r for r in self.ranks_by_node if r != self.rank]
             self.globals.share(manifest.ckpt, Path(entry["source"]), held, others)
             self.journal.update(manifest.ckpt, globals_shared=True)
-
-    def _after_replicate(self, ckpt: str) -> None:
-        """Replicated (or failed: the PFS then holds the only other copy): flush."""
-        self._flush_if_wanted(ckpt)
-        self._retain_stage()
 
     def _flush_if_wanted(self, ckpt: str) -> None:
         """Flush a captured checkpoint the coordinator wants on the PFS, unless its flush
@@ -408,17 +405,16 @@ class Agent:
             return
         self.flusher.submit(manifest, Path(entry["source"]))
 
-    def _on_finalized(self, msg: dict[str, Any]) -> None:
-        manifest = GlobalManifest.from_json(msg["manifest"])
-        self.journal.save_global(manifest)
-        entry = self.journal.get(msg["ckpt"]) or {}
+    def _on_finalized(self, msg: Finalized) -> None:
+        self.journal.save_global(msg.manifest)
+        entry = self.journal.get(msg.ckpt) or {}
         if stage_state(entry, Stage.COMMIT) not in ENDED:
-            self.stages.record(Stage.COMMIT, State.DONE, msg["ckpt"], entry.get("seq"))
+            self.stages.record(Stage.COMMIT, State.DONE, msg.ckpt, entry.get("seq"))
         self._retain_stage()
 
-    def _on_failed(self, msg: dict[str, Any]) -> None:
+    def _on_failed(self, msg: Failed) -> None:
         """The coordinator gave up on `ckpt`: every stage of it here stops."""
-        ckpt = msg["ckpt"]
+        ckpt = msg.ckpt
         entry = self.journal.get(ckpt)
         self.capture.cancel(ckpt)
         self.flusher.cancel(ckpt)
@@ -427,17 +423,16 @@ class Agent:
         if entry and entry.get("mode") == "copy":
             remove_under(self.paths.stage, self.paths.stage_dir(ckpt))
         self.stages.record(Stage.COMMIT, State.FAILED, ckpt, (entry or {}).get("seq"),
-                           persist={"reason": msg["reason"]}, error=msg["reason"])
+                           persist={"reason": msg.reason}, error=msg.reason)
         self.watcher.forget(ckpt)
 
-    def _on_drain(self, msg: dict[str, Any]) -> None:
+    def _on_drain(self, msg: Drain) -> None:
         self.draining = True
         self.drain_deadline = time.monotonic() + self.config.flush.drain_timeout
-        for ckpt in msg["flush"]:
+        for ckpt in msg.flush:
             if ckpt in self.announced:
                 self.announced[ckpt]["flush"] = True
-                if self.replicator is None or ckpt not in self.replicator.pending():
-                    self._flush_if_wanted(ckpt)
+                self._flush_if_wanted(ckpt)
         self.watcher.stop()
 
     def _check_drained(self) -> None:
@@ -522,31 +517,6 @@ class Agent:
         if self.draining and now > self.drain_deadline + 2 * self.config.agent.timeout:
             log.error("no exit from the coordinator after the drain; leaving")
             self.exit_now = True
-
-
-_TO_AGENT = {"commit", "manifest", "finalized", "failed", "drain", "exit"}
-_GLOBAL_MANIFESTS = {"manifest", "finalized"}      # the others carry a node's manifest
-
-
-def checked_message(msg: Any, source: str) -> dict[str, Any]:
-    """A message from another agent with every name that reaches a path checked
-    (safepath.py): checkpoint ids, file paths, node numbers, manifests."""
-    if not isinstance(msg, dict) or not isinstance(msg.get("type"), str):
-        raise UnsafeInput(f"{source}: not a cachex message: {msg!r}")
-    if "ckpt" in msg:
-        checkpoint_id(msg["ckpt"], source)
-    if "node" in msg:
-        index(msg["node"], source)
-    if "path" in msg:
-        relative_path(msg["path"], source)
-    relative_paths(msg.get("global_files", []), source, "global file path")
-    if msg["type"] == "drain":
-        for ckpt in msg.get("flush", []):
-            checkpoint_id(ckpt, source)
-    if "manifest" in msg:
-        kind = GlobalManifest if msg["type"] in _GLOBAL_MANIFESTS else LocalManifest
-        kind.from_json(msg["manifest"], source, msg.get("ckpt"))
-    return msg
 
 
 def _held(entry: dict[str, Any]) -> bool:

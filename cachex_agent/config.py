@@ -372,9 +372,9 @@ MEANINGS: dict[str, str] = {
                   " pending is never evicted. 0 keeps all.",
     "keep.replica": "Replicas kept per owner on each partner. 0 keeps all.",
     "keep.pfs": "Flushed checkpoints kept on the PFS; older ones are purged. 0 keeps all.",
-    "model.path": "The write path: `peer` (replicate, then flush), `direct` (flush right"
-                  " after capture, no replica), `auto` (per checkpoint, the path the model"
-                  " expects to lose less work).",
+    "model.path": "The write path: `peer` (replicate to the partners, and flush beside it),"
+                  " `direct` (flush right after capture, no replica), `auto` (per"
+                  " checkpoint, the path the model expects to lose less work).",
     "model.crash_rate": "Trainer crashes per hour, for the whole job.",
     "model.node_rate": "Node losses per node-hour.",
     "model.job_rate": "Allocation losses per hour (preemption, system faults).",

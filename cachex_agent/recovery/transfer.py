@@ -9,7 +9,8 @@ Over MPI the holder sends every file's bytes in CHUNK messages in manifest order
 it cannot read whole is padded with zeros, so the stream stays in step, and reported by
 both sides); the target hashes what it receives. Two chunks are in flight on each side:
 the target posts the receive of the next chunk before it hashes and writes the current
-one, the holder sends straight from a mapping of the file.
+one (the hash on a second thread, beside the write), the holder sends straight from a
+mapping of the file.
 """
 
 from __future__ import annotations
@@ -30,8 +31,8 @@ from ..checksum import CHUNK, copy_with_checksum, file_checksum, hasher
 from ..errors import OperationError
 from ..fsutil import makedirs, open_private, temp_name, trainer_mode
 from ..manifest import FileEntry
+from ..messages import Tag
 
-DATA_TAG = 21
 #: files moved at once on one node (local copies, checks in place): reads and writes
 #: release the GIL, so two files overlap one's hashing with the other's kernel copies
 WORKERS = 2
@@ -115,20 +116,26 @@ def receive_files(comm: Any, files: list[FileEntry], dest: Path, source: int,
     stay private (a replica store)."""
     problems: Problems = {}
     stream = _Receiver(comm, source, [e.size for e in files], timeout, name)
-    for entry in files:
-        target = dest / entry.path
-        makedirs(target.parent)
-        temp = temp_name(target)
-        digest = hasher()
-        with open_private(temp, buffering=0) as out:
-            for view in stream.take(entry.size):
-                digest.update(view)
-                while view:
-                    view = view[out.write(view):]
-            os.fsync(out.fileno())
-        why = _finish(temp, target, entry, entry.size, digest.hexdigest(), trainer_modes)
-        if why:
-            problems[entry.path] = why
+    # the hash runs beside the write (xxhash lets go of the GIL): a chunk costs
+    # max(hash, write), not their sum; both are done before its buffer is received into
+    with ThreadPoolExecutor(1, thread_name_prefix="recover-hash") as hashing:
+        for entry in files:
+            target = dest / entry.path
+            makedirs(target.parent)
+            temp = temp_name(target)
+            digest = hasher()
+            with open_private(temp, buffering=0) as out:
+                for view in stream.take(entry.size):
+                    hashed = hashing.submit(digest.update, view)
+                    try:
+                        while view:
+                            view = view[out.write(view):]
+                    finally:
+                        hashed.result()
+                os.fsync(out.fileno())
+            why = _finish(temp, target, entry, entry.size, digest.hexdigest(), trainer_modes)
+            if why:
+                problems[entry.path] = why
     return problems
 
 
@@ -173,7 +180,7 @@ class _Sender:
     def send(self, data: np.ndarray) -> None:
         if len(self.flight) == 2:
             wait(self.flight.popleft(), self.timeout, self.name)
-        self.flight.append(self.comm.Isend([data, MPI.BYTE], self.dest, DATA_TAG))
+        self.flight.append(self.comm.Isend([data, MPI.BYTE], self.dest, Tag.RECOVERY))
 
     def drain(self) -> None:
         while self.flight:
@@ -200,7 +207,7 @@ class _Receiver:
             n = self.chunks.popleft()
             buffer = self.buffers[self.turn]
             self.turn ^= 1
-            request = self.comm.Irecv([buffer[:n], MPI.BYTE], self.source, DATA_TAG)
+            request = self.comm.Irecv([buffer[:n], MPI.BYTE], self.source, Tag.RECOVERY)
             self.posted.append((request, buffer, n))
 
     def take(self, size: int) -> Iterator[memoryview]:
