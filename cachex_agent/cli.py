@@ -75,6 +75,17 @@ def _echo_json(data: dict[str, Any]) -> None:
     click.echo(json.dumps({"schema": JSON_SCHEMA, **data}, indent=1))
 
 
+def quiet_option(func: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option("-q", "--quiet", is_flag=True, help="no progress on stderr (errors"
+                        " only)")(func)
+
+
+def _progress(prog: str, quiet: bool) -> Any:
+    """Steps and bytes on stderr: a bar on a terminal, a line per step elsewhere."""
+    from .progress import Progress, mode_for
+    return Progress(prog, mode_for(quiet))
+
+
 def _checkpoint_argument(value: str | None, name: str) -> str | None:
     """A checkpoint id given on the command line is a usage error when unsafe."""
     from .safepath import UnsafeInput, checkpoint_id
@@ -239,10 +250,12 @@ def ls_command(cfg: configuration.Config, as_json: bool) -> None:
 @config_options
 @click.argument("ckpt")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-def verify_command(cfg: configuration.Config, ckpt: str, as_json: bool) -> None:
+@quiet_option
+def verify_command(cfg: configuration.Config, ckpt: str, as_json: bool, quiet: bool) -> None:
     """Check the checksums of every copy of CKPT visible from this machine."""
     from .recovery.verify import verify
-    findings = verify(cfg, _checkpoint_argument(ckpt, "CKPT"))
+    findings = verify(cfg, _checkpoint_argument(ckpt, "CKPT"),
+                      _progress("cachex verify", quiet))
     bad = [f for f in findings if f.checked and f.problems]
     seen = any(f.checked for f in findings)
     if as_json:
@@ -273,15 +286,16 @@ def _say_findings(ckpt: str, findings: list[Any]) -> None:
 @click.argument("dest", type=click.Path(file_okay=False))
 @click.option("--per-node", is_flag=True, help="one sub-directory per node")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@quiet_option
 def export_command(cfg: configuration.Config, ckpt: str, dest: str, per_node: bool,
-                   as_json: bool) -> None:
+                   as_json: bool, quiet: bool) -> None:
     """Write CKPT from the PFS bundles to DEST in the trainer's layout (no MPI)."""
     from .recovery.catalog import require_global
     from .recovery.export import export
     manifest = require_global(cfg, _checkpoint_argument(ckpt, "CKPT"))
     start = time.monotonic()
     total = export(manifest, cfg.node_paths(0).pfs, Path(dest), per_node,
-                   say=lambda line: click.echo(f"  {line}", err=True))
+                   _progress("cachex export", quiet))
     seconds = time.monotonic() - start
     if as_json:
         _echo_json({"ckpt": ckpt, "dest": str(dest), "files": len(manifest.files),
@@ -300,12 +314,14 @@ def export_command(cfg: configuration.Config, ckpt: str, dest: str, per_node: bo
               help="do not use copies of this kind (repeatable)")
 @click.option("--dry-run", is_flag=True, help="print the plan, change nothing")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@quiet_option
 def recover_command(cfg: configuration.Config, ckpt: str | None, exclude: tuple[str, ...],
-                    dry_run: bool, as_json: bool) -> None:
+                    dry_run: bool, as_json: bool, quiet: bool) -> None:
     """Rebuild a checkpoint into every node's spool from what survived.
 
     Run with one rank per node (replacement nodes included), e.g.
-    `srun --ntasks-per-node=1 cachex recover`, or as one process for one node.
+    `srun --ntasks-per-node=1 cachex recover`, or as one process for one node. Rank 0
+    shows the steps and its own node's bytes on stderr.
     """
     from mpi4py import MPI
 
@@ -314,7 +330,8 @@ def recover_command(cfg: configuration.Config, ckpt: str | None, exclude: tuple[
     comm = MPI.COMM_WORLD
     _setup_logging(cfg.agent.log, f"{comm.Get_rank()}@{socket.gethostname()}")
     try:
-        outcome = recover(cfg, comm, ckpt, frozenset(exclude), dry_run)
+        outcome = recover(cfg, comm, ckpt, frozenset(exclude), dry_run,
+                          _progress("cachex recover", quiet or comm.Get_rank() != 0))
     except CachexError as exc:      # raised alike on every rank
         if comm.Get_rank() == 0:
             click.echo(f"cachex recover: error: {exc}", err=True)
