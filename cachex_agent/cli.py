@@ -282,17 +282,19 @@ def _say_findings(ckpt: str, findings: list[Any]) -> None:
 
 @main_group.command("export")
 @config_options
-@click.argument("ckpt")
-@click.argument("dest", type=click.Path(file_okay=False))
+@click.argument("args", nargs=-1, metavar="[CKPT] DEST")
 @click.option("--per-node", is_flag=True, help="one sub-directory per node")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 @quiet_option
-def export_command(cfg: configuration.Config, ckpt: str, dest: str, per_node: bool,
+def export_command(cfg: configuration.Config, args: tuple[str, ...], per_node: bool,
                    as_json: bool, quiet: bool) -> None:
-    """Write CKPT from the PFS bundles to DEST in the trainer's layout (no MPI)."""
+    """Write CKPT from the PFS bundles to DEST in the trainer's layout (no MPI).
+
+    Without CKPT: the index's current checkpoint (`cachex index`)."""
     from .recovery.catalog import require_global
     from .recovery.export import export
-    manifest = require_global(cfg, _checkpoint_argument(ckpt, "CKPT"))
+    ckpt, dest = _export_arguments(cfg, args)
+    manifest = require_global(cfg, ckpt)
     start = time.monotonic()
     total = export(manifest, cfg.node_paths(0).pfs, Path(dest), per_node,
                    _progress("cachex export", quiet))
@@ -305,10 +307,99 @@ def export_command(cfg: configuration.Config, ckpt: str, dest: str, per_node: bo
                    f" in {seconds:.1f}s")
 
 
+def _export_arguments(cfg: configuration.Config, args: tuple[str, ...]) -> tuple[str, str]:
+    if len(args) not in (1, 2):
+        raise ConfigError(f"export: expected [CKPT] DEST, got {len(args)} arguments")
+    if len(args) == 2:
+        return str(_checkpoint_argument(args[0], "CKPT")), args[1]
+    from .index import NotAnIndex, read_index
+    pfs = cfg.node_paths(0).pfs
+    try:
+        current = read_index(pfs).current
+    except (OSError, NotAnIndex) as exc:
+        raise OperationError(f"export: no CKPT given and no index to take the current one"
+                             f" from ({exc})") from None
+    if current is None:
+        raise OperationError(f"export: no CKPT given and run {cfg.run} has no valid"
+                             " checkpoint in its index")
+    return current, args[0]
+
+
+@main_group.command("index")
+@config_options
+@click.option("--current", "pin", metavar="NAME", help="make NAME the checkpoint `recover`"
+              " and `export` pick by default")
+@click.option("--drop", metavar="NAME", help="remove NAME from the index and its PFS files")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def index_command(cfg: configuration.Config, pin: str | None, drop: str | None,
+                  as_json: bool) -> None:
+    """List the checkpoints of the PFS index; pin the current one or drop one.
+
+    Changes are refused while the run's agents are running (they rewrite the index)."""
+    from . import index as pfs_index
+    pfs = cfg.node_paths(0).pfs
+    if pin and drop:
+        raise ConfigError("index: --current and --drop: give one of them")
+    name = _checkpoint_argument(pin or drop, "--current" if pin else "--drop")
+    if name is not None:
+        _refuse_while_running(cfg)
+    index = _read_pfs_index(pfs) if name is None else (
+        pfs_index.set_current(pfs, name) if pin else pfs_index.drop(pfs, name))
+    if as_json:
+        _echo_json({"run": index.run, "current": index.current, "pinned": index.pinned,
+                    "action": "current" if pin else "drop" if drop else "list",
+                    "name": name, "checkpoints": [
+                        {"id": r.id, "seq": r.seq, "state": r.state, "bytes": r.bytes,
+                         "flushed_at": r.flushed_at} for r in index.checkpoints]})
+        return
+    if pin:
+        click.echo(f"current: {pin} (recover and export pick it by default)")
+    elif drop:
+        click.echo(f"dropped {drop} and its PFS files")
+    click.echo(_format_index(index))
+
+
+def _read_pfs_index(pfs: Path) -> Any:
+    from .index import NotAnIndex, read_index
+    from .layout import index_path
+    try:
+        return read_index(pfs)
+    except FileNotFoundError:
+        raise OperationError(f"{index_path(pfs)}: no index (nothing flushed yet?)") from None
+    except (OSError, NotAnIndex) as exc:
+        raise OperationError(str(exc)) from None
+
+
+def _refuse_while_running(cfg: configuration.Config) -> None:
+    from .status import load_status
+    try:
+        live = load_status(cfg).get("live", False)
+    except CachexError:
+        live = False
+    if live:
+        raise OperationError(f"run {cfg.run}: agents are running and rewrite the index;"
+                             " stop them first (cachex stop)")
+
+
+def _format_index(index: Any) -> str:
+    from .status import human_size
+    lines = [f"  {'checkpoint':<24} {'seq':>5}  {'state':<7} {'size':>10}  flushed"]
+    for row in index.checkpoints:
+        mark = "*" if row.id == index.current else " "
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row.flushed_at)) \
+            if row.flushed_at else "-"
+        lines.append(f"{mark} {row.id:<24} {row.seq:>5}  {row.state:<7}"
+                     f" {human_size(row.bytes):>10}  {when}")
+    how = "pinned by cachex index --current" if index.pinned else "the newest valid"
+    lines.append(f"current: {index.current} ({how})" if index.current
+                 else "current: none (no valid checkpoint)")
+    return "\n".join(lines)
+
+
 @main_group.command("recover")
 @config_options
-@click.option("--ckpt", metavar="ID", help="recover this checkpoint (default: the newest"
-              " recoverable one)")
+@click.option("--ckpt", metavar="ID", help="recover this checkpoint (default: the one pinned"
+              " by `cachex index --current`, else the newest recoverable one)")
 @click.option("--exclude", multiple=True, metavar="SOURCE",
               type=click.Choice(["spool", "stage", "replica", "journal", "pfs"]),
               help="do not use copies of this kind (repeatable)")

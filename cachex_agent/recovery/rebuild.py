@@ -48,6 +48,7 @@ from ..fsutil import (
     remove_temporaries,
     remove_under,
 )
+from ..index import pinned_current
 from ..layout import (
     SPOOL_ROOT,
     bundle_path,
@@ -95,6 +96,10 @@ def recover(config: Config, comm: Any, want: str | None = None,
                   f" node{'s' if placement.nodes > 1 else ''} and the PFS")
     manifests = _shared_manifests(comm, config, paths, exclude)
     copies = _all_copies(comm, config, paths, node, manifests, exclude)
+    if want is None and comm.Get_rank() == 0:      # only rank 0 plans
+        want = pinned_current(config.node_paths(0).pfs)
+        if want:
+            progress.step(f"{want}: pinned as current by `cachex index --current`")
     plan = _plan(comm, config, manifests, copies, placement.nodes, want, exclude)
     outcome = Outcome(plan, plan_seconds=time.monotonic() - start)
     if dry_run:
