@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import socket
 import sys
 import time
@@ -36,23 +37,51 @@ def _overrides(values: tuple[str, ...]) -> dict[str, str]:
     return parsed
 
 
-def config_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """--config/--set/--run, shared by every command; passes `cfg`."""
-    @click.option("--config", "config_path", envvar="CACHEX_CONFIG", metavar="FILE",
-                  type=click.Path(dir_okay=False), help="cachex.toml (default: $CACHEX_CONFIG)")
-    @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
-                  help="override one key, e.g. --set flush.bandwidth=100MiB (repeatable)")
-    @click.option("--run", "run_name", metavar="NAME", help="the run name (key `run`)")
-    @functools.wraps(func)
-    def wrapper(config_path: str | None, sets: tuple[str, ...], run_name: str | None,
-                **kwargs: Any) -> Any:
-        overrides = _overrides(sets)
-        if run_name:
-            overrides["run"] = run_name
-        path = config_path if config_path else ("cachex.toml" if Path("cachex.toml").exists()
-                                                else None)
-        return func(cfg=configuration.load(path, overrides), **kwargs)
-    return wrapper
+def config_options(func: Callable[..., Any] | None = None, *, lookup: bool = True) -> Any:
+    """--config/--set/--run, shared by every command; passes `cfg`. `lookup`: without
+    --config, find the configuration the run's agents recorded (runs.py)."""
+    def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
+        @click.option("--config", "config_path", envvar="CACHEX_CONFIG", metavar="FILE",
+                      type=click.Path(dir_okay=False),
+                      help="cachex.toml (default: $CACHEX_CONFIG, the configuration the"
+                      " run's agents recorded, ./cachex.toml)")
+        @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+                      help="override one key, e.g. --set flush.bandwidth=100MiB (repeatable)")
+        @click.option("--run", "run_name", metavar="NAME", help="the run name (key `run`);"
+                      " its recorded configuration when no --config is given")
+        @functools.wraps(func)
+        def wrapper(config_path: str | None, sets: tuple[str, ...], run_name: str | None,
+                    **kwargs: Any) -> Any:
+            overrides = _overrides(sets)
+            if run_name:
+                overrides["run"] = run_name
+            return func(cfg=_find_config(config_path, overrides, run_name, lookup), **kwargs)
+        return wrapper
+    return decorate(func) if func is not None else decorate
+
+
+def _find_config(config_path: str | None, overrides: dict[str, str], run_name: str | None,
+                 lookup: bool) -> configuration.Config:
+    """--config, else the record of --run NAME, else ./cachex.toml, else the one run
+    recorded (runs.py); the settings used are kept for the agent's own record."""
+    from . import runs
+    if not config_path and lookup and run_name:
+        found = runs.load_recorded(run_name, overrides)
+        if found is not None:
+            return found
+    path = config_path or ("cachex.toml" if Path("cachex.toml").exists() else None)
+    if path is None and lookup:
+        only = None if run_name else runs.only_run()
+        if only is not None:
+            return runs.load_recorded(only, overrides)
+        if "paths.spool" not in overrides and "CACHEX_PATHS_SPOOL" not in os.environ:
+            known = ", ".join(runs.known_runs()) or "none"
+            what = f"run {run_name} is not recorded" if run_name else "no run is recorded"
+            raise ConfigError(f"no configuration: {what} in {runs.runs_dir()} (known: {known});"
+                              " give --config FILE (the agents record theirs when they start)")
+    flat = configuration.settings(path, overrides)
+    click.get_current_context().meta["cachex.settings"] = flat
+    return configuration.from_settings(flat, str(path or ""))
 
 
 class Duration(click.ParamType):
@@ -123,7 +152,7 @@ def _setup_logging(level: str, prefix: str) -> None:
 # ------------------------------------------------------------------ cachex-agent
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="cachex-agent")
-@config_options
+@config_options(lookup=False)
 @click.option("-v", "--verbose", count=True, help="more log output")
 @click.option("-q", "--quiet", is_flag=True, help="warnings and errors only")
 @click.option("--check", is_flag=True, help="run the start-up checks under the same"
@@ -161,12 +190,25 @@ def agent_command(cfg: configuration.Config, verbose: int, quiet: bool, check: b
                    f" {type(exc).__name__}: {exc}; aborting the agent job", err=True)
         comm.Abort(1)
     _say_mpi(comm)
+    if comm.Get_rank() == 0:
+        _record_run(cfg)
     try:
         code = agent.run()
     except Exception as exc:
         agent.fatal("main thread", exc)     # never leave other agents waiting on a dead one
     exit_watchdog(2 * cfg.agent.timeout)    # MPI finalize, at exit, waits on every agent
     sys.exit(code)
+
+
+def _record_run(cfg: configuration.Config) -> None:
+    """Where this run's configuration is, for commands started without --config; a
+    state directory that cannot be written costs only that convenience."""
+    from .runs import record
+    try:
+        path = record(cfg, click.get_current_context().meta["cachex.settings"])
+        logging.getLogger("cachex").info("configuration recorded in %s", path)
+    except OSError as exc:
+        logging.getLogger("cachex").warning("run %s not recorded: %s", cfg.run, exc)
 
 
 def _say_mpi(comm: Any) -> None:
