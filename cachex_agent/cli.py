@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
 import socket
 import sys
 import time
@@ -36,23 +37,51 @@ def _overrides(values: tuple[str, ...]) -> dict[str, str]:
     return parsed
 
 
-def config_options(func: Callable[..., Any]) -> Callable[..., Any]:
-    """--config/--set/--run, shared by every command; passes `cfg`."""
-    @click.option("--config", "config_path", envvar="CACHEX_CONFIG", metavar="FILE",
-                  type=click.Path(dir_okay=False), help="cachex.toml (default: $CACHEX_CONFIG)")
-    @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
-                  help="override one key, e.g. --set flush.bandwidth=100MiB (repeatable)")
-    @click.option("--run", "run_name", metavar="NAME", help="the run name (key `run`)")
-    @functools.wraps(func)
-    def wrapper(config_path: str | None, sets: tuple[str, ...], run_name: str | None,
-                **kwargs: Any) -> Any:
-        overrides = _overrides(sets)
-        if run_name:
-            overrides["run"] = run_name
-        path = config_path if config_path else ("cachex.toml" if Path("cachex.toml").exists()
-                                                else None)
-        return func(cfg=configuration.load(path, overrides), **kwargs)
-    return wrapper
+def config_options(func: Callable[..., Any] | None = None, *, lookup: bool = True) -> Any:
+    """--config/--set/--run, shared by every command; passes `cfg`. `lookup`: without
+    --config, find the configuration the run's agents recorded (runs.py)."""
+    def decorate(func: Callable[..., Any]) -> Callable[..., Any]:
+        @click.option("--config", "config_path", envvar="CACHEX_CONFIG", metavar="FILE",
+                      type=click.Path(dir_okay=False),
+                      help="cachex.toml (default: $CACHEX_CONFIG, the configuration the"
+                      " run's agents recorded, ./cachex.toml)")
+        @click.option("--set", "sets", multiple=True, metavar="KEY=VALUE",
+                      help="override one key, e.g. --set flush.bandwidth=100MiB (repeatable)")
+        @click.option("--run", "run_name", metavar="NAME", help="the run name (key `run`);"
+                      " its recorded configuration when no --config is given")
+        @functools.wraps(func)
+        def wrapper(config_path: str | None, sets: tuple[str, ...], run_name: str | None,
+                    **kwargs: Any) -> Any:
+            overrides = _overrides(sets)
+            if run_name:
+                overrides["run"] = run_name
+            return func(cfg=_find_config(config_path, overrides, run_name, lookup), **kwargs)
+        return wrapper
+    return decorate(func) if func is not None else decorate
+
+
+def _find_config(config_path: str | None, overrides: dict[str, str], run_name: str | None,
+                 lookup: bool) -> configuration.Config:
+    """--config, else the record of --run NAME, else ./cachex.toml, else the one run
+    recorded (runs.py); the settings used are kept for the agent's own record."""
+    from . import runs
+    if not config_path and lookup and run_name:
+        found = runs.load_recorded(run_name, overrides)
+        if found is not None:
+            return found
+    path = config_path or ("cachex.toml" if Path("cachex.toml").exists() else None)
+    if path is None and lookup:
+        only = None if run_name else runs.only_run()
+        if only is not None:
+            return runs.load_recorded(only, overrides)
+        if "paths.spool" not in overrides and "CACHEX_PATHS_SPOOL" not in os.environ:
+            known = ", ".join(runs.known_runs()) or "none"
+            what = f"run {run_name} is not recorded" if run_name else "no run is recorded"
+            raise ConfigError(f"no configuration: {what} in {runs.runs_dir()} (known: {known});"
+                              " give --config FILE (the agents record theirs when they start)")
+    flat = configuration.settings(path, overrides)
+    click.get_current_context().meta["cachex.settings"] = flat
+    return configuration.from_settings(flat, str(path or ""))
 
 
 class Duration(click.ParamType):
@@ -73,6 +102,17 @@ JSON_SCHEMA = 1     # the version of every --json output; bumped on incompatible
 
 def _echo_json(data: dict[str, Any]) -> None:
     click.echo(json.dumps({"schema": JSON_SCHEMA, **data}, indent=1))
+
+
+def quiet_option(func: Callable[..., Any]) -> Callable[..., Any]:
+    return click.option("-q", "--quiet", is_flag=True, help="no progress on stderr (errors"
+                        " only)")(func)
+
+
+def _progress(prog: str, quiet: bool) -> Any:
+    """Steps and bytes on stderr: a bar on a terminal, a line per step elsewhere."""
+    from .progress import Progress, mode_for
+    return Progress(prog, mode_for(quiet))
 
 
 def _checkpoint_argument(value: str | None, name: str) -> str | None:
@@ -112,7 +152,7 @@ def _setup_logging(level: str, prefix: str) -> None:
 # ------------------------------------------------------------------ cachex-agent
 @click.command(context_settings={"help_option_names": ["-h", "--help"]})
 @click.version_option(__version__, prog_name="cachex-agent")
-@config_options
+@config_options(lookup=False)
 @click.option("-v", "--verbose", count=True, help="more log output")
 @click.option("-q", "--quiet", is_flag=True, help="warnings and errors only")
 @click.option("--check", is_flag=True, help="run the start-up checks under the same"
@@ -150,12 +190,25 @@ def agent_command(cfg: configuration.Config, verbose: int, quiet: bool, check: b
                    f" {type(exc).__name__}: {exc}; aborting the agent job", err=True)
         comm.Abort(1)
     _say_mpi(comm)
+    if comm.Get_rank() == 0:
+        _record_run(cfg)
     try:
         code = agent.run()
     except Exception as exc:
         agent.fatal("main thread", exc)     # never leave other agents waiting on a dead one
     exit_watchdog(2 * cfg.agent.timeout)    # MPI finalize, at exit, waits on every agent
     sys.exit(code)
+
+
+def _record_run(cfg: configuration.Config) -> None:
+    """Where this run's configuration is, for commands started without --config; a
+    state directory that cannot be written costs only that convenience."""
+    from .runs import record
+    try:
+        path = record(cfg, click.get_current_context().meta["cachex.settings"])
+        logging.getLogger("cachex").info("configuration recorded in %s", path)
+    except OSError as exc:
+        logging.getLogger("cachex").warning("run %s not recorded: %s", cfg.run, exc)
 
 
 def _say_mpi(comm: Any) -> None:
@@ -239,10 +292,12 @@ def ls_command(cfg: configuration.Config, as_json: bool) -> None:
 @config_options
 @click.argument("ckpt")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-def verify_command(cfg: configuration.Config, ckpt: str, as_json: bool) -> None:
+@quiet_option
+def verify_command(cfg: configuration.Config, ckpt: str, as_json: bool, quiet: bool) -> None:
     """Check the checksums of every copy of CKPT visible from this machine."""
     from .recovery.verify import verify
-    findings = verify(cfg, _checkpoint_argument(ckpt, "CKPT"))
+    findings = verify(cfg, _checkpoint_argument(ckpt, "CKPT"),
+                      _progress("cachex verify", quiet))
     bad = [f for f in findings if f.checked and f.problems]
     seen = any(f.checked for f in findings)
     if as_json:
@@ -269,19 +324,22 @@ def _say_findings(ckpt: str, findings: list[Any]) -> None:
 
 @main_group.command("export")
 @config_options
-@click.argument("ckpt")
-@click.argument("dest", type=click.Path(file_okay=False))
+@click.argument("args", nargs=-1, metavar="[CKPT] DEST")
 @click.option("--per-node", is_flag=True, help="one sub-directory per node")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-def export_command(cfg: configuration.Config, ckpt: str, dest: str, per_node: bool,
-                   as_json: bool) -> None:
-    """Write CKPT from the PFS bundles to DEST in the trainer's layout (no MPI)."""
+@quiet_option
+def export_command(cfg: configuration.Config, args: tuple[str, ...], per_node: bool,
+                   as_json: bool, quiet: bool) -> None:
+    """Write CKPT from the PFS bundles to DEST in the trainer's layout (no MPI).
+
+    Without CKPT: the index's current checkpoint (`cachex index`)."""
     from .recovery.catalog import require_global
     from .recovery.export import export
-    manifest = require_global(cfg, _checkpoint_argument(ckpt, "CKPT"))
+    ckpt, dest = _export_arguments(cfg, args)
+    manifest = require_global(cfg, ckpt)
     start = time.monotonic()
     total = export(manifest, cfg.node_paths(0).pfs, Path(dest), per_node,
-                   say=lambda line: click.echo(f"  {line}", err=True))
+                   _progress("cachex export", quiet))
     seconds = time.monotonic() - start
     if as_json:
         _echo_json({"ckpt": ckpt, "dest": str(dest), "files": len(manifest.files),
@@ -291,21 +349,112 @@ def export_command(cfg: configuration.Config, ckpt: str, dest: str, per_node: bo
                    f" in {seconds:.1f}s")
 
 
+def _export_arguments(cfg: configuration.Config, args: tuple[str, ...]) -> tuple[str, str]:
+    if len(args) not in (1, 2):
+        raise ConfigError(f"export: expected [CKPT] DEST, got {len(args)} arguments")
+    if len(args) == 2:
+        return str(_checkpoint_argument(args[0], "CKPT")), args[1]
+    from .index import NotAnIndex, read_index
+    pfs = cfg.node_paths(0).pfs
+    try:
+        current = read_index(pfs).current
+    except (OSError, NotAnIndex) as exc:
+        raise OperationError(f"export: no CKPT given and no index to take the current one"
+                             f" from ({exc})") from None
+    if current is None:
+        raise OperationError(f"export: no CKPT given and run {cfg.run} has no valid"
+                             " checkpoint in its index")
+    return current, args[0]
+
+
+@main_group.command("index")
+@config_options
+@click.option("--current", "pin", metavar="NAME", help="make NAME the checkpoint `recover`"
+              " and `export` pick by default")
+@click.option("--drop", metavar="NAME", help="remove NAME from the index and its PFS files")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def index_command(cfg: configuration.Config, pin: str | None, drop: str | None,
+                  as_json: bool) -> None:
+    """List the checkpoints of the PFS index; pin the current one or drop one.
+
+    Changes are refused while the run's agents are running (they rewrite the index)."""
+    from . import index as pfs_index
+    pfs = cfg.node_paths(0).pfs
+    if pin and drop:
+        raise ConfigError("index: --current and --drop: give one of them")
+    name = _checkpoint_argument(pin or drop, "--current" if pin else "--drop")
+    if name is not None:
+        _refuse_while_running(cfg)
+    index = _read_pfs_index(pfs) if name is None else (
+        pfs_index.set_current(pfs, name) if pin else pfs_index.drop(pfs, name))
+    if as_json:
+        _echo_json({"run": index.run, "current": index.current, "pinned": index.pinned,
+                    "action": "current" if pin else "drop" if drop else "list",
+                    "name": name, "checkpoints": [
+                        {"id": r.id, "seq": r.seq, "state": r.state, "bytes": r.bytes,
+                         "flushed_at": r.flushed_at} for r in index.checkpoints]})
+        return
+    if pin:
+        click.echo(f"current: {pin} (recover and export pick it by default)")
+    elif drop:
+        click.echo(f"dropped {drop} and its PFS files")
+    click.echo(_format_index(index))
+
+
+def _read_pfs_index(pfs: Path) -> Any:
+    from .index import NotAnIndex, read_index
+    from .layout import index_path
+    try:
+        return read_index(pfs)
+    except FileNotFoundError:
+        raise OperationError(f"{index_path(pfs)}: no index (nothing flushed yet?)") from None
+    except (OSError, NotAnIndex) as exc:
+        raise OperationError(str(exc)) from None
+
+
+def _refuse_while_running(cfg: configuration.Config) -> None:
+    from .status import load_status
+    try:
+        live = load_status(cfg).get("live", False)
+    except CachexError:
+        live = False
+    if live:
+        raise OperationError(f"run {cfg.run}: agents are running and rewrite the index;"
+                             " stop them first (cachex stop)")
+
+
+def _format_index(index: Any) -> str:
+    from .status import human_size
+    lines = [f"  {'checkpoint':<24} {'seq':>5}  {'state':<7} {'size':>10}  flushed"]
+    for row in index.checkpoints:
+        mark = "*" if row.id == index.current else " "
+        when = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(row.flushed_at)) \
+            if row.flushed_at else "-"
+        lines.append(f"{mark} {row.id:<24} {row.seq:>5}  {row.state:<7}"
+                     f" {human_size(row.bytes):>10}  {when}")
+    how = "pinned by cachex index --current" if index.pinned else "the newest valid"
+    lines.append(f"current: {index.current} ({how})" if index.current
+                 else "current: none (no valid checkpoint)")
+    return "\n".join(lines)
+
+
 @main_group.command("recover")
 @config_options
-@click.option("--ckpt", metavar="ID", help="recover this checkpoint (default: the newest"
-              " recoverable one)")
+@click.option("--ckpt", metavar="ID", help="recover this checkpoint (default: the one pinned"
+              " by `cachex index --current`, else the newest recoverable one)")
 @click.option("--exclude", multiple=True, metavar="SOURCE",
               type=click.Choice(["spool", "stage", "replica", "journal", "pfs"]),
               help="do not use copies of this kind (repeatable)")
 @click.option("--dry-run", is_flag=True, help="print the plan, change nothing")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+@quiet_option
 def recover_command(cfg: configuration.Config, ckpt: str | None, exclude: tuple[str, ...],
-                    dry_run: bool, as_json: bool) -> None:
+                    dry_run: bool, as_json: bool, quiet: bool) -> None:
     """Rebuild a checkpoint into every node's spool from what survived.
 
     Run with one rank per node (replacement nodes included), e.g.
-    `srun --ntasks-per-node=1 cachex recover`, or as one process for one node.
+    `srun --ntasks-per-node=1 cachex recover`, or as one process for one node. Rank 0
+    shows the steps and its own node's bytes on stderr.
     """
     from mpi4py import MPI
 
@@ -314,7 +463,8 @@ def recover_command(cfg: configuration.Config, ckpt: str | None, exclude: tuple[
     comm = MPI.COMM_WORLD
     _setup_logging(cfg.agent.log, f"{comm.Get_rank()}@{socket.gethostname()}")
     try:
-        outcome = recover(cfg, comm, ckpt, frozenset(exclude), dry_run)
+        outcome = recover(cfg, comm, ckpt, frozenset(exclude), dry_run,
+                          _progress("cachex recover", quiet or comm.Get_rank() != 0))
     except CachexError as exc:      # raised alike on every rank
         if comm.Get_rank() == 0:
             click.echo(f"cachex recover: error: {exc}", err=True)

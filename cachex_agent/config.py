@@ -528,12 +528,27 @@ def load(path: str | os.PathLike[str] | None = None, overrides: Mapping[str, Any
     """Build the configuration from file, environment and `section.key` overrides."""
     environ = os.environ if environ is None else environ
     path = path or environ.get("CACHEX_CONFIG")
+    return _build(settings(path, overrides, environ), str(path or ""), environ)
+
+
+def settings(path: str | os.PathLike[str] | None, overrides: Mapping[str, Any] = (),
+             environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """The `section.key` values before parsing: file, then CACHEX_* variables, then
+    overrides (what runs.py records for commands started elsewhere)."""
+    environ = os.environ if environ is None else environ
     raw = _read_toml(Path(path)) if path else {}
     merged = _flatten(raw, source=str(path or "defaults"))
     merged.update(_from_environ(environ))
     for key, value in dict(overrides).items():
         merged[_check_key(key, "--set")] = value
-    return _build(merged, str(path or ""), environ)
+    return merged
+
+
+def from_settings(flat: Mapping[str, Any], source: str) -> Config:
+    """A configuration from recorded `section.key` values (settings)."""
+    for key in flat:
+        _check_key(key, source)
+    return _build(flat, source, os.environ)
 
 
 def _read_toml(path: Path) -> dict[str, Any]:

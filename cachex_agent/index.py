@@ -2,9 +2,13 @@
 never will, the one record of a run that outlives its agents and their journals.
 
     {"format": "cachex-index", "version": 1, "run": ..., "current": <newest valid id>,
+     "pinned": true (only when set by `cachex index --current`),
      "checkpoints": [{"id", "seq", "state": valid|failed|purged, "bytes", "flushed_at"}]}
 
-Only the coordinator writes it, after a checkpoint's global manifest is durable. A
+The coordinator writes it, after a checkpoint's global manifest is durable; between jobs
+`cachex index` may pin `current` (what `recover` and `export` then pick) or drop a row
+with its PFS files (set_current, drop: read, change, replace durably). The coordinator's
+next write (its next flush) rebuilds it from its own state, unpinned. A
 coordinator or an agent without a journal (its node was replaced) and `cachex status`
 without agents read it. Anyone with write access to the run directory can change it, so
 the one reader checks every value (safepath.py): an id names a PFS directory that the
@@ -18,8 +22,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from .fsutil import makedirs, read_json, write_json
-from .layout import index_path
+from .errors import ConfigError, OperationError
+from .fsutil import makedirs, read_json, remove_under, write_json
+from .layout import index_path, pfs_ckpt_dir, pfs_ckpts_dir
 from .safepath import UnsafeInput, checkpoint_id
 from .safepath import index as count
 
@@ -49,8 +54,9 @@ class Row:
 @dataclass(frozen=True)
 class Index:
     run: str
-    current: str | None     # the newest valid checkpoint
+    current: str | None     # the newest valid checkpoint, or the one pinned
     checkpoints: tuple[Row, ...]
+    pinned: bool = False    # `current` chosen by `cachex index --current`
 
     @classmethod
     def build(cls, run: str, rows: list[Row]) -> Index:
@@ -61,9 +67,20 @@ class Index:
     def ids(self) -> set[str]:
         return {row.id for row in self.checkpoints}
 
+    def row(self, ckpt: str) -> Row:
+        """ConfigError (a usage error) naming `ckpt` and the ids there are."""
+        for row in self.checkpoints:
+            if row.id == ckpt:
+                return row
+        known = ", ".join(r.id for r in self.checkpoints) or "none"
+        raise ConfigError(f"{ckpt}: unknown checkpoint in the index of run {self.run}"
+                          f" (known: {known})")
+
     def to_json(self) -> dict[str, Any]:
+        pinned = {"pinned": True} if self.pinned else {}
         return {"format": FORMAT, "version": VERSION, "run": self.run,
-                "current": self.current, "checkpoints": [asdict(r) for r in self.checkpoints]}
+                "current": self.current, **pinned,
+                "checkpoints": [asdict(r) for r in self.checkpoints]}
 
 
 def state_of_level(level: str) -> str:
@@ -96,7 +113,10 @@ def from_json(data: Any, source: object) -> Index:
         raise UnsafeInput(f"{source}: run {run!r} is not a string")
     if current is not None:
         checkpoint_id(current, source)
-    return Index(run, current, tuple(_row(r, source) for r in rows))
+    pinned = data.get("pinned", False)
+    if not isinstance(pinned, bool):
+        raise UnsafeInput(f"{source}: pinned {pinned!r} is not true or false")
+    return Index(run, current, tuple(_row(r, source) for r in rows), pinned)
 
 
 def _row(row: Any, source: object) -> Row:
@@ -117,3 +137,40 @@ def write_index(pfs_run: Path, index: Index) -> None:
     """Durably replace the index (fsutil.write_json: temporary, fsync, rename)."""
     makedirs(pfs_run)
     write_json(index_path(pfs_run), index.to_json())
+
+
+def set_current(pfs_run: Path, ckpt: str) -> Index:
+    """Pin `ckpt`, a valid checkpoint of the index, as the one `recover` and `export`
+    pick; the index replaced durably. Unknown: ConfigError; not valid: OperationError."""
+    index = read_index(pfs_run)
+    row = index.row(ckpt)
+    if row.state != "valid":
+        raise OperationError(f"{ckpt}: {row.state} in the index of run {index.run}, not"
+                             " valid: only a flushed checkpoint can be current")
+    pinned = Index(index.run, ckpt, index.checkpoints, pinned=True)
+    write_index(pfs_run, pinned)
+    return pinned
+
+
+def drop(pfs_run: Path, ckpt: str) -> Index:
+    """Remove `ckpt`'s row, then its PFS directory: the index never names files that are
+    gone. A pinned current that is dropped gives way to the newest valid checkpoint."""
+    index = read_index(pfs_run)
+    index.row(ckpt)
+    rows = [r for r in index.checkpoints if r.id != ckpt]
+    rebuilt = Index.build(index.run, rows)
+    if index.pinned and index.current != ckpt:
+        rebuilt = Index(index.run, index.current, rebuilt.checkpoints, pinned=True)
+    write_index(pfs_run, rebuilt)
+    # remove_under: an id is checked (safepath) yet the removal still may not leave ckpt/
+    remove_under(pfs_ckpts_dir(pfs_run), pfs_ckpt_dir(pfs_run, ckpt))
+    return rebuilt
+
+
+def pinned_current(pfs_run: Path) -> str | None:
+    """The checkpoint pinned by `cachex index --current`, if any (no index: None)."""
+    try:
+        index = read_index(pfs_run)
+    except (OSError, NotAnIndex):
+        return None
+    return index.current if index.pinned else None

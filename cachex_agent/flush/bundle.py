@@ -346,14 +346,16 @@ def _compare(path: Path, found: dict[str, FileEntry], expected: list[FileEntry])
 
 
 def extract(path: Path, dest: Path, only: set[str] | None = None,
-            failed: dict[str, str] | None = None) -> list[FileEntry]:
+            failed: dict[str, str] | None = None,
+            done: Callable[[int], None] | None = None) -> list[FileEntry]:
     """Write the bundle's files (or those named in `only`) under `dest`; return them.
 
     Each file lands atomically (temp, fsync, rename) at its relative path with its mode,
     streamed in chunks and checked against its checksum on the way (BundleError on a
     mismatch, a name in `only` that the bundle lacks; UnsafeInput for an unsafe path,
     before anything is written). With `failed`, a file whose bytes do not match is left
-    out and its problem recorded there (path -> problem), the others extracted.
+    out and its problem recorded there (path -> problem), the others extracted. `done`
+    is told each file's size once it is handled (progress).
     """
     dest = Path(dest)
     written: list[FileEntry] = []
@@ -377,6 +379,9 @@ def extract(path: Path, dest: Path, only: set[str] | None = None,
                     raise
                 failed[entry.path] = str(exc)
                 continue
+            finally:
+                if done is not None:
+                    done(entry.size)
             written.append(entry)
     for parent in parents:
         fsync_dir(parent)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import OperationError
@@ -10,30 +9,49 @@ from ..flush.bundle import extract, read_manifest
 from ..fsutil import makedirs
 from ..layout import bundle_path, node_dir_name
 from ..manifest import GlobalManifest
+from ..progress import Progress, quiet
+from ..status import human_size
 
 
 def export(manifest: GlobalManifest, pfs_run: Path, dest: Path, per_node: bool = False,
-           say: Callable[[str], None] = lambda _: None) -> int:
+           progress: Progress | None = None) -> int:
     """Extract every node's bundle into `dest` (or `dest/node-NNNNN`); return bytes.
 
     Merged (the default), a path held by two nodes must have the same checksum there
     (a global file mirrored to every node); different contents are an error.
     """
+    progress = progress or quiet()
     _check_collisions(manifest, per_node)
     for node in manifest.nodes:     # every name in every bundle checked before any write
         read_manifest(bundle_path(pfs_run, manifest.ckpt, node["node"]))
     makedirs(dest)
-    seen: set[str] = set()
+    wanted = _wanted(manifest, per_node)
+    progress.start(f"export {manifest.ckpt}", sum(
+        e.size for index, paths in wanted.items() for e in manifest.node_files(index)
+        if e.path in paths))
     total = 0
+    for index, paths in wanted.items():
+        target = dest / node_dir_name(index) if per_node else dest
+        entries = extract(bundle_path(pfs_run, manifest.ckpt, index), target, only=paths,
+                          done=progress.advance)
+        total += sum(e.size for e in entries)
+        progress.step(f"node {index}: {len(entries)} files,"
+                      f" {human_size(sum(e.size for e in entries))}")
+    progress.finish()
+    return total
+
+
+def _wanted(manifest: GlobalManifest, per_node: bool) -> dict[int, set[str]]:
+    """The paths taken from each node's bundle: merged, a path held by several nodes
+    (a global file) comes from the first."""
+    seen: set[str] = set()
+    wanted = {}
     for node in manifest.nodes:
         index = node["node"]
-        target = dest / node_dir_name(index) if per_node else dest
-        wanted = {e.path for e in manifest.node_files(index)} - (set() if per_node else seen)
-        seen |= wanted
-        entries = extract(bundle_path(pfs_run, manifest.ckpt, index), target, only=wanted)
-        total += sum(e.size for e in entries)
-        say(f"node {index}: {len(entries)} files, {sum(e.size for e in entries)} bytes")
-    return total
+        wanted[index] = {e.path for e in manifest.node_files(index)} - (
+            set() if per_node else seen)
+        seen |= wanted[index]
+    return wanted
 
 
 def _check_collisions(manifest: GlobalManifest, per_node: bool) -> None:

@@ -48,6 +48,7 @@ from ..fsutil import (
     remove_temporaries,
     remove_under,
 )
+from ..index import pinned_current
 from ..layout import (
     SPOOL_ROOT,
     bundle_path,
@@ -59,7 +60,9 @@ from ..layout import (
 from ..manifest import FileEntry, GlobalManifest, LocalManifest
 from ..peer.partners import replication_map
 from ..peer.store import commit_replica, partial_dir
+from ..progress import Done, Progress, quiet
 from ..stage.rules import checkpoint_names, natural_key, tracker_text
+from ..status import human_size
 from ..topology import place_in
 from . import holdings, transfer
 from .plan import Copy, Move, Plan, choose, next_source, where
@@ -80,26 +83,37 @@ class Outcome:
 
 
 def recover(config: Config, comm: Any, want: str | None = None,
-            exclude: frozenset[str] = frozenset(), dry_run: bool = False) -> Outcome:
+            exclude: frozenset[str] = frozenset(), dry_run: bool = False,
+            progress: Progress | None = None) -> Outcome:
+    """`progress`: where this rank says its steps and the bytes its node receives (the
+    command gives one to rank 0 only)."""
+    progress = progress or quiet()
     start = time.monotonic()
     placement = place_in(comm, config.topology.domain)
     node = placement.node
     paths = config.node_paths(node, placement.rank, placement.host)
+    progress.step(f"listing the copies held by {placement.nodes}"
+                  f" node{'s' if placement.nodes > 1 else ''} and the PFS")
     manifests = _shared_manifests(comm, config, paths, exclude)
     copies = _all_copies(comm, config, paths, node, manifests, exclude)
+    if want is None and comm.Get_rank() == 0:      # only rank 0 plans
+        want = pinned_current(config.node_paths(0).pfs)
+        if want:
+            progress.step(f"{want}: pinned as current by `cachex index --current`")
     plan = _plan(comm, config, manifests, copies, placement.nodes, want, exclude)
     outcome = Outcome(plan, plan_seconds=time.monotonic() - start)
     if dry_run:
         return outcome
     _arrive(comm, config, "rank exchange")
     rank_of = dict(comm.allgather((node, placement.rank)))
-    restore = _Restore(comm, config, node, rank_of, plan, copies)
+    restore = _Restore(comm, config, node, rank_of, plan, copies, progress)
     moved = restore.run()
     outcome.fallbacks = restore.notes()
     outcome.move_seconds = time.monotonic() - start - outcome.plan_seconds
     outcome.moved_aside = agree(comm, "set aside", lambda: _set_aside(paths.spool, plan,
                                                                     manifests),
                                 config.agent.timeout)
+    progress.step("copying each node's restored part to its partners")
     replicated = _rereplicate(comm, config, placement, rank_of, plan, copies,
                               restore.verified())
     _arrive(comm, config, "recovery totals")
@@ -193,9 +207,9 @@ class _Restore:
     alone; a node's own part before the global files of others."""
 
     def __init__(self, comm: Any, config: Config, node: int, rank_of: dict[int, int],
-                 plan: Plan, copies: list[Copy]) -> None:
+                 plan: Plan, copies: list[Copy], progress: Progress) -> None:
         self.comm, self.config, self.node, self.rank_of = comm, config, node, rank_of
-        self.plan, self.copies = plan, copies
+        self.plan, self.copies, self.progress = plan, copies, progress
         self.entries = {(e["node"], e["path"]): _entry(e) for e in plan.manifest.files}
         self.spool = config.node_paths(node).spool
         self.final = ckpt_dir(self.spool, plan.ckpt)
@@ -212,13 +226,24 @@ class _Restore:
         agree(self.comm, "restore", self._prepare, self.config.agent.timeout)
         moved: dict[str, int] = {}
         moves = self.plan.moves
+        total = self._incoming(moves)
+        self.progress.step(f"restoring {self.plan.ckpt}: {len(self.plan.manifest.files)} files;"
+                           f" node {self.node} reads {human_size(total)}")
+        self.progress.start(f"node {self.node}", total)
         while moves:
             self.used += [m.source for m in moves]
             mine = agree(self.comm, "restore", lambda m=moves: self._round(m, moved), work)
             _arrive(self.comm, self.config, "restore check")
             moves = self._retries([p for part in self.comm.allgather(mine) for p in part])
+            self.progress.add_total(self._incoming(moves))
+        self.progress.finish()
         agree(self.comm, "restore", self._complete, work)
         return moved
+
+    def _incoming(self, moves: list[Move]) -> int:
+        """The bytes this node reads (checks in place included) to carry out `moves`."""
+        return sum(self.entries[(m.owner, p)].size for m in moves if m.target == self.node
+                   for p in m.paths)
 
     def _prepare(self) -> None:
         remove_temporaries(self.spool)          # what a recovery killed midway left
@@ -245,18 +270,18 @@ class _Restore:
         return found
 
     def _receive(self, move: Move, files: list[FileEntry]) -> transfer.Problems:
-        source, timeout = move.source, self.config.agent.timeout
+        source, timeout, done = move.source, self.config.agent.timeout, self.progress.advance
         if source.kind == "spool" and source.holder == move.target:
-            return transfer.check_in_place(self.directory, files)
+            return transfer.check_in_place(self.directory, files, done)
         if source.kind == "pfs":
             return _extract(bundle_path(self.config.node_paths(0).pfs, source.ckpt,
-                                        source.owner), self.directory, files)
+                                        source.owner), self.directory, files, done)
         if source.holder == move.target:
             return transfer.copy_local(holdings.source_dir(self.config, source), files,
-                                       self.directory)
+                                       self.directory, done=done)
         return transfer.receive_files(self.comm, files, self.directory,
                                       self.rank_of[source.holder], timeout,
-                                      f"node {source.holder}")
+                                      f"node {source.holder}", done=done)
 
     def _retries(self, found: list[Problem]) -> list[Move]:
         """The next copy of each file that failed (the same on every rank: every rank
@@ -302,10 +327,11 @@ class _Restore:
         return {c for c in self.used if c not in bad}
 
 
-def _extract(bundle: Path, directory: Path, files: list[FileEntry]) -> transfer.Problems:
+def _extract(bundle: Path, directory: Path, files: list[FileEntry],
+             done: Done) -> transfer.Problems:
     failed: transfer.Problems = {}
     try:
-        extract(bundle, directory, only={e.path for e in files}, failed=failed)
+        extract(bundle, directory, only={e.path for e in files}, failed=failed, done=done)
     except (BundleError, OSError) as exc:       # the whole bundle: every file from elsewhere
         return {e.path: describe(exc) for e in files}
     return failed

@@ -32,6 +32,7 @@ from ..errors import OperationError
 from ..fsutil import makedirs, open_private, temp_name, trainer_mode
 from ..manifest import FileEntry
 from ..messages import Tag
+from ..progress import Done
 
 #: files moved at once on one node (local copies, checks in place): reads and writes
 #: release the GIL, so two files overlap one's hashing with the other's kernel copies
@@ -42,20 +43,27 @@ _ZEROS = np.zeros(CHUNK, np.uint8)      # what stands for a file its holder cann
 
 # ------------------------------------------------------------------------ local
 def copy_local(directory: Path, files: list[FileEntry], dest: Path,
-               trainer_modes: bool = True) -> Problems:
+               trainer_modes: bool = True, done: Done | None = None) -> Problems:
     """Copy files of a copy on this node (its stage, journal, a replica it holds)."""
     return _each(files, lambda e: _copy_one(directory / e.path, dest / e.path, e,
-                                            trainer_modes))
+                                            trainer_modes), done)
 
 
-def check_in_place(directory: Path, files: list[FileEntry]) -> Problems:
+def check_in_place(directory: Path, files: list[FileEntry], done: Done | None = None
+                   ) -> Problems:
     """The node's own spool copy, kept where it is: read once, hashed."""
-    return _each(files, lambda e: _check_one(directory / e.path, e))
+    return _each(files, lambda e: _check_one(directory / e.path, e), done)
 
 
-def _each(files: list[FileEntry], action: Callable[[FileEntry], str | None]) -> Problems:
+def _each(files: list[FileEntry], action: Callable[[FileEntry], str | None],
+          done: Done | None = None) -> Problems:
+    def counted(entry: FileEntry) -> str | None:
+        why = action(entry)
+        if done is not None:
+            done(entry.size)
+        return why
     with ThreadPoolExecutor(WORKERS) as pool:
-        found = list(pool.map(action, files))
+        found = list(pool.map(counted, files))
     return {e.path: why for e, why in zip(files, found, strict=True) if why}
 
 
@@ -111,7 +119,8 @@ def send_files(comm: Any, directory: Path, files: list[FileEntry], dest: int,
 
 
 def receive_files(comm: Any, files: list[FileEntry], dest: Path, source: int,
-                  timeout: float, name: str, trainer_modes: bool = True) -> Problems:
+                  timeout: float, name: str, trainer_modes: bool = True,
+                  done: Done | None = None) -> Problems:
     """`trainer_modes`: the files get the trainer's permission bits (a spool), else they
     stay private (a replica store)."""
     problems: Problems = {}
@@ -127,6 +136,8 @@ def receive_files(comm: Any, files: list[FileEntry], dest: Path, source: int,
             with open_private(temp, buffering=0) as out:
                 for view in stream.take(entry.size):
                     hashed = hashing.submit(digest.update, view)
+                    if done is not None:
+                        done(len(view))
                     try:
                         while view:
                             view = view[out.write(view):]

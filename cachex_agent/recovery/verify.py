@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import socket
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from ..checksum import file_checksum
 from ..config import Config
@@ -12,6 +14,7 @@ from ..flush.bundle import verify_bundle
 from ..layout import bundle_path, replica_dir, replica_manifest_path
 from ..manifest import FileEntry
 from ..peer.partners import replication_map
+from ..progress import Done, Progress, quiet
 from .catalog import global_manifest, local_manifests, node_count
 
 
@@ -23,13 +26,17 @@ class Finding:
     checked: bool           # False: not visible from this machine, or not kept
     problems: list[str] = field(default_factory=list)
     note: str = "not visible here"
+    bytes: int = 0          # what checking it reads
+    check: Callable[[Done], list[str]] | None = field(default=None, repr=False)
 
     @property
     def ok(self) -> bool:
         return self.checked and not self.problems
 
 
-def verify(config: Config, ckpt: str) -> list[Finding]:
+def verify(config: Config, ckpt: str, progress: Progress | None = None) -> list[Finding]:
+    """Every copy found first, then each visible one read (so the bytes are known)."""
+    progress = progress or quiet()
     gm = global_manifest(config, ckpt)
     nodes = len(gm.nodes) if gm else node_count(config)
     locals_ = local_manifests(config, ckpt, nodes)
@@ -44,16 +51,32 @@ def verify(config: Config, ckpt: str) -> list[Finding]:
     findings += _replicas(config, ckpt, expected, hosts, nodes)
     if gm:
         findings += [_bundle(config, ckpt, node, files) for node, files in sorted(expected.items())]
+    _check_all(ckpt, [f for f in findings if f.checked], progress)
     return findings
+
+
+def _check_all(ckpt: str, findings: list[Finding], progress: Progress) -> None:
+    progress.step(f"verifying {len(findings)} copies of {ckpt}")
+    progress.start(f"verify {ckpt}", sum(f.bytes for f in findings))
+    for finding in findings:
+        assert finding.check is not None
+        finding.problems = finding.check(progress.advance)
+    progress.finish()
 
 
 def _stage(config: Config, ckpt: str, node: int, host: str | None,
            files: list[FileEntry]) -> Finding:
     directory = config.node_paths(node, host=host).stage_dir(ckpt)
     here = host in (None, socket.gethostname())     # another host's stage is not visible
-    finding = Finding("stage", node, str(directory), here and directory.is_dir())
+    return _visible(Finding("stage", node, str(directory), here and directory.is_dir()),
+                    directory, files)
+
+
+def _visible(finding: Finding, directory: Path, files: list[FileEntry]) -> Finding:
+    """A finding to be checked file by file when it is visible."""
     if finding.checked:
-        finding.problems = check_files(directory, files)
+        finding.bytes = sum(e.size for e in files)
+        finding.check = lambda done: check_files(directory, files, done)
     return finding
 
 
@@ -75,19 +98,22 @@ def _replica(config: Config, ckpt: str, owner: int, partner: int, host: str,
     finding = Finding("replica", owner, f"{directory} (on node {partner})", here)
     if here and not replica_manifest_path(root, owner, ckpt).exists():
         finding.checked, finding.note = False, "not held (not replicated, or evicted)"
-    if finding.checked:
-        finding.problems = check_files(directory, files)
-    return finding
+    return _visible(finding, directory, files)
 
 
 def _bundle(config: Config, ckpt: str, node: int, files: list[FileEntry]) -> Finding:
     path = bundle_path(config.node_paths(0).pfs, ckpt, node)
-    finding = Finding("pfs", node, str(path), True)
-    finding.problems = verify_bundle(path, files) if path.exists() else [f"{path}: missing"]
-    return finding
+    size = sum(e.size for e in files)
+
+    def check(done: Done) -> list[str]:
+        problems = verify_bundle(path, files) if path.exists() else [f"{path}: missing"]
+        done(size)
+        return problems
+    return Finding("pfs", node, str(path), True, bytes=size, check=check)
 
 
-def check_files(directory, files: list[FileEntry]) -> list[str]:  # noqa: ANN001
+def check_files(directory: Path, files: list[FileEntry], done: Done | None = None
+                ) -> list[str]:
     problems = []
     for entry in files:
         path = directory / entry.path
@@ -97,4 +123,6 @@ def check_files(directory, files: list[FileEntry]) -> list[str]:  # noqa: ANN001
             problems.append(f"{path}: size {path.stat().st_size}, expected {entry.size}")
         elif file_checksum(path) != entry.checksum:
             problems.append(f"{path}: checksum mismatch")
+        if done is not None:
+            done(entry.size)
     return problems

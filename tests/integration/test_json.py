@@ -12,6 +12,7 @@ from harness import BIN, finish
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 TRAIN = ["--shard-size", "256KiB", "--chunk-size", "64KiB", "--step-time", "0.02"]
 COPY = {"level", "node", "where", "checked", "ok", "problems", "note"}
+INDEX_ROW = {"id", "seq", "state", "bytes", "flushed_at"}
 
 
 def _json(result: subprocess.CompletedProcess[str]) -> dict:
@@ -43,6 +44,11 @@ def test_json_outputs_carry_their_schema_and_keys(cluster, tmp_path):
     assert planned["ckpt"] == "step_00004" and planned["dry_run"] is True
     assert set(planned) == {"ckpt", "seq", "dry_run", "nodes", "moves"}
     assert {m["kind"] for m in planned["moves"]} <= {"spool", "journal"}  # all in place
+
+    listed = _json(c.cachex("index", "--json"))
+    assert set(listed) == {"run", "current", "pinned", "action", "name", "checkpoints"}
+    assert listed["current"] == "step_00004" and listed["action"] == "list"
+    assert [set(row) for row in listed["checkpoints"]] == [INDEX_ROW]
 
     stopped = _json(c.cachex("stop", "--json", "--timeout", "1min", timeout=90))
     assert stopped["state"] == "stopped" and stopped["run"] == "t"

@@ -333,7 +333,8 @@ def test_verify_finds_a_flipped_byte_in_a_bundle(monkeypatch, capsys, cfg, confi
     bundle = cfg.node_paths(0).pfs / "ckpt" / CKPT / bundle_name(1)
     flip_byte(bundle, "__1_0.distcp")
 
-    code, out, err = run_main(monkeypatch, capsys, "verify", CKPT, "--config", str(config_file))
+    code, out, err = run_main(monkeypatch, capsys, "verify", CKPT, "-q", "--config",
+                              str(config_file))
     assert code == 1
     bad = [line for line in out.splitlines() if "BAD" in line]
     assert len(bad) == 1 and str(bundle) in bad[0] and "node 1" in bad[0], out

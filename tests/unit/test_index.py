@@ -56,3 +56,22 @@ def test_an_unsafe_value_is_refused_naming_file_and_value(tmp_path: Path, change
     index_path(tmp_path).write_text(json.dumps(data))
     with pytest.raises(UnsafeInput, match=rf"index\.json: .*{re.escape(what)}"):
         read_index(tmp_path)
+
+
+def test_pin_and_drop_replace_the_index_and_keep_a_pin_that_stays(tmp_path: Path):
+    from cachex_agent.errors import ConfigError, OperationError
+    from cachex_agent.index import drop, pinned_current, set_current
+    run = tmp_path / "run"
+    write_index(run, Index.build("run", [*_rows(), Row("step_0", 0, "valid", 3, 1.0)]))
+    (run / "ckpt" / "step_1").mkdir(parents=True)
+    assert pinned_current(run) is None
+    assert set_current(run, "step_0").current == "step_0"
+    assert pinned_current(run) == "step_0" and read_index(run).pinned
+    with pytest.raises(ConfigError, match=r"step_9: unknown checkpoint .*known: step_0,"):
+        set_current(run, "step_9")
+    with pytest.raises(OperationError, match="step_2: failed in the index of run run"):
+        set_current(run, "step_2")
+    assert drop(run, "step_1").current == "step_0"              # the pin stays
+    assert not (run / "ckpt" / "step_1").exists() and read_index(run).pinned
+    after = drop(run, "step_0")                                  # the pinned one goes
+    assert after.current is None and not after.pinned and after.ids() == {"step_2", "step_3"}

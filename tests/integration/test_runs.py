@@ -1,0 +1,67 @@
+"""Commands find a job's configuration without --config: the agents record it by run
+name (cachex_agent/runs.py) in the per-user state directory; --config still wins."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+
+import pytest
+from harness import BIN, finish
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+TRAIN = ["--shard-size", "256KiB", "--chunk-size", "64KiB", "--step-time", "0.02",
+         "--every", "4"]
+
+
+def cachex(cwd, *args: str, mpi: int = 0) -> subprocess.CompletedProcess[str]:
+    """From a directory with no cachex.toml, with no $CACHEX_CONFIG."""
+    env = {k: v for k, v in os.environ.items() if k != "CACHEX_CONFIG"}
+    launch = [str(BIN / "mpiexec"), "-n", str(mpi)] if mpi else []
+    return subprocess.run([*launch, str(BIN / "cachex"), *args], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=120)
+
+
+def test_commands_find_the_configuration_the_agents_recorded(cluster, state_dir, tmp_path):
+    c = cluster(nodes=2)
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    assert cachex(elsewhere, "ls").returncode == 2       # nothing recorded yet
+    c.start_agents()
+    record = json.loads((state_dir / "t.json").read_text())
+    assert record["config"] == str(c.config) and record["run"] == "t"
+    assert record["settings"]["paths.pfs"] == str(c.root / "pfs")
+    finish(c.trainer("--steps", "4", *TRAIN, ranks=4))
+    c.wait_level("step_00004", "flushed")
+
+    listed = cachex(elsewhere, "ls", "--json")
+    assert listed.returncode == 0, listed.stderr
+    assert [r["id"] for r in json.loads(listed.stdout)["checkpoints"]] == ["step_00004"]
+    status = cachex(elsewhere, "status", "--run", "t")
+    assert status.returncode == 0 and "run t: agents running" in status.stdout, status.stderr
+    stopped = cachex(elsewhere, "stop", "--timeout", "1min")
+    assert stopped.returncode == 0, stopped.stderr
+    assert c.agents.wait(30) == 0
+    index = cachex(elsewhere, "index")
+    assert index.returncode == 0 and "current: step_00004" in index.stdout, index.stderr
+    planned = cachex(elsewhere, "recover", "--dry-run", "--run", "t", mpi=2)
+    assert planned.returncode == 0 and "recovering step_00004" in planned.stdout, \
+        planned.stdout + planned.stderr
+
+    other = tmp_path / "other.toml"                          # --config still wins
+    other.write_text(c.config.read_text().replace('run = "t"', 'run = "other"'))
+    wins = cachex(elsewhere, "ls", "--config", str(other))
+    assert wins.returncode == 1 and "run other: no status found" in wins.stderr, wins.stderr
+
+    shutil.copy(state_dir / "t.json", state_dir / "u.json")  # a second run is known
+    several = cachex(elsewhere, "ls")
+    assert several.returncode == 2, several.stderr
+    assert several.stderr.strip() == (
+        f"cachex: error: several runs are known (t, u, in {state_dir}): give --run NAME"
+        " or --config FILE")
+    assert cachex(elsewhere, "ls", "--run", "t").returncode == 0
+    missing = cachex(elsewhere, "ls", "--run", "nope")
+    assert missing.returncode == 2 and len(missing.stderr.splitlines()) == 1
+    assert f"run nope is not recorded in {state_dir} (known: t, u)" in missing.stderr
