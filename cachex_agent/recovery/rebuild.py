@@ -60,7 +60,7 @@ from ..manifest import FileEntry, GlobalManifest, LocalManifest
 from ..peer.partners import replication_map
 from ..peer.store import commit_replica, partial_dir
 from ..stage.rules import checkpoint_names, natural_key, tracker_text
-from ..topology import place_in
+from ..topology import place_checked
 from . import holdings, transfer
 from .plan import Copy, Move, Plan, choose, next_source, where
 
@@ -82,7 +82,7 @@ class Outcome:
 def recover(config: Config, comm: Any, want: str | None = None,
             exclude: frozenset[str] = frozenset(), dry_run: bool = False) -> Outcome:
     start = time.monotonic()
-    placement = place_in(comm, config.topology.domain)
+    placement = place_checked(comm, config.topology)
     node = placement.node
     paths = config.node_paths(node, placement.rank, placement.host)
     manifests = _shared_manifests(comm, config, paths, exclude)
