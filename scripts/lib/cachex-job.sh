@@ -420,30 +420,39 @@ cx_stage_pack() {   # the packed copy of the venv: made once, again when package
 
 cx_stage() {        # STAGE_VENV=1: the venv to STAGE_DIR on every node of the job
     ((STAGE_VENV)) || return 0
-    cx_stage_pack
+    [[ $CX_PLAN == 1 ]] || cx_stage_pack
     "cx_${CX_SCHEDULER}_broadcast"
-    cx_log "stage: ${CX_ARGV[*]}"
     # sbcast can leave partial files behind when it fails: never use them
-    "${CX_ARGV[@]}" </dev/null \
+    cx_exec stage \
         || cx_die "sbcast of $(cx_stage_tar) failed (STAGE_VENV=0 reads the venv from the shared file system)"
     cx_step unpack 1
-    cx_log "stage: ${CX_ARGV[*]}"
-    "${CX_ARGV[@]}" </dev/null || cx_die "unpacking the venv into $STAGE_DIR failed on a node"
+    cx_exec unpack || cx_die "unpacking the venv into $STAGE_DIR failed on a node"
+}
+
+cx_exec() {         # KIND: run CX_ARGV and wait; CX_PLAN=1: print it as `plan KIND: ...`
+    if [[ $CX_PLAN == 1 ]]; then
+        printf 'plan %s:' "$1"
+        printf ' %q' "${CX_ARGV[@]}"
+        printf '\n'
+        return 0
+    fi
+    cx_log "$1: ${CX_ARGV[*]}"
+    "${CX_ARGV[@]}" </dev/null
 }
 
 # ---------------------------------------------------------------- agents
 cx_agents_start() {     # the agent step, in the background
     if [[ ${#CX_NODE_DIRS[@]} -gt 0 ]]; then
         cx_step prepare 1
-        "${CX_ARGV[@]}" </dev/null || cx_die "could not create ${CX_NODE_DIRS[*]} on the nodes"
+        cx_exec prepare || cx_die "could not create ${CX_NODE_DIRS[*]} on the nodes"
     fi
     if ((CX_CHECKED == 0)); then    # once per job: the agents' checks, same launcher
         cx_step check 1
-        cx_log "pre-flight: ${CX_ARGV[*]}"
-        "${CX_ARGV[@]}" </dev/null || cx_die "the agents' pre-flight check failed (its message is above)" 2
+        cx_exec check || cx_die "the agents' pre-flight check failed (its message is above)" 2
         CX_CHECKED=1
     fi
     cx_step agents 1
+    if [[ $CX_PLAN == 1 ]]; then cx_exec agents; return; fi
     cx_log "agents: ${CX_ARGV[*]}"
     CX_AGENTS_T0=$(cx_now)
     "${CX_ARGV[@]}" </dev/null &
@@ -627,21 +636,20 @@ cx_on_exit() {      # the batch shell ends: leave no launcher behind
 }
 
 # ---------------------------------------------------------------- plan (dry run)
-cx_plan() {         # CX_PLAN=1: print every step's command line, launch nothing
+cx_plan() {         # CX_PLAN=1: print every step's command line, launch nothing. The
+                    # start (staging, directories, pre-flight, agents) goes through the
+                    # code a job runs, so the plan shows the job's own order.
+    cx_stage
+    cx_agents_start
     local kind
-    for kind in stage unpack prepare check agents recover train train-resume stop; do
+    for kind in recover train train-resume stop; do
         case $kind in
-            stage) ((STAGE_VENV)) || continue; "cx_${CX_SCHEDULER}_broadcast" ;;
-            unpack) ((STAGE_VENV)) || continue; cx_step unpack 1 ;;
             train-resume) cx_step train "$RANKS_PER_NODE" resume ;;
             train) cx_step train "$RANKS_PER_NODE" ;;
             stop) mapfile -t CX_ARGV < <(cx_cmd stop "$DRAIN_TIMEOUT") ;;
-            prepare) ((${#CX_NODE_DIRS[@]} > 0)) || continue; cx_step prepare 1 ;;
             *) cx_step "$kind" 1 ;;
         esac
-        printf 'plan %s:' "$kind"
-        printf ' %q' "${CX_ARGV[@]}"
-        printf '\n'
+        cx_exec "$kind"
     done
 }
 
