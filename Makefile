@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 NP     ?= 4
 
-.PHONY: venv test test-unit test-mpi test-integration test-slurm lint demo bench clean
+.PHONY: venv tools test test-unit test-mpi test-integration test-slurm lint demo bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -18,8 +18,18 @@ venv: $(STAMP)
 lint: venv
 	$(PY) -m ruff check cachex_agent tests examples benchmarks
 
-test-unit: venv
-	$(PY) -m pytest -q tests/unit
+# shellcheck for tests/sites (Debian's package): installed as root when missing.
+tools:
+	@if ! command -v shellcheck >/dev/null && [ "$$(id -u)" = 0 ]; then \
+		echo "installing shellcheck"; \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -q shellcheck </dev/null >/dev/null 2>&1 \
+		|| { apt-get update -q </dev/null >/dev/null && \
+		     DEBIAN_FRONTEND=noninteractive apt-get install -y -q shellcheck </dev/null >/dev/null; }; \
+	fi
+
+# tests/sites: the job templates under a fake site of each kind, and shellcheck.
+test-unit: venv tools
+	$(PY) -m pytest -q tests/unit tests/sites
 
 # One pytest per rank; pytest-timeout bounds each test, timeout(1) bounds the whole run.
 test-mpi: venv

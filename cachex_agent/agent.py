@@ -73,7 +73,7 @@ from .stage.retention import retain_stage
 from .stage.rules import make_rule, natural_key
 from .stage.watch import SpoolWatcher
 from .stage.worker import CaptureWorker, global_candidates
-from .topology import place_in
+from .topology import place_checked
 
 log = logging.getLogger(__name__)
 IDLE_AFTER = 2.0    # seconds without a message or work in flight before the loop slows down
@@ -84,7 +84,7 @@ class Agent:
     def __init__(self, config: Config, comm: Any) -> None:
         self.config = config
         self.comm = comm
-        self.placement = place_in(comm, config.topology.domain)
+        self.placement = place_checked(comm, config.topology)
         self.rank, self.node = self.placement.rank, self.placement.node
         self.paths = agree(comm, "start-up", lambda: prepare_dirs(config, self.placement))
         self.rule = make_rule(config.commit.rule, config.commit.settle, config.commit.globals)

@@ -190,8 +190,20 @@ def _parse_names(value: Any, key: str) -> tuple[str, ...]:
     return names
 
 
+def _parse_hosts(value: Any, key: str) -> tuple[str, ...]:
+    """Host names; a string is split on commas and blanks (environment, flags)."""
+    items = value.replace(",", " ").split() if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(isinstance(i, str) for i in items):
+        raise ConfigError(f"{key}: expected a list of host names, got {_shown(value)}")
+    hosts = tuple(i.strip() for i in items if i.strip())
+    if any(any(c.isspace() or c in "/," for c in h) for h in hosts):
+        raise ConfigError(f"{key}: expected host names, got {_shown(value)}")
+    return hosts
+
+
 _bool = Parser(_parse_bool, "boolean", "true | false")
 _text = Parser(_parse_text, "string", "not empty")
+_hosts = Parser(_parse_hosts, "list of host names", "a string is split on commas and blanks")
 _names = Parser(_parse_names, "list of file names",
                 "relative to the checkpoint, no `..`; a string is split on commas")
 
@@ -226,6 +238,8 @@ class Paths:
 @dataclass(frozen=True)
 class Topology:
     domain: str = "node"
+    exclude: tuple[str, ...] = ()   # hosts never to use (SCR_EXCLUDE_NODES)
+    min_nodes: int = 0              # fewer agents than this: refuse (SCR_MIN_NODES)
 
 
 @dataclass(frozen=True)
@@ -286,7 +300,8 @@ class Agent:
 
 _PARSERS: dict[str, dict[str, Parser]] = {
     "paths": {"spool": _text, "pfs": _text, "stage": _text, "cache": _text},
-    "topology": {"domain": _choice("node", "rank", prefixes=("regex:", "file:"))},
+    "topology": {"domain": _choice("node", "rank", prefixes=("regex:", "file:")),
+                 "exclude": _hosts, "min_nodes": _int(0)},
     "commit": {
         "rule": _choice("auto", "dcp", "deepspeed", "megatron", "hf", "orbax", "torch",
                         "quiescence", prefixes=("marker:",)),
@@ -329,6 +344,13 @@ MEANINGS: dict[str, str] = {
                        " one machine), `regex:<re>` (the domain is the first match of <re>"
                        " in the host name, or its first group), `file:<path>` (lines"
                        " `host domain`, `#` comments; every host must be listed).",
+    "topology.exclude": "Nodes never to use (host names, as `hostname` prints them): an"
+                        " agent started on one refuses, and the job templates leave them"
+                        " out of the node set (`EXCLUDE_NODES`).",
+    "topology.min_nodes": "The fewest nodes to go on with: agents started on fewer refuse"
+                          " (exit 2); the job templates start on fewer nodes than `NODES`"
+                          " when some are excluded or missing, down to this many"
+                          " (`MIN_NODES`). 0: no minimum.",
     "commit.rule": "How a checkpoint in the spool is known complete: `auto` recognises"
                    " each of the others per checkpoint; `dcp` (PyTorch DCP `.metadata`),"
                    " `deepspeed` (`latest`), `megatron` (tracker or `metadata.json`), `hf`"

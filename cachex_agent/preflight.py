@@ -20,7 +20,7 @@ from .layout import run_lock_path
 from .node_dirs import prepare_dirs, probe_writable
 from .peer.partners import replication_map
 from .runlock import blocking_holder, stale_after
-from .topology import place_in
+from .topology import place_checked
 
 # what says a site MPI is installed next to the one mpi4py loaded
 _SITE_MPI_VARS = ("CRAY_MPICH_DIR", "CRAY_MPICH_BASEDIR", "I_MPI_ROOT", "MPI_HOME",
@@ -74,7 +74,7 @@ def mpi_warning(library: str, env: dict[str, str] | None = None) -> str | None:
 
 def check(config: Config, comm: Any) -> list[str]:
     """Every check, collectively; the plan's lines on rank 0 (others: [])."""
-    placement = place_in(comm, config.topology.domain)
+    placement = place_checked(comm, config.topology)
     paths = agree(comm, "paths", lambda: prepare_dirs(config, placement))
     library = loaded_mpi_library()
 

@@ -12,8 +12,12 @@ from __future__ import annotations
 import os
 import socket
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from .errors import ConfigError
+
+if TYPE_CHECKING:
+    from .config import Topology
 
 # What launchers (MPICH hydra, Open MPI, srun) tell each process before MPI starts
 _RANK_VARS = ("PMI_RANK", "PMIX_RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID")
@@ -94,7 +98,29 @@ def place(domain: str, rank: int, hosts_by_rank: list[str]) -> Placement:
     return Placement(rank, unique.index(host), host, len(unique), tuple(unique))
 
 
+def check_nodes(placement: Placement, exclude: tuple[str, ...], min_nodes: int) -> None:
+    """ConfigError when an agent runs on an excluded node or there are too few nodes.
+    Pure on what every agent knows alike (all hosts), so all refuse together."""
+    banned = sorted({h for h in placement.hosts if h in exclude})
+    if banned:
+        raise ConfigError(f"topology.exclude: node{'s' if len(banned) > 1 else ''}"
+                          f" {', '.join(banned)} must never be used, but an agent was started"
+                          " there; leave it out of the job (srun --exclude, or the template's"
+                          " EXCLUDE_NODES)")
+    if placement.nodes < min_nodes:
+        raise ConfigError(f"topology.min_nodes: {placement.nodes} node"
+                          f"{'s' if placement.nodes != 1 else ''}, fewer than the"
+                          f" {min_nodes} needed to go on")
+
+
 def place_in(comm, domain: str) -> Placement:  # noqa: ANN001 (mpi4py communicator)
     """Collective over `comm`: every rank learns its placement."""
     hosts = comm.allgather(socket.gethostname())
     return place(domain, comm.Get_rank(), hosts)
+
+
+def place_checked(comm, topology: Topology) -> Placement:  # noqa: ANN001 (mpi4py communicator)
+    """`place_in`, checked against the nodes never to use and the fewest to go on with."""
+    placement = place_in(comm, topology.domain)
+    check_nodes(placement, topology.exclude, topology.min_nodes)
+    return placement

@@ -63,7 +63,7 @@ from ..peer.store import commit_replica, partial_dir
 from ..progress import Done, Progress, quiet
 from ..stage.rules import checkpoint_names, natural_key, tracker_text
 from ..status import human_size
-from ..topology import place_in
+from ..topology import place_checked
 from . import holdings, transfer
 from .plan import Copy, Move, Plan, choose, next_source, where
 
@@ -89,7 +89,7 @@ def recover(config: Config, comm: Any, want: str | None = None,
     command gives one to rank 0 only)."""
     progress = progress or quiet()
     start = time.monotonic()
-    placement = place_in(comm, config.topology.domain)
+    placement = place_checked(comm, config.topology)
     node = placement.node
     paths = config.node_paths(node, placement.rank, placement.host)
     progress.step(f"listing the copies held by {placement.nodes}"

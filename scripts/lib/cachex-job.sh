@@ -4,8 +4,12 @@
 # A template sets its site variables (see docs/jobs.md), sources this file and calls
 # `cx_main`. What happens:
 #
+#   0. MODULES loaded (`module load`); STAGE_VENV=1: the venv, packed once into a tar,
+#      broadcast with sbcast to STAGE_DIR on every node of the job and unpacked there;
+#      the agent, check and recovery steps then run from that copy;
 #   1. the node set: the first NODES hosts of the allocation (sorted like cachex numbers
-#      nodes), the others are spares; or VNODES virtual nodes on one host (local tests);
+#      nodes) not in EXCLUDE_NODES, the others are spares (fewer than NODES, down to
+#      MIN_NODES, when hosts are missing); or VNODES virtual nodes on one host (tests);
 #   2. the cachex configuration: $CACHEX_CONFIG if it names a file, else one written from
 #      the variables (RUN_NAME, SPOOL, STAGE, CACHE, PFS, FAILURE_DOMAIN, ...);
 #   3. RESUME=auto and the run has a flushed checkpoint (an earlier job): `cachex recover`;
@@ -30,6 +34,11 @@ CX_STEP_AGENTS=cachex-agents
 CX_STEP_RECOVER=cachex-recover
 CX_STEP_PREPARE=cachex-prepare
 CX_STEP_TRAIN=train
+CX_STEP_STAGE=cachex-stage
+# On every node: the broadcast tar becomes STAGE_DIR whole (unpacked aside, then renamed);
+# a directory there that is not an earlier staged copy is never removed.
+# shellcheck disable=SC2016  # expanded by the node's bash, $1 = STAGE_DIR
+CX_UNPACK='set -e; d=$1; rm -rf "$d.new"; mkdir -p "$d.new"; tar -xf "$d.tar" -C "$d.new"; rm -f "$d.tar"; touch "$d.new/.cachex-staged"; if [ -e "$d" ]; then [ -f "$d/.cachex-staged" ] || { echo "cachex-unpack: $d exists and is no staged venv: not replaced" >&2; exit 1; }; rm -rf "$d"; fi; mv "$d.new" "$d"'
 
 # ---------------------------------------------------------------- defaults
 : "${RUN_NAME:=${SLURM_JOB_NAME:-${PBS_JOBNAME:-cachex}}}"
@@ -52,7 +61,15 @@ CX_STEP_TRAIN=train
 : "${TRAIN_STOP_GRACE:=60}"
 : "${POLL:=2}"
 : "${NODE_DIRS:=}"
-: "${SRUN_MPI:=pmi2}"
+: "${SRUN_MPI=pmi2}"            # empty: no --mpi, the site's default plugin
+: "${MODULES:=}"
+: "${TRAIN_ENV:=}"
+: "${AGENT_ENV_UNSET:=}"
+: "${STAGE_VENV:=0}"
+: "${STAGE_DIR:=}"
+: "${STAGE_TAR:=}"
+: "${EXCLUDE_NODES:=}"
+: "${MIN_NODES:=0}"
 : "${SRUN_AGENT_FLAGS:=}"
 : "${SRUN_TRAIN_FLAGS:=}"
 : "${MPIEXEC:=mpiexec}"
@@ -137,12 +154,36 @@ cx_check() {
         || cx_die "CX_BIN=$CX_BIN: no cachex-agent there (make venv, or pip install cachex-agent)" 2
     for var in SPARES RANKS_PER_NODE HALT_MARGIN MAX_RELAUNCHES MAX_AGENT_RESTARTS \
                AGENT_START_TIMEOUT AGENT_STOP_TIMEOUT DRAIN_TIMEOUT RECOVER_TIMEOUT \
-               TRAIN_STOP_GRACE; do
+               TRAIN_STOP_GRACE MIN_NODES; do
         [[ ${!var} =~ ^[0-9]+$ ]] || cx_die "$var=${!var}: expected a whole number" 2
     done
     [[ $POLL =~ ^[0-9]*\.?[0-9]+$ ]] || cx_die "POLL=$POLL: expected seconds" 2
     [[ -z $VNODES || $VNODES =~ ^[1-9][0-9]*$ ]] || cx_die "VNODES=$VNODES: expected a number > 0" 2
     [[ $RESUME =~ ^(auto|yes|no)$ ]] || cx_die "RESUME=$RESUME: expected auto, yes or no" 2
+    [[ $STAGE_VENV =~ ^[01]$ ]] || cx_die "STAGE_VENV=$STAGE_VENV: expected 0 or 1" 2
+    if ((STAGE_VENV)); then
+        [[ $CX_SCHEDULER == slurm ]] \
+            || cx_die "STAGE_VENV=1: staging uses Slurm's sbcast, which $CX_SCHEDULER has not; set STAGE_VENV=0" 2
+        [[ $STAGE_DIR == /?* && $STAGE_DIR != */ ]] \
+            || cx_die "STAGE_DIR=$STAGE_DIR: expected an absolute node-local directory (STAGE_VENV=1)" 2
+    fi
+    [[ $AGENT_ENV_UNSET =~ ^[A-Za-z_][A-Za-z0-9_\ ]*$|^$ ]] \
+        || cx_die "AGENT_ENV_UNSET=$AGENT_ENV_UNSET: expected variable names" 2
+}
+
+cx_load_modules() {     # MODULES: `module load` them in this shell, whose steps inherit it
+    [[ -n $MODULES ]] || return 0
+    local -a mods
+    cx_words mods "$MODULES"
+    type module >/dev/null 2>&1 \
+        || cx_die "MODULES=$MODULES but this shell has no \`module\` command (source the site's module init first, or set MODULES=)" 2
+    local rc=0
+    set +eu     # module functions (Lmod, Environment Modules) are not written for -eu
+    module load "${mods[@]}"
+    rc=$?
+    set -eu
+    ((rc == 0)) || cx_die "module load ${mods[*]} failed with status $rc (MODULES)" 2
+    cx_log "modules: ${mods[*]}"
 }
 
 cx_job_id() { echo "${SLURM_JOB_ID:-${PBS_JOBID:-local}}"; }
@@ -157,14 +198,53 @@ cx_init_nodes() {   # CX_SET: the NODES first hosts (C-sorted, as cachex numbers
         cx_log "node set: $VNODES virtual nodes on ${hosts[0]}"
         return
     fi
+    local excluded
+    excluded=$(cx_excluded_in "${hosts[@]}")
+    if [[ -n $excluded ]]; then
+        # shellcheck disable=SC2086  # one word per host
+        mapfile -t hosts < <(printf '%s\n' "${hosts[@]}" | grep -vxF -f <(printf '%s\n' $excluded))
+        cx_log "left out (EXCLUDE_NODES): $excluded"
+    fi
     local nodes=${NODES:-$((${#hosts[@]} - SPARES))}
-    [[ $nodes =~ ^[0-9]+$ ]] && ((nodes >= 1)) \
-        || cx_die "NODES=$nodes: the allocation has ${#hosts[@]} hosts, SPARES=$SPARES" 2
-    ((nodes <= ${#hosts[@]})) \
-        || cx_die "NODES=$nodes but the allocation has only ${#hosts[@]} hosts" 2
+    if ! [[ $nodes =~ ^[0-9]+$ ]] || ((nodes < 1)); then
+        cx_die "NODES=$nodes: the allocation has ${#hosts[@]} usable hosts, SPARES=$SPARES" 2
+    fi
+    if ((nodes > ${#hosts[@]})); then
+        ((MIN_NODES > 0 && ${#hosts[@]} >= MIN_NODES)) \
+            || cx_die "NODES=$nodes but the allocation has only ${#hosts[@]} usable hosts (MIN_NODES=$MIN_NODES)" 2
+        cx_log "NODES=$nodes but only ${#hosts[@]} usable hosts: going on with ${#hosts[@]} (MIN_NODES=$MIN_NODES)"
+        nodes=${#hosts[@]}
+    fi
+    ((nodes >= MIN_NODES)) || cx_die "NODES=$nodes is below MIN_NODES=$MIN_NODES" 2
     CX_SET=("${hosts[@]:0:nodes}")
     CX_SPARE=("${hosts[@]:nodes}")
     cx_log "node set: ${#CX_SET[@]} nodes ($(cx_join , "${CX_SET[@]}")); spares: ${CX_SPARE[*]:-none}"
+}
+
+cx_excluded_in() {    # HOST...: those of EXCLUDE_NODES (names, commas, Slurm host lists)
+    [[ -n $EXCLUDE_NODES ]] || return 0
+    local -A banned=()
+    local h
+    for h in $(cx_exclude_list); do banned[$h]=1; done
+    for h in "$@"; do [[ -n ${banned[$h]:-} ]] && printf '%s ' "$h"; done
+    return 0
+}
+
+cx_exclude_list() {     # EXCLUDE_NODES as host names, one a line
+    local word
+    for word in ${EXCLUDE_NODES//,/ }; do
+        if [[ $word == *\[* && $CX_SCHEDULER == slurm ]]; then
+            scontrol show hostnames "$word" || cx_die "EXCLUDE_NODES: cannot expand $word" 2
+        else
+            echo "$word"
+        fi
+    done
+}
+
+cx_exclude_toml() {     # EXCLUDE_NODES as a TOML list of strings
+    local h out=
+    while read -r h; do [[ -n $h ]] && out+="${out:+, }$(cx_toml "$h")"; done < <(cx_exclude_list)
+    echo "[$out]"
 }
 
 cx_toml() { local s=${1//\\/\\\\}; echo "\"${s//\"/\\\"}\""; }
@@ -192,6 +272,8 @@ cache = $(cx_toml "$CACHE")
 pfs = $(cx_toml "$PFS")
 [topology]
 domain = $(cx_toml "$FAILURE_DOMAIN")
+exclude = $(cx_exclude_toml)
+min_nodes = $MIN_NODES
 [commit]
 rule = $(cx_toml "$COMMIT_RULE")
 $CONFIG_EXTRA
@@ -244,9 +326,10 @@ cx_fit() {      # SECONDS: that timeout, cut to what is left of the job (minus 3
 # The commands each step runs, whatever the launcher (the same under Slurm and PBS).
 cx_cmd() {          # KIND [resume]: prints the command, one word per line
     case $1 in
-        agents) printf '%s\n' "$(cx_bin cachex-agent)" --config "$CACHEX_CONFIG" ;;
-        check) printf '%s\n' "$(cx_bin cachex-agent)" --config "$CACHEX_CONFIG" --check ;;
-        recover) printf '%s\n' "$(cx_bin cachex)" recover --config "$CACHEX_CONFIG" ;;
+        agents) cx_node_bin cachex-agent; printf '%s\n' --config "$CACHEX_CONFIG" ;;
+        check) cx_node_bin cachex-agent; printf '%s\n' --config "$CACHEX_CONFIG" --check ;;
+        recover) cx_node_bin cachex; printf '%s\n' recover --config "$CACHEX_CONFIG" ;;
+        unpack) printf '%s\n' bash -c "$CX_UNPACK" cachex-unpack "$STAGE_DIR" ;;
         stop) printf '%s\n' "$(cx_bin cachex)" stop --config "$CACHEX_CONFIG" --timeout "$2" ;;
         prepare) printf '%s\n' mkdir -p "${CX_NODE_DIRS[@]}" ;;
         train)
@@ -258,16 +341,43 @@ cx_cmd() {          # KIND [resume]: prints the command, one word per line
     esac
 }
 
+cx_node_bin() {     # NAME: how a node step runs a cachex program, one word a line:
+                    # from the staged copy (its own python: the entry script's #! names
+                    # the shared venv) or from CX_BIN
+    if ((STAGE_VENV)); then
+        printf '%s\n' "$STAGE_DIR/bin/python" "$STAGE_DIR/bin/$1"
+    else
+        cx_bin "$1"
+    fi
+}
+
 cx_step() {         # KIND PPN [ARG]: CX_ARGV=(launcher + command) of a step
     local kind=$1 ppn=$2 name
     case $kind in
         agents | check) name=$CX_STEP_AGENTS ;; recover) name=$CX_STEP_RECOVER ;;
         prepare) name=$CX_STEP_PREPARE ;; train) name=$CX_STEP_TRAIN ;;
+        unpack) name=$CX_STEP_STAGE ;;
     esac
     "cx_${CX_SCHEDULER}_launcher" "$name" "$kind" "$ppn"
+    cx_step_env "$kind"
     local -a cmd
     mapfile -t cmd < <(cx_cmd "$kind" "${3:-}")
     CX_ARGV=("${CX_LAUNCH[@]}" "${cmd[@]}")
+}
+
+cx_step_env() {     # KIND: TRAIN_ENV for the training step only; AGENT_ENV_UNSET out of
+                    # every other step (on Frontier: MPICH_GPU_SUPPORT_ENABLED, with which
+                    # Cray MPICH exits unless the GTL library is linked; the agents' buffers
+                    # are host memory)
+    local -a pre=(env) words=()
+    local var
+    if [[ $1 == train ]]; then
+        cx_words words "$TRAIN_ENV"
+        pre+=("${words[@]}")
+    else
+        for var in $AGENT_ENV_UNSET; do pre+=(-u "$var"); done
+    fi
+    ((${#pre[@]} == 1)) || CX_LAUNCH=("${pre[@]}" "${CX_LAUNCH[@]}")
 }
 
 cx_status() {       # `cachex status --json` of the run into CX_ST_*; "-" when unknown
@@ -289,19 +399,60 @@ print((s.get("state") or "-").replace(" ", "-"), int(beat), newest["id"], newest
         <<<"${line:-- 0 - - 0 0}"
 }
 
+# ---------------------------------------------------------------- staging
+cx_venv() { dirname "$CX_BIN"; }
+
+cx_stage_tar() { echo "${STAGE_TAR:-$(cx_venv).tar}"; }
+
+cx_stage_pack() {   # the packed copy of the venv: made once, again when packages changed
+    local venv tar sp stale=1
+    venv=$(cx_venv)
+    tar=$(cx_stage_tar)
+    if [[ -f $tar ]]; then
+        stale=0
+        for sp in "$venv"/lib/python*/site-packages; do [[ $sp -nt $tar ]] && stale=1; done
+    fi
+    ((stale)) || return 0
+    cx_log "packing $venv into $tar (once; again after a package changes)"
+    tar -C "$venv" -cf "$tar.tmp.$$" . || { rm -f "$tar.tmp.$$"; cx_die "cannot pack $venv into $tar (STAGE_TAR)"; }
+    mv "$tar.tmp.$$" "$tar"
+}
+
+cx_stage() {        # STAGE_VENV=1: the venv to STAGE_DIR on every node of the job
+    ((STAGE_VENV)) || return 0
+    [[ $CX_PLAN == 1 ]] || cx_stage_pack
+    "cx_${CX_SCHEDULER}_broadcast"
+    # sbcast can leave partial files behind when it fails: never use them
+    cx_exec stage \
+        || cx_die "sbcast of $(cx_stage_tar) failed (STAGE_VENV=0 reads the venv from the shared file system)"
+    cx_step unpack 1
+    cx_exec unpack || cx_die "unpacking the venv into $STAGE_DIR failed on a node"
+}
+
+cx_exec() {         # KIND: run CX_ARGV and wait; CX_PLAN=1: print it as `plan KIND: ...`
+    if [[ $CX_PLAN == 1 ]]; then
+        printf 'plan %s:' "$1"
+        printf ' %q' "${CX_ARGV[@]}"
+        printf '\n'
+        return 0
+    fi
+    cx_log "$1: ${CX_ARGV[*]}"
+    "${CX_ARGV[@]}" </dev/null
+}
+
 # ---------------------------------------------------------------- agents
 cx_agents_start() {     # the agent step, in the background
     if [[ ${#CX_NODE_DIRS[@]} -gt 0 ]]; then
         cx_step prepare 1
-        "${CX_ARGV[@]}" </dev/null || cx_die "could not create ${CX_NODE_DIRS[*]} on the nodes"
+        cx_exec prepare || cx_die "could not create ${CX_NODE_DIRS[*]} on the nodes"
     fi
     if ((CX_CHECKED == 0)); then    # once per job: the agents' checks, same launcher
         cx_step check 1
-        cx_log "pre-flight: ${CX_ARGV[*]}"
-        "${CX_ARGV[@]}" </dev/null || cx_die "the agents' pre-flight check failed (its message is above)" 2
+        cx_exec check || cx_die "the agents' pre-flight check failed (its message is above)" 2
         CX_CHECKED=1
     fi
     cx_step agents 1
+    if [[ $CX_PLAN == 1 ]]; then cx_exec agents; return; fi
     cx_log "agents: ${CX_ARGV[*]}"
     CX_AGENTS_T0=$(cx_now)
     "${CX_ARGV[@]}" </dev/null &
@@ -339,7 +490,7 @@ cx_agents_stop() {      # SECONDS: drain and stop; returns the agent step's stat
         out=$(timeout $((timeout + 30)) "${cmd[@]}" 2>&1) || cx_log "cachex stop: ${out##*$'\n'}"
         while IFS= read -r line; do
             [[ $line =~ ^stop\ requested\ \((.*)\)$ ]] || continue
-            mapfile -t files < <(sed 's/, /\n/g' <<<"${BASH_REMATCH[1]}")
+            mapfile -t files <<<"${BASH_REMATCH[1]//, /$'\n'}"
             CX_STOP_FILES+=("${files[@]}")
         done <<<"$out"
     fi
@@ -485,25 +636,27 @@ cx_on_exit() {      # the batch shell ends: leave no launcher behind
 }
 
 # ---------------------------------------------------------------- plan (dry run)
-cx_plan() {         # CX_PLAN=1: print every step's command line, launch nothing
+cx_plan() {         # CX_PLAN=1: print every step's command line, launch nothing. The
+                    # start (staging, directories, pre-flight, agents) goes through the
+                    # code a job runs, so the plan shows the job's own order.
+    cx_stage
+    cx_agents_start
     local kind
-    for kind in prepare check agents recover train train-resume stop; do
+    for kind in recover train train-resume stop; do
         case $kind in
             train-resume) cx_step train "$RANKS_PER_NODE" resume ;;
             train) cx_step train "$RANKS_PER_NODE" ;;
             stop) mapfile -t CX_ARGV < <(cx_cmd stop "$DRAIN_TIMEOUT") ;;
-            prepare) ((${#CX_NODE_DIRS[@]} > 0)) || continue; cx_step prepare 1 ;;
             *) cx_step "$kind" 1 ;;
         esac
-        printf 'plan %s:' "$kind"
-        printf ' %q' "${CX_ARGV[@]}"
-        printf '\n'
+        cx_exec "$kind"
     done
 }
 
 # ---------------------------------------------------------------- main
 cx_main() {
     cx_check
+    cx_load_modules
     cx_words CX_NODE_DIRS "$NODE_DIRS"
     cx_init_nodes
     cx_init_config
@@ -514,6 +667,7 @@ cx_main() {
     trap 'cx_log "SIGTERM: the job is ending"; exit 143' TERM
     CX_AGENT_RESTARTS=0
     CX_RESUME=
+    cx_stage
     cx_status
     if [[ $RESUME == yes ]] || [[ $RESUME == auto && $CX_ST_FLUSHED -gt 0 ]]; then
         cx_log "run $RUN_NAME has a checkpoint on the PFS: recovering it before training"
@@ -555,7 +709,15 @@ cx_slurm_alive() {  # HOST...: those still in the job and not down, drained or f
 
 cx_slurm_launcher() {   # NAME KIND PPN: CX_LAUNCH=(srun ...)
     local name=$1 kind=$2 ppn=$3 flags
-    CX_LAUNCH=(srun --job-name="$name" --mpi="$SRUN_MPI" --kill-on-bad-exit=1)
+    CX_LAUNCH=(srun --job-name="$name")
+    [[ -z $SRUN_MPI ]] || CX_LAUNCH+=(--mpi="$SRUN_MPI")
+    CX_LAUNCH+=(--kill-on-bad-exit=1)
+    if [[ $kind == unpack ]]; then      # every host the job may use, spares too
+        local -a all=("${CX_SET[@]}" "${CX_SPARE[@]}")
+        CX_LAUNCH+=(--nodes="${#all[@]}" --ntasks-per-node=1 --overlap
+                    --nodelist="$(cx_join , "${all[@]}")")
+        return
+    fi
     if cx_virtual; then
         # One slurmd: every virtual node's tasks on it; steps share its CPUs.
         CX_LAUNCH+=(--nodes=1 --ntasks=$((VNODES * ppn)) --overcommit --overlap)
@@ -569,6 +731,11 @@ cx_slurm_launcher() {   # NAME KIND PPN: CX_LAUNCH=(srun ...)
     local -a extra
     cx_words extra "$flags"
     CX_LAUNCH+=("${extra[@]}")
+}
+
+cx_slurm_broadcast() {  # CX_ARGV=(sbcast the packed venv to every node of the job)
+    # -f: replace an older copy; -p: keep modes and times (the venv's scripts run)
+    CX_ARGV=(sbcast -f -p "$(cx_stage_tar)" "$STAGE_DIR.tar")
 }
 
 cx_slurm_signal() {     # STEPNAME PID SIGNAL: to every task of the step(s) of that name

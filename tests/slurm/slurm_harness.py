@@ -131,7 +131,7 @@ class LocalJob:
             env.update(SPOOL=f"{w}/node{{node}}/spool", STAGE=f"{w}/node{{node}}/shm",
                        CACHE=f"{w}/node{{node}}/nvme", PFS=f"{w}/pfs", FAILURE_DOMAIN="rank",
                        COMMIT_RULE="dcp", CONFIG_OUT=str(self.config), NODE_DIRS="",
-                       CONFIG_EXTRA='[agent]\ntimeout = "20s"', SRUN_MPI="pmi2",
+                       CONFIG_EXTRA='[agent]\ntimeout = "20s"', SRUN_MPI="pmi2", MODULES="",
                        SRUN_TRAIN_FLAGS="", SRUN_AGENT_FLAGS="", AGENT_STOP_TIMEOUT="30",
                        DRAIN_TIMEOUT="120", TRAIN_STOP_GRACE="10", POLL="1")
         env.update(variables)

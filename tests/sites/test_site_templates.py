@@ -1,0 +1,205 @@
+"""Each job template under a fake site of its kind (tests/sites/stubs.py): `CX_PLAN=1`
+prints the steps in the order the job runs them, and they are checked against what the
+site's guide requires. The planned steps are then run through the stubs, which record
+what each launch received."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+from stubs import FakeSite, default, directives, flag, hours
+
+# OLCF Frontier User Guide, Scheduling Policy: job size bins (max nodes -> max hours)
+FRONTIER_BINS = [(91, 2.0), (183, 6.0), (1881, 12.0), (5644, 12.0), (9472, 12.0)]
+FRONTIER_GCDS, FRONTIER_CORES = 8, 56              # low-noise mode: 56 of 64 cores
+# KISTI Neuron guide, Running jobs through the scheduler (SLURM) > Queue configuration:
+# partition -> (nodes, GPUs a node, cores a node, GPUs a user may hold)
+NEURON = {"cas_v100nv_8": (5, 8, 32, 40), "cas_v100nv_4": (2, 4, 40, 8),
+          "cas_v100_4": (11, 4, 40, 60), "cas_v100_2": (3, 2, 32, 6),
+          "amd_a100nv_8": (7, 8, 64, 56), "eme_h200nv_8": (5, 8, 96, 40)}
+NEURON_COMMENTS = {"charmm", "gaussian", "openfoam", "wrf", "inhouse", "python", "R",
+                   "vasp", "gromacs", "lammps", "namd", "qe", "siesta", "tensorflow",
+                   "caffe", "pytorch", "sklearn", "etc"}
+NEURON_MPI = ("cudampi/mvapich2", "cudampi/openmpi", "mpi/impi")
+
+
+def order(steps: list[tuple[str, list[str]]]) -> list[str]:
+    return [kind for kind, _ in steps]
+
+
+def step(steps: list[tuple[str, list[str]]], kind: str) -> list[str]:
+    return next(words for k, words in steps if k == kind)
+
+
+def checked_start(steps: list[tuple[str, list[str]]], staged: bool) -> None:
+    """Staging (when on) before anything runs on the nodes; the pre-flight check is the
+    first cachex step; the agents after it; training after them."""
+    kinds = order(steps)
+    start = [k for k in kinds if k in ("stage", "unpack", "check", "agents")]
+    assert start == (["stage", "unpack"] if staged else []) + ["check", "agents"], kinds
+    assert kinds.index("agents") < kinds.index("train"), kinds
+    if staged:
+        assert kinds[:2] == ["stage", "unpack"], kinds
+
+
+def test_frontier_follows_the_olcf_guide(tmp_path):
+    site = FakeSite(tmp_path, "slurm", hosts=34)
+    found = directives("frontier")
+    nodes, walltime = int(found["--nodes"]), hours(found["--time"])
+    # mandatory: the project charged; a partition of the guide, within its limits
+    assert found["--account"] and found["--partition"] in ("batch", "extended")
+    if found["--partition"] == "extended":
+        assert nodes <= 64 and walltime <= 24
+    assert walltime <= next(limit for most, limit in FRONTIER_BINS if nodes <= most)
+    assert nodes == int(default("frontier", "NODES")) + int(default("frontier", "SPARES"))
+    assert found["--constraint"] == "nvme"                 # /mnt/bb/$USER exists
+    assert found["--signal"] == f"B:USR1@{default('frontier', 'HALT_MARGIN')}"
+
+    steps = site.plan("frontier")
+    checked_start(steps, staged=True)
+    # modules loaded for real in the batch shell, Cray MPICH among them
+    loads = [c for c in site.calls() if c.startswith("module load")]
+    assert len(loads) == 1 and "cray-mpich" in loads[0] and "PrgEnv-" in loads[0]
+    # the venv is broadcast to the NVMe and every node step runs that copy
+    sbcast = step(steps, "stage")
+    assert sbcast[0] == "sbcast" and sbcast[-1] == "/mnt/bb/u/cachex-venv.tar"
+    assert sbcast[-2] == "/home/u/cachex-agent/.venv.tar"
+    unpack = step(steps, "unpack")
+    assert flag(unpack, "--nodelist").split(",") == site.hosts     # spares get it too
+    for kind in ("check", "agents", "recover"):
+        words = step(steps, kind)
+        assert "/mnt/bb/u/cachex-venv/bin/python" in words, words
+        assert words[:3] == ["env", "-u", "MPICH_GPU_SUPPORT_ENABLED"], words
+        assert flag(words, "--mpi") is None             # the site default, as the guide
+    train = step(steps, "train")
+    assert train[:2] == ["env", "MPICH_GPU_SUPPORT_ENABLED=1"]
+    assert flag(train, "--ntasks-per-node") == str(FRONTIER_GCDS)
+    assert flag(train, "--gpus-per-task") == "1" and flag(train, "--gpu-bind") == "closest"
+    assert FRONTIER_GCDS * int(flag(train, "--cpus-per-task")) <= FRONTIER_CORES
+
+    # run the steps through the stubs from a shell where the user exported the variable
+    said = {}
+    for kind in ("stage", "unpack", "check", "agents", "train"):
+        said[kind] = site.execute(step(steps, kind), MPICH_GPU_SUPPORT_ENABLED="1")
+    assert said["stage"][0].startswith("sbcast ")
+    for kind in ("unpack", "check", "agents"):
+        assert said[kind][0].endswith("MPICH_GPU_SUPPORT_ENABLED=unset"), said[kind]
+    assert said["train"][0].endswith("MPICH_GPU_SUPPORT_ENABLED=1"), said["train"]
+
+
+def test_neuron_follows_the_kisti_guide(tmp_path):
+    site = FakeSite(tmp_path, "slurm", hosts=5)
+    found = directives("neuron")
+    partition = found["--partition"]
+    assert partition in NEURON, partition
+    part_nodes, gpus, cores, user_gpus = NEURON[partition]
+    nodes = int(found["--nodes"])
+    assert nodes == int(default("neuron", "NODES")) + int(default("neuron", "SPARES"))
+    assert nodes <= part_nodes                                  # the partition has them
+    assert found["--gres"] == f"gpu:{gpus}"                     # every GPU of a node, no more
+    assert nodes * gpus <= user_gpus
+    assert found["--comment"] in NEURON_COMMENTS                # mandatory
+    assert hours(found["--time"]) <= 48
+    assert default("neuron", "PFS").startswith("/scratch/$USER")
+
+    steps = site.plan("neuron")
+    checked_start(steps, staged=False)          # the guide says nothing of sbcast
+    loads = [c for c in site.calls() if c.startswith("module load")]
+    assert len(loads) == 1 and any(mpi in loads[0] for mpi in NEURON_MPI), loads
+    train = step(steps, "train")
+    ranks = int(flag(train, "--ntasks-per-node"))
+    assert ranks == gpus and flag(train, "--gpus-per-task") == "1"
+    assert ranks * int(flag(train, "--cpus-per-task")) <= cores
+    for kind in ("check", "agents", "recover"):
+        words = step(steps, kind)
+        assert words[0] == "srun" and flag(words, "--mpi") is None, words
+        assert "--overlap" in words and flag(words, "--ntasks-per-node") == "1"
+    said = site.execute(step(steps, "agents"))
+    assert len(said) == 1 and said[0].startswith("srun --job-name=cachex-agents")
+
+
+def test_local_template_on_a_one_host_slurm(tmp_path):
+    site = FakeSite(tmp_path, "slurm", hosts=1)
+    found = directives("local")
+    assert found["--nodes"] == "1" and found["--signal"].startswith("B:USR1@")
+    steps = site.plan("local", VNODES="3", WORKDIR=str(tmp_path / "w"))
+    checked_start(steps, staged=False)
+    assert not [c for c in site.calls() if c.startswith("module")]     # no modules here
+    agents = step(steps, "agents")
+    assert {"--mpi=pmi2", "--nodes=1", "--ntasks=3", "--overlap"} <= set(agents)
+
+
+def test_pbs_template_through_mpiexec(tmp_path):
+    site = FakeSite(tmp_path, "pbs")
+    found = " ".join(directives("pbs", "#PBS"))
+    assert "-A ACCOUNT" in found and "-l select" in found and "-q " in found
+    steps = site.plan("pbs")
+    checked_start(steps, staged=False)
+    hostfile = str(tmp_path / "run" / "hosts")
+    assert step(steps, "check")[:7] == ["mpiexec", "-f", hostfile, "-n", "8", "-ppn", "1"]
+    said = site.execute(step(steps, "check"))
+    assert len(said) == 1 and said[0].startswith("mpiexec -f ")
+    refused = site.run("pbs", STAGE_VENV="1", STAGE_DIR="/tmp/v")
+    assert refused.returncode == 2
+    assert refused.stderr.strip().endswith(
+        "STAGE_VENV=1: staging uses Slurm's sbcast, which pbs has not; set STAGE_VENV=0")
+
+
+def test_excluded_nodes_stay_out_and_the_minimum_is_kept(tmp_path):
+    site = FakeSite(tmp_path, "slurm", hosts=5)
+    steps = site.plan("neuron", EXCLUDE_NODES="n002")
+    assert flag(step(steps, "agents"), "--nodelist") == "n001,n003,n004,n005"
+    # three excluded of five: 2 usable hosts for NODES=4
+    short = site.run("neuron", EXCLUDE_NODES="n[001-003]")
+    assert short.returncode == 2
+    assert short.stderr.strip().endswith(
+        "NODES=4 but the allocation has only 2 usable hosts (MIN_NODES=0)")
+    steps = site.plan("neuron", EXCLUDE_NODES="n[001-003]", MIN_NODES="2")
+    assert flag(step(steps, "agents"), "--nodelist") == "n004,n005"
+    assert flag(step(steps, "agents"), "--nodes") == "2"
+
+
+def test_no_module_command_is_one_line_and_status_2(tmp_path):
+    site = FakeSite(tmp_path, "slurm", hosts=5)
+    (site.bin / "module").unlink()
+    result = site.run("neuron")
+    assert result.returncode == 2 and result.stderr.count("\n") == 1
+    assert "MODULES=intel/19.1.2 cuda/11.4 cudampi/mvapich2-2.3.6 but this shell has no" \
+        " `module` command" in result.stderr
+
+
+def test_the_staged_copy_is_what_the_node_steps_run(tmp_path):
+    """The planned unpack step, run for real (srun stub runs it on this host), turns the
+    broadcast tar into STAGE_DIR; the staged python is the copy's own venv."""
+    venv = tmp_path / "venv"
+    subprocess.run(["python3", "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=120)
+    (venv / "bin" / "cachex-agent").write_text("import sys\nprint(sys.prefix)\n")
+    site = FakeSite(tmp_path, "slurm", hosts=3)
+    stage_dir = tmp_path / "nvme" / "cachex-venv"
+    stage_dir.parent.mkdir()
+    steps = site.plan("frontier", CX_BIN=str(venv / "bin"), STAGE_DIR=str(stage_dir),
+                      NODES="2", SPARES="1")
+    tar = Path(step(steps, "stage")[-2])
+    subprocess.run(["tar", "-C", str(venv), "-cf", str(stage_dir) + ".tar", "."], check=True)
+    site.execute(step(steps, "unpack"), CX_FAKE_EXEC="1")
+    assert (stage_dir / ".cachex-staged").exists() and not Path(f"{stage_dir}.tar").exists()
+    assert tar == Path(f"{venv}.tar")
+    check = step(steps, "check")
+    command = check[check.index(str(stage_dir / "bin" / "python")):]
+    out = subprocess.run(command[:2], capture_output=True, text=True, timeout=60,
+                         env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"})
+    assert out.stdout.strip() == str(stage_dir), out.stderr
+    # a directory there that is no staged copy is never replaced
+    other = tmp_path / "nvme" / "mine"
+    other.mkdir()
+    (other / "keep").write_text("x")
+    steps = site.plan("frontier", CX_BIN=str(venv / "bin"), STAGE_DIR=str(other),
+                      NODES="2", SPARES="1")
+    subprocess.run(["tar", "-C", str(venv), "-cf", f"{other}.tar", "."], check=True)
+    with pytest.raises(subprocess.CalledProcessError):
+        site.execute(step(steps, "unpack"), CX_FAKE_EXEC="1")
+    assert (other / "keep").read_text() == "x"
