@@ -88,11 +88,14 @@ class Scheme:
         return alive[:self.k]
 
     # ----------------------------------------------------------------- coding
-    def encode(self, data: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """The M parity segments of K equal-length data segments."""
+    def encode(self, data: Sequence[np.ndarray], parities: Sequence[int] | None = None
+               ) -> list[np.ndarray]:
+        """Parity segments `parities` (default: all M) of K equal-length data segments.
+        A member holds one parity of a codeword: computing only that one saves M-1."""
+        wanted = range(self.m) if parities is None else parities
         if self.m == 1:
-            return [_xor(data)]
-        blocks = _rs_encoder(self.k, self.n).encode(list(data), list(range(self.k, self.n)))
+            return [_xor(data) for _ in wanted]
+        blocks = _rs_encoder(self.k, self.n).encode(list(data), [self.k + q for q in wanted])
         return [np.frombuffer(block, np.uint8) for block in blocks]
 
     def decode(self, symbols: Sequence[np.ndarray], positions: Sequence[int]) -> list[np.ndarray]:
@@ -233,8 +236,12 @@ class PartWriter:
             start, end = self.starts[index], self.starts[index + 1]
             begin, stop = max(offset, start), min(offset + length, end)
             if begin < stop:
-                view = memoryview(data[begin - offset:stop - offset]).cast("B")
-                at = begin - start
-                while view:
-                    n = os.pwrite(fd, view, at)
-                    view, at = view[n:], at + n
+                pwrite_all(fd, data[begin - offset:stop - offset], begin - start)
+
+
+def pwrite_all(fd: int, data: np.ndarray, offset: int) -> None:
+    """os.pwrite until every byte of `data` is at `offset` (it may write fewer)."""
+    view = memoryview(data).cast("B")
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
