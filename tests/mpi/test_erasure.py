@@ -36,12 +36,13 @@ def all_ok(ok: bool) -> bool:
     return world().allreduce(bool(ok), op=MPI.LAND)
 
 
-def stage(root: Path, rank: int, ckpt: str) -> tuple[Path, LocalManifest]:
+def stage(root: Path, rank: int, ckpt: str, sizes: list[dict[str, int]] = SIZES
+          ) -> tuple[Path, LocalManifest]:
     """This rank's part: its files under <root>/rank-N/stage/<ckpt>, and its manifest."""
     source = root / f"rank-{rank}" / "stage" / ckpt
     rng = np.random.default_rng(rank + 7)
     files = []
-    for name, size in SIZES[rank].items():
+    for name, size in sizes[rank].items():
         path = source / name
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_bytes(rng.integers(0, 256, size, dtype=np.uint8).tobytes())
@@ -50,10 +51,10 @@ def stage(root: Path, rank: int, ckpt: str) -> tuple[Path, LocalManifest]:
                                  rank=rank, files=files)
 
 
-def encoded(root: Path, scheme: str, ckpt: str):
+def encoded(root: Path, scheme: str, ckpt: str, sizes: list[dict[str, int]] = SIZES):
     from cachex_agent.peer.encode_exchange import encode_part
     comm = world()
-    source, manifest = stage(root, comm.rank, ckpt)
+    source, manifest = stage(root, comm.rank, ckpt, sizes)
     parity = root / f"rank-{comm.rank}" / "parity"
     result = encode_part(comm, GROUP, scheme, manifest, source, parity, TIMEOUT, SEGMENT)
     return source, manifest, parity, result
@@ -182,3 +183,14 @@ def test_rebuild_from_corrupted_parity_fails_on_every_rank(mpi_tmp_path):
         rebuild(mpi_tmp_path, (lost,), source, parity, "bad", "bad")
     dest = mpi_tmp_path / f"rank-{comm.rank}" / "rebuilt-bad"
     assert not dest.exists() or not [p for p in dest.rglob("*") if p.is_file()]
+
+
+def test_a_group_of_empty_parts_encodes_and_rebuilds(mpi_tmp_path):
+    """Chunks of 0 bytes: empty parity files, and a rebuild that only recreates files."""
+    comm = world()
+    sizes = [{"e": 0}, {}, {"f": 0, "g/h": 0}, {"i": 0}]
+    source, manifest, parity, result = encoded(mpi_tmp_path, "rs:2+2", "e", sizes)
+    ok = result.chunk == 0 and all(p.stat().st_size == 0 for p in (parity / "e").iterdir())
+    assert all_ok(ok)
+    dest, _ = rebuild(mpi_tmp_path, (0, 2), source, parity, "e", "e")
+    assert all_ok(comm.rank not in (0, 2) or not same_files(source, dest, manifest))
