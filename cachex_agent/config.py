@@ -225,6 +225,40 @@ def _duration(low: float = 0.0, high: float = MAX_DURATION) -> Parser:
 
 
 _buffer_size = _size(4 * KiB, MAX_BUFFER)
+MAX_GROUP = 256             # zfec's limit on the symbols of one Reed-Solomon codeword
+_RS = re.compile(r"^rs:([0-9]{1,3})\+([0-9]{1,3})$")
+
+
+def _parse_scheme(value: Any, key: str) -> str:
+    text = str(value).strip()
+    match = _RS.match(text)
+    if text in ("copy", "xor") or (match and int(match.group(1)) >= 1
+                                   and int(match.group(2)) >= 1
+                                   and int(match.group(1)) + int(match.group(2)) <= MAX_GROUP):
+        return text
+    raise ConfigError(f"{key}: expected copy | xor | rs:K+M (K, M >= 1, K+M <= {MAX_GROUP}),"
+                      f" got {_shown(value)}")
+
+
+_scheme = Parser(_parse_scheme, "choice", f"copy | xor | rs:K+M (K+M <= {MAX_GROUP})")
+
+
+def scheme_shape(scheme: str, group: int) -> tuple[int, int] | None:
+    """(K, M) of `peer.scheme` over groups of `group` nodes; None for `copy`."""
+    if scheme == "copy":
+        return None
+    if scheme == "xor":
+        return group - 1, 1
+    k, m = (int(n) for n in scheme[3:].split("+"))
+    return k, m
+
+
+def check_scheme(peer: Peer) -> None:
+    """`rs:K+M` spreads each codeword over K+M nodes: the group must be that size."""
+    shape = scheme_shape(peer.scheme, peer.group)
+    if shape is not None and peer.scheme != "xor" and sum(shape) != peer.group:
+        raise ConfigError(f"peer.group: {peer.scheme} needs groups of {sum(shape)} nodes"
+                          f" (K+M), got {peer.group}")
 
 
 @dataclass(frozen=True)
@@ -258,6 +292,8 @@ class Peer:
     stride: int = 1
     slot: int = 16 * 1024**2
     slots: int = 4
+    scheme: str = "copy"        # copy | xor | rs:K+M (peer/erasure.py)
+    group: int = 4              # nodes per erasure group (xor, rs:K+M)
 
 
 @dataclass(frozen=True)
@@ -309,7 +345,7 @@ _PARSERS: dict[str, dict[str, Parser]] = {
         "mirror": _bool, "globals": _names,
     },
     "peer": {"copies": _int(1, 64), "stride": _int(1), "slot": _buffer_size,
-             "slots": _int(1, 1024)},
+             "slots": _int(1, 1024), "scheme": _scheme, "group": _int(2, MAX_GROUP)},
     "flush": {
         "bandwidth": _size(0, MAX_BANDWIDTH), "concurrency": _int(1, 64), "writers": _int(1, 64),
         "every": _int(1),
@@ -376,6 +412,14 @@ MEANINGS: dict[str, str] = {
     "peer.slot": "Size of one RMA slot. Each owner replicating to a partner has `peer.slots`"
                  " slots in the partner's window.",
     "peer.slots": "Slots per owner in each partner's window: transfers in flight.",
+    "peer.scheme": "Redundancy of the node-local copies: `copy` (a full copy on each of"
+                   " `peer.copies` partners), `xor` (one parity over each group of"
+                   " `peer.group` nodes: survives one lost node per group), `rs:K+M`"
+                   " (Reed-Solomon, M parities over groups of K+M nodes: survives M lost"
+                   " nodes per group). See docs/redundancy.md; the agent uses `copy` for"
+                   " now.",
+    "peer.group": "Nodes per erasure group, each in a different failure domain (`xor`:"
+                  " any size, K = group-1; `rs:K+M`: must be K+M). Ignored by `copy`.",
     "flush.bandwidth": "Bytes per second per node written to the PFS, enforced by a token"
                        " bucket; 0 is unlimited.",
     "flush.concurrency": "Bundles in flight per node, each of another checkpoint.",
@@ -638,6 +682,7 @@ def _build(flat: Mapping[str, Any], source: str, environ: Mapping[str, str]) -> 
         raise ConfigError(f"run: must be a plain name without '/', got {run!r}")
     built = {name: cls(**sections[name]) for name, cls in _SECTIONS.items()}
     config = Config(run=run, source=source, **built)
+    check_scheme(config.peer)
     check_paths(config.node_paths(0))   # the agent checks its own node's rendering too
     return config
 

@@ -54,6 +54,7 @@ An unknown key or a bad value is refused with one line naming the key and the va
   `(peer.copies x peer.slots + 1) x peer.slot` (none when `model.path = "direct"`), plus
   `(flush.concurrency x flush.writers + 1) x flush.chunk`, times the agents on the host.
 - `peer.copies` needs `peer.copies + 1` failure domains when replicas are made.
+- `peer.scheme = "rs:K+M"` needs `peer.group = K+M`.
 
 Any of these fails with one line naming the keys (exit 2).
 """

@@ -36,6 +36,7 @@ RUN_LOCK = "coordinator.lock"
 EVENTS = "events.jsonl"
 STOP = "stop"
 REPLICA_MANIFEST_SUFFIX = ".manifest.json"
+PARITY_MANIFEST_SUFFIX = ".parity.json"
 SET_ASIDE_PREFIX = ".cachex-unrecoverable-"
 #: files of a checkpoint that live at the spool root (trackers such as DeepSpeed's
 #: `latest`, single-file checkpoints) are kept under this name inside its captured tree
@@ -63,6 +64,11 @@ class NodePaths:
     @property
     def replicas(self) -> Path:
         return self.cache / "replicas"
+
+    @property
+    def parity(self) -> Path:
+        """The parity chunks this node holds for its erasure group (peer.scheme)."""
+        return self.cache / "parity"
 
     def spool_dir(self, ckpt: str) -> Path:
         return ckpt_dir(self.spool, ckpt)
@@ -168,6 +174,21 @@ def replica_manifest_paths(replicas: Path) -> list[Path]:
     """Every replica manifest under `replicas`, by owner directory."""
     owners = sorted(replicas.glob("node-*")) if replicas.is_dir() else []
     return [path for owner in owners for path in owner.glob(f"*{REPLICA_MANIFEST_SUFFIX}")]
+
+
+# ----------------------------------------------------------------------- parity
+def parity_dir(parity: Path, ckpt: str) -> Path:
+    return parity / ckpt
+
+
+def parity_chunk_path(parity: Path, ckpt: str, codeword: int, index: int) -> Path:
+    """Parity `index` of `codeword` (peer/erasure.py's layout)."""
+    return parity_dir(parity, ckpt) / f"codeword-{codeword:03d}.parity-{index:03d}"
+
+
+def parity_manifest_path(parity: Path, ckpt: str) -> Path:
+    """Beside the chunks' directory, as a replica's manifest is."""
+    return parity / derived_name(ckpt, PARITY_MANIFEST_SUFFIX)
 
 
 # -------------------------------------------------------------------------- PFS

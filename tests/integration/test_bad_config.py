@@ -37,6 +37,8 @@ CASES = [
     ("infinite drain timeout", "[flush]\ndrain_timeout = inf\n", {}, ["flush.drain_timeout"]),
     ("64TiB slot", '[peer]\nslot = "64TiB"\n', {}, ["peer.slot"]),
     ("1TiB chunk", '[flush]\nchunk = "1TiB"\n', {}, ["flush.chunk"]),
+    ("rs group is not K+M", '[peer]\nscheme = "rs:2+2"\ngroup = 5\n', {}, ["peer.group"]),
+    ("rs without parity", '[peer]\nscheme = "rs:4+0"\n', {}, ["peer.scheme"]),
     ("window past memory", '[peer]\nslot = "1GiB"\nslots = 1024\n', {},
      ["peer.slot", "peer.slots"]),
     ("spool is the PFS run directory", "", {"spool": "{root}/pfs/t"},
