@@ -65,6 +65,13 @@ def remove_stale_namespaces() -> None:
     for path in Path("/run/netns").glob("cxns-*"):
         owner = path.name.split("-")[1]
         if owner.isdigit() and not psutil.pid_exists(int(owner)):
+            pids = subprocess.run(["ip", "netns", "pids", path.name], capture_output=True,
+                                  text=True, timeout=30).stdout.split()
+            for pid in pids:            # a node's init and whatever still runs in it
+                try:
+                    os.kill(int(pid), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
             subprocess.run(["ip", "netns", "del", path.name], capture_output=True, timeout=30)
 
 
@@ -159,16 +166,15 @@ class Node:
         only; nothing of cachex reads a node's files from outside)."""
         return Path(f"/proc/{self.pid}/root") / Path(path).relative_to("/")
 
-    def traffic(self) -> int:
-        """Bytes sent plus received on eth0."""
-        stats = self.run("cat", "/sys/class/net/eth0/statistics/tx_bytes",
-                         "/sys/class/net/eth0/statistics/rx_bytes").stdout.split()
-        return sum(int(value) for value in stats)
+    def sent(self) -> int:
+        """Bytes sent on eth0 so far."""
+        return int(self.run("cat", "/sys/class/net/eth0/statistics/tx_bytes").stdout)
 
     def destroy(self) -> None:
         """The node is gone: every process SIGKILLed (with its PID namespace's init), its
         mounts with its mount namespace, its veth and network namespace deleted."""
-        if self._unshare is not None:
+        if self.alive:
+            assert self._unshare is not None
             if self.pid:
                 os.kill(self.pid, signal.SIGKILL)
             else:
@@ -295,8 +301,12 @@ class NsCluster(Cluster):
         for proc in [*self.trainers, self.agents]:
             if proc is not None and proc.poll() is None:
                 kill_tree(proc)
-        try:
-            for node in self.all_nodes:
+        failed: list[AssertionError] = []
+        for node in self.all_nodes:             # every one, whatever happens to another
+            try:
                 node.destroy()
-        finally:
-            self.network.close()
+            except AssertionError as exc:
+                failed.append(exc)
+        self.network.close()
+        if failed:
+            raise failed[0]
