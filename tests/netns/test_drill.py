@@ -59,6 +59,16 @@ def test_capture_replicate_flush_across_namespaces(ns_cluster, tmp_path):
     assert result.returncode == 0, result.stderr
     for node in range(2):
         assert files_of(out / f"node-{node:05d}") == parts[node]
+    # `cachex verify` on node 1 checks what node 1 can see, and says what it cannot
+    verify = c.cachex("verify", "step_00008", node=1)
+    assert verify.returncode == 0, verify.stdout + verify.stderr
+    states = {tuple(line.split()[1:4]) for line in verify.stdout.splitlines()[:-1]}
+    assert states == {("stage", "node", "0"), ("stage", "node", "1"), ("replica", "node", "0"),
+                      ("replica", "node", "1"), ("pfs", "node", "0"), ("pfs", "node", "1")}
+    assert re.search(r"stage +node 0 +not visible here", verify.stdout), verify.stdout
+    assert re.search(r"stage +node 1 +ok", verify.stdout), verify.stdout
+    assert re.search(r"replica node 0 +ok .* \(on node 1\)", verify.stdout), verify.stdout
+    assert re.search(r"replica node 1 +not visible here", verify.stdout), verify.stdout
     status = c.cachex("status", "--json", node=1)
     assert json.loads(status.stdout)["nodes"] == 2, status.stdout
     assert c.stop() == 0
