@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 NP     ?= 4
 
-.PHONY: venv tools test test-unit test-mpi test-integration test-slurm lint demo bench clean
+.PHONY: venv tools test test-unit test-mpi test-integration test-netns test-slurm lint demo bench clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -39,6 +39,14 @@ test-mpi: venv
 test-integration: venv
 	$(PY) -m pytest -q tests/integration
 
+# Virtual nodes in namespaces of their own (root: CI); not root, one line says it is skipped.
+test-netns: venv
+	@if [ "$$(id -u)" = 0 ]; then \
+		$(PY) -m pytest -q tests/netns; \
+	else \
+		echo "make test-netns: skipped: namespaces, veths and mounts need root; run 'sudo make test-netns'"; \
+	fi
+
 # The job templates through real sbatch/srun. As root, a one-host Slurm is set up first
 # (scripts/ci/setup-slurm.sh: Debian's slurm-wlm and munge; at once when it is up).
 # Not root and no Slurm: the tier is skipped with one line saying how to enable it.
@@ -50,7 +58,7 @@ test-slurm: venv
 		echo "make test-slurm: skipped: no Slurm on this machine and not root; run 'sudo bash scripts/ci/setup-slurm.sh' (a one-host Slurm) or 'sudo make test-slurm'"; \
 	fi
 
-test: lint test-unit test-mpi test-integration test-slurm
+test: lint test-unit test-mpi test-integration test-netns test-slurm
 
 demo: venv
 	$(VENV)/bin/cachex demo --workdir demo-run

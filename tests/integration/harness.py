@@ -67,6 +67,16 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, poll: floa
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
+def settings(rule: str, agent_timeout: str, commit: str = "", extra: str = "") -> str:
+    """The [commit] and [agent] sections of a test cluster's configuration."""
+    return f'''[commit]
+rule = "{rule}"
+{commit}
+[agent]
+timeout = "{agent_timeout}"
+{extra}'''
+
+
 class Cluster:
     """N virtual nodes on this machine: spools, stage, cache and a PFS under `root`."""
 
@@ -79,12 +89,8 @@ class Cluster:
             (root / f"node{node}" / "spool").mkdir(parents=True, exist_ok=True)
         (root / "pfs").mkdir(exist_ok=True)
         self.config = root / "cachex.toml"
-        self.config.write_text(virtual_nodes_config(root, "t", f'''[commit]
-rule = "{rule}"
-{commit}
-[agent]
-timeout = "{agent_timeout}"
-{extra}''', model=model))
+        self.config.write_text(virtual_nodes_config(
+            root, "t", settings(rule, agent_timeout, commit, extra), model=model))
         self.agents: subprocess.Popen[bytes] | None = None
         self.trainers: list[subprocess.Popen[bytes]] = []
 
