@@ -4,7 +4,7 @@ so a bad path is a one-line configuration error naming its key (exit 2)."""
 from __future__ import annotations
 
 import os
-import threading
+import secrets
 from pathlib import Path
 
 from .config import Config, check_paths
@@ -15,8 +15,10 @@ from .topology import Placement
 
 
 def probe_writable(directory: Path, key: str) -> None:
-    """Root passes every permission check, so try a real write."""
-    probe = directory / f".cachex-probe-{threading.get_native_id()}"
+    """Root passes every permission check, so try a real write. Every node probes the
+    shared PFS directory at once, and process ids repeat across nodes: the name is
+    random, or one node's unlink takes another's probe."""
+    probe = directory / f".cachex-probe-{secrets.token_hex(8)}"
     try:
         os.close(create_file(probe))
         probe.unlink()
