@@ -12,10 +12,17 @@ then the next waits until it is flushed, so completion times are not queueing be
 other. Per scenario the model is fitted on the first half of every workload's checkpoints
 (events of those only) and predicts the median completion time of each level for the
 second half; the script prints the MAPE per level, per checkpoint and per workload
-(observed median vs predicted median), against the published 7.1%.
+(observed median vs predicted median), against the published 7.1%, and the calibration
+of the predicted distributions on the same held-out checkpoints: per level, the fraction
+of observed completion times below the predicted 0.5, 0.9 and 0.99 quantiles
+(model/calibration.py; target q +- 0.05).
+
+`--load N` runs N CPU-burning processes beside the whole run (a training node's cores
+are never idle); the 1-minute load average is recorded at every checkpoint and printed.
 
     python benchmarks/predict.py [--sizes 24MiB,64MiB,160MiB] [--nodes 2,4] [--count 10]
-                                 [--scenarios quiet,contended] [--keep DIR]
+                                 [--scenarios quiet,contended] [--load N] [--keep DIR]
+                                 [--json FILE]
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -42,6 +50,7 @@ from contention import Contention, ThrottledPFS  # noqa: E402
 
 from cachex_agent import config as configuration  # noqa: E402
 from cachex_agent.layout import pfs_stop_file  # noqa: E402
+from cachex_agent.model.calibration import QUANTILES, calibration  # noqa: E402
 from cachex_agent.model.history import History, config_event_files, load_history  # noqa: E402
 from cachex_agent.model.predict import fit_system  # noqa: E402
 from cachex_agent.status import load_status  # noqa: E402
@@ -49,6 +58,22 @@ from cachex_agent.status import load_status  # noqa: E402
 MiB = 1024 * 1024
 BIN = Path(sys.executable).parent
 LEVELS = ("captured", "replicated", "flushed")
+
+
+LOADS: list[float] = []         # 1-minute load average at every checkpoint
+
+
+def burn(count: int) -> list[subprocess.Popen]:
+    """`count` processes spinning on a core each: a node whose cores are training."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                             stdin=subprocess.DEVNULL, start_new_session=True)
+            for _ in range(count)]
+
+
+def stop_burning(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        proc.kill()
+        proc.wait()
 
 
 def write_config(root: Path, pfs: Path, run: str) -> Path:
@@ -139,6 +164,7 @@ def run_workloads(root: Path, pfs: ThrottledPFS, scenario: str, nodes: int,
             wait(lambda c=ckpt: level_of(cfg, c) in ("flushed", "failed"), 300,
                  f"{run} {ckpt} to be flushed")
             prune_spool(cfg, nodes, ckpt)
+            LOADS.append(os.getloadavg()[0])
             print(f"  {run}: {ckpt} {size // MiB} MiB {level_of(cfg, ckpt)}", flush=True,
                   end="\r")
         stop = pfs_stop_file(cfg.node_paths(0).pfs)
@@ -190,7 +216,7 @@ def evaluate(history: History) -> dict[str, dict[str, float]]:
         predicted = cache[key]
         errors[sample.level].append(abs(predicted - sample.latency) / sample.latency)
         groups[(sample.level, sample.run, sample.bytes)].append((predicted, sample.latency))
-    out = {}
+    out: dict[str, dict[str, Any]] = {}
     for level in LEVELS:
         per_workload = [abs(p[0][0] - statistics.median(o for _, o in p)) /
                         statistics.median(o for _, o in p)
@@ -198,6 +224,8 @@ def evaluate(history: History) -> dict[str, dict[str, float]]:
         out[level] = {"checkpoint": 100 * statistics.mean(errors[level]),
                       "workload": 100 * statistics.mean(per_workload),
                       "n": len(errors[level])}
+    for row in calibration(tests, model.predict):
+        out[row.level].setdefault("coverage", {})[row.path] = row.coverage
     return out
 
 
@@ -208,7 +236,10 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=10)
     parser.add_argument("--scenarios", default="quiet,contended")
     parser.add_argument("--throttle", default="150MiB", help="contended PFS write bandwidth")
+    parser.add_argument("--load", type=int, default=0, metavar="N",
+                        help="run N CPU-burning processes beside the benchmark")
     parser.add_argument("--keep", help="keep the work directory here")
+    parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
     sizes = [configuration.parse_size(s) for s in args.sizes.split(",")]
     node_counts = [int(n) for n in args.nodes.split(",")]
@@ -217,6 +248,7 @@ def main() -> None:
     rng = np.random.default_rng(5)
     results = {}
     started = time.monotonic()
+    burners = burn(args.load)
     try:
         for scenario in args.scenarios.split(","):
             contended = scenario == "contended"
@@ -234,18 +266,32 @@ def main() -> None:
                 files = [f for c in configs for f in config_event_files(configuration.load(c))]
                 results[scenario] = evaluate(load_history(files))
     finally:
+        stop_burning(burners)
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree("/dev/shm/cachex-predict", ignore_errors=True)
-    print(f"\nfit on the first half of each workload, predicted the median of the rest"
+    load = [min(LOADS), statistics.median(LOADS), max(LOADS)] if LOADS else []
+    print(f"\nfit on the first half of each workload, predicted the rest"
           f" ({time.monotonic() - started:.0f} s; sizes {args.sizes}, nodes {args.nodes},"
-          f" {args.count} checkpoints each)")
-    print(f"{'scenario':10} {'level':11} {'n':>4} {'MAPE/ckpt':>10} {'MAPE/workload':>14}")
+          f" {args.count} checkpoints each; --load {args.load}, load average"
+          f" {' / '.join(f'{x:.1f}' for x in load)} min/median/max on {os.cpu_count()} cores)")
+    print(f"{'scenario':10} {'level':11} {'n':>4} {'MAPE/ckpt':>10} {'MAPE/workload':>14}"
+          f"  coverage of the predicted {'/'.join(f'{q:g}' for q in QUANTILES)} quantiles")
     for scenario, levels in results.items():
         for level, r in levels.items():
+            cover = "  ".join(f"{path} " + "/".join(f"{c[q]:.2f}" for q in QUANTILES)
+                              for path, c in r.get("coverage", {}).items())
             print(f"{scenario:10} {level:11} {r['n']:>4} {r['checkpoint']:>9.1f}%"
-                  f" {r['workload']:>13.1f}%")
-    print("published: 7.1% MAPE of completion-time predictions")
+                  f" {r['workload']:>13.1f}%  {cover}")
+    print("published: 7.1% MAPE of completion-time predictions; calibrated: coverage q +- 0.05")
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"load_processes": args.load, "loadavg": load, "cores": os.cpu_count(),
+             "sizes": args.sizes, "nodes": args.nodes, "count": args.count,
+             "results": {sc: {lv: {**r, "coverage": {p: {str(q): c for q, c in cov.items()}
+                                                     for p, cov in r.get("coverage", {}).items()}}
+                              for lv, r in levels.items()} for sc, levels in results.items()}},
+            indent=1))
 
 
 if __name__ == "__main__":
