@@ -50,7 +50,7 @@ from contention import Contention, ThrottledPFS  # noqa: E402
 
 from cachex_agent import config as configuration  # noqa: E402
 from cachex_agent.layout import pfs_stop_file  # noqa: E402
-from cachex_agent.model.calibration import QUANTILES, calibration  # noqa: E402
+from cachex_agent.model.calibration import QUANTILES, calibration, predictor  # noqa: E402
 from cachex_agent.model.history import History, config_event_files, load_history  # noqa: E402
 from cachex_agent.model.predict import fit_system  # noqa: E402
 from cachex_agent.status import load_status  # noqa: E402
@@ -61,6 +61,7 @@ LEVELS = ("captured", "replicated", "flushed")
 
 
 LOADS: list[float] = []         # 1-minute load average at every checkpoint
+LOAD_COVARIATE = True           # predict each checkpoint at its recorded load (--no-load-covariate)
 
 
 def burn(count: int) -> list[subprocess.Popen]:
@@ -207,12 +208,12 @@ def evaluate(history: History) -> dict[str, dict[str, float]]:
     model = fit_system(fit)
     errors: dict[str, list[float]] = defaultdict(list)
     groups: dict[tuple[str, str, int], list[tuple[float, float]]] = defaultdict(list)
-    cache: dict[tuple[str, int, int], float] = {}
+    cache: dict[tuple[Any, ...], float] = {}
+    predict = predictor(model, with_load=LOAD_COVARIATE)
     for sample in tests:
-        key = (sample.level, sample.bytes, sample.nodes)
+        key = (sample.level, sample.bytes, sample.nodes, sample.load)
         if key not in cache:
-            cache[key] = model.predict(sample.level, sample.path, sample.bytes,
-                                       sample.nodes).quantile(0.5)
+            cache[key] = predict(sample).quantile(0.5)
         predicted = cache[key]
         errors[sample.level].append(abs(predicted - sample.latency) / sample.latency)
         groups[(sample.level, sample.run, sample.bytes)].append((predicted, sample.latency))
@@ -224,9 +225,32 @@ def evaluate(history: History) -> dict[str, dict[str, float]]:
         out[level] = {"checkpoint": 100 * statistics.mean(errors[level]),
                       "workload": 100 * statistics.mean(per_workload),
                       "n": len(errors[level])}
-    for row in calibration(tests, model.predict):
+    for row in calibration(tests, predict):
         out[row.level].setdefault("coverage", {})[row.path] = row.coverage
     return out
+
+
+def print_results(results: dict[str, dict[str, dict[str, Any]]]) -> None:
+    print(f"{'scenario':10} {'level':11} {'n':>4} {'MAPE/ckpt':>10} {'MAPE/workload':>14}"
+          f"  coverage of the predicted {'/'.join(f'{q:g}' for q in QUANTILES)} quantiles"
+          f" ({'at each checkpoint' if LOAD_COVARIATE else 'at the median'} load)")
+    for scenario, levels in results.items():
+        for level, r in levels.items():
+            cover = "  ".join(f"{path} " + "/".join(f"{c[q]:.2f}" for q in QUANTILES)
+                              for path, c in r.get("coverage", {}).items())
+            print(f"{scenario:10} {level:11} {r['n']:>4} {r['checkpoint']:>9.1f}%"
+                  f" {r['workload']:>13.1f}%  {cover}")
+    print("published: 7.1% MAPE of completion-time predictions; calibrated: coverage q +- 0.05")
+
+
+def replay(root: Path) -> dict[str, dict[str, dict[str, Any]]]:
+    """The figures of a kept run (its <scenario>-n<N>.toml configurations), again."""
+    configs: dict[str, list[Path]] = defaultdict(list)
+    for config in sorted(root.glob("*-n*.toml")):
+        configs[config.stem.rsplit("-n", 1)[0]].append(config)
+    return {scenario: evaluate(load_history(
+        [f for c in found for f in config_event_files(configuration.load(c))]))
+        for scenario, found in configs.items()}
 
 
 def main() -> None:
@@ -238,9 +262,19 @@ def main() -> None:
     parser.add_argument("--throttle", default="150MiB", help="contended PFS write bandwidth")
     parser.add_argument("--load", type=int, default=0, metavar="N",
                         help="run N CPU-burning processes beside the benchmark")
+    parser.add_argument("--no-load-covariate", action="store_true",
+                        help="predict at the fit's median load, not each checkpoint's")
+    parser.add_argument("--from-events", metavar="DIR",
+                        help="no run: evaluate the events of an earlier --keep DIR")
     parser.add_argument("--keep", help="keep the work directory here")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
+    global LOAD_COVARIATE
+    LOAD_COVARIATE = not args.no_load_covariate
+    if args.from_events:
+        for scenario, levels in replay(Path(args.from_events)).items():
+            print_results({scenario: levels})
+        return
     sizes = [configuration.parse_size(s) for s in args.sizes.split(",")]
     node_counts = [int(n) for n in args.nodes.split(",")]
     root = Path(args.keep or tempfile.mkdtemp(prefix="cachex-predict-"))
@@ -275,15 +309,7 @@ def main() -> None:
           f" ({time.monotonic() - started:.0f} s; sizes {args.sizes}, nodes {args.nodes},"
           f" {args.count} checkpoints each; --load {args.load}, load average"
           f" {' / '.join(f'{x:.1f}' for x in load)} min/median/max on {os.cpu_count()} cores)")
-    print(f"{'scenario':10} {'level':11} {'n':>4} {'MAPE/ckpt':>10} {'MAPE/workload':>14}"
-          f"  coverage of the predicted {'/'.join(f'{q:g}' for q in QUANTILES)} quantiles")
-    for scenario, levels in results.items():
-        for level, r in levels.items():
-            cover = "  ".join(f"{path} " + "/".join(f"{c[q]:.2f}" for q in QUANTILES)
-                              for path, c in r.get("coverage", {}).items())
-            print(f"{scenario:10} {level:11} {r['n']:>4} {r['checkpoint']:>9.1f}%"
-                  f" {r['workload']:>13.1f}%  {cover}")
-    print("published: 7.1% MAPE of completion-time predictions; calibrated: coverage q +- 0.05")
+    print_results(results)
     if args.json:
         Path(args.json).write_text(json.dumps(
             {"load_processes": args.load, "loadavg": load, "cores": os.cpu_count(),

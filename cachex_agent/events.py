@@ -1,9 +1,9 @@
 """Structured events: one JSON object per line, one file per agent.
 
 Every stage transition is an event with a wall-clock timestamp `t` (seconds since the
-epoch); the durability model (issue: model) reads these files. `EventCopy` appends what
-a node's file gained to that node's log on the PFS (layout.pfs_events_path), so the
-history outlives the node's disk.
+epoch) and the node's load per core `load`; the durability model (issue: model) reads
+these files. `EventCopy` appends what a node's file gained to that node's log on the
+PFS (layout.pfs_events_path), so the history outlives the node's disk.
 """
 
 from __future__ import annotations
@@ -38,7 +38,8 @@ class EventLog:
         end_torn_line(self._fd)
 
     def emit(self, event: str, **fields: Any) -> dict[str, Any]:
-        record = {"t": time.time(), "event": event, **self._context, **fields}
+        record = {"t": time.time(), "event": event, "load": load_per_core(), **self._context,
+                  **fields}
         line = (json.dumps(record, sort_keys=True, default=str) + "\n").encode()
         with self._lock:
             if self._fd >= 0:
@@ -50,6 +51,12 @@ class EventLog:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
+
+
+def load_per_core() -> float:
+    """The 1-minute load average over the cores: what the model takes as the node's CPU
+    contention at the event (model/stages.py). /proc/loadavg, one read."""
+    return round(os.getloadavg()[0] / (os.cpu_count() or 1), 3)
 
 
 def end_torn_line(fd: int) -> None:

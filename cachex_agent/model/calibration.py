@@ -31,7 +31,7 @@ QUANTILES = (0.5, 0.9, 0.99)
 TOLERANCE = 0.05        # the target: each q-quantile covers q +- 0.05 of observations
 GRID = (*np.round(np.linspace(0.05, 0.95, 19), 2), 0.99)
 
-Predict = Callable[[str, str, float, int], Prediction]
+Predict = Callable[[LevelSample], Prediction]
 
 
 @dataclass(frozen=True)
@@ -53,16 +53,26 @@ class Coverage:
                 "coverage": {str(q): c for q, c in self.coverage.items()}}
 
 
+def predictor(model: SystemModel, with_load: bool = True) -> Predict:
+    """The model's prediction for an observed checkpoint: its level, path, size and node
+    count, and (`with_load`) the load per core recorded at its commit."""
+    def predict(s: LevelSample) -> Prediction:
+        load = s.load if with_load else None
+        return model.predict(s.level, s.path, float(s.bytes), s.nodes, load=load)
+    return predict
+
+
 def pit(samples: Sequence[LevelSample], predict: Predict) -> dict[tuple[str, str], np.ndarray]:
-    """p_i = F_i(x_i) per (level, path); one prediction per (level, path, size, nodes).
-    A level the model cannot predict (a stage without samples) is left out."""
-    cache: dict[tuple[str, str, int, int], Prediction | None] = {}
+    """p_i = F_i(x_i) per (level, path); one prediction per (level, path, size, nodes,
+    load to 0.01). A level the model cannot predict (a stage without samples) is left
+    out."""
+    cache: dict[tuple[Any, ...], Prediction | None] = {}
     out: dict[tuple[str, str], list[float]] = defaultdict(list)
     for s in samples:
-        key = (s.level, s.path, s.bytes, s.nodes)
+        key = (s.level, s.path, s.bytes, s.nodes, None if s.load is None else round(s.load, 2))
         if key not in cache:
             try:
-                cache[key] = predict(s.level, s.path, float(s.bytes), s.nodes)
+                cache[key] = predict(s)
             except OperationError:
                 cache[key] = None
         prediction = cache[key]
@@ -100,7 +110,7 @@ def reliability(history: History, model: SystemModel) -> Any:
     ax.fill_between(grid, grid - TOLERANCE, grid + TOLERANCE, color="#dddddd",
                     label=f"target q +- {TOLERANCE}")
     ax.plot([0, 1], [0, 1], color="#555555", lw=0.8, ls=":")
-    rows = calibration(history.levels, model.predict, GRID) if model.stages else []
+    rows = calibration(history.levels, predictor(model), GRID) if model.stages else []
     for row in rows:
         points = [row.coverage[float(q)] for q in grid]
         ax.plot(grid, points, marker="o", ms=3.5, ls="-" if row.path == "peer" else "--",

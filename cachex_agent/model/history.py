@@ -55,6 +55,7 @@ class StageSample:
     seconds: float
     end: float          # wall-clock time the stage ended (for timelines)
     path: str
+    load: float | None = None   # the node's load per core when the stage ended
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,7 @@ class LevelSample:
     latency: float      # seconds from commit to the level holding on every node
     committed: float    # wall-clock time of the commit
     path: str
+    load: float | None = None   # the coordinator node's load per core at the commit
 
 
 @dataclass
@@ -164,7 +166,8 @@ def _stage_samples(records: list[dict[str, Any]], paths: dict[tuple[str, str], s
         run, ckpt = rec.get("run", ""), rec["ckpt"]
         if seconds > 0 and nbytes > 0:
             out.append(StageSample(run, ckpt, int(rec.get("node", 0)), nodes, stage, nbytes,
-                                   seconds, rec["t"], paths.get((run, ckpt), "peer")))
+                                   seconds, rec["t"], paths.get((run, ckpt), "peer"),
+                                   rec.get("load")))
 
     for rec in records:
         kind = rec.get("event")
@@ -210,5 +213,6 @@ def _level_samples(records: list[dict[str, Any]], paths: dict[tuple[str, str], s
             out.append(LevelSample(key[0], key[1], int(rec.get("seq", 0)),
                                    int(commit.get("nodes", 1)), kind[6:], int(rec["bytes"]),
                                    float(rec["latency"]), float(commit["t"]),
-                                   rec.get("path") or paths.get(key, "peer")))
+                                   rec.get("path") or paths.get(key, "peer"),
+                                   commit.get("load")))
     return out

@@ -31,8 +31,8 @@ def model(scale: float = 1.0):
     """Predictions from the node distribution, its times multiplied by `scale`."""
     node = stats.lognorm(s=SIGMA, scale=scale * math.exp(MU))
 
-    def predict(level: str, path: str, size: float, nodes: int) -> Prediction:
-        return Prediction(level, path, size, nodes, scale * SHIFT, node.cdf, node.ppf)
+    def predict(s: LevelSample) -> Prediction:
+        return Prediction(s.level, s.path, s.bytes, s.nodes, scale * SHIFT, node.cdf, node.ppf)
     return predict
 
 
@@ -57,12 +57,10 @@ def test_levels_are_kept_apart_and_an_unpredictable_level_is_left_out():
     samples = observed(rng, "captured") + observed(rng, "replicated") + observed(rng, "flushed")
     half = model(0.5)
 
-    def predict(level: str, path: str, size: float, nodes: int) -> Prediction:
-        if level == "replicated":
+    def predict(s: LevelSample) -> Prediction:
+        if s.level == "replicated":
             raise OperationError("no replicate samples")
-        if level == "captured":
-            return half(level, path, size, nodes)
-        return model()(level, path, size, nodes)
+        return (half if s.level == "captured" else model())(s)
     rows = {r.level: r for r in calibration(samples, predict)}
     assert sorted(rows) == ["captured", "flushed"]
     assert rows["flushed"].within(0.9) and not rows["captured"].within(0.9)
