@@ -18,7 +18,8 @@ of observed completion times below the predicted 0.5, 0.9 and 0.99 quantiles
 (model/calibration.py; target q +- 0.05).
 
 `--load N` runs N CPU-burning processes beside the whole run (a training node's cores
-are never idle); the 1-minute load average is recorded at every checkpoint and printed.
+are never idle), started `--load-warmup` seconds (90) before the first checkpoint so the
+1-minute load average has settled; it is recorded at every checkpoint and printed.
 
     python benchmarks/predict.py [--sizes 24MiB,64MiB,160MiB] [--nodes 2,4] [--count 10]
                                  [--scenarios quiet,contended] [--load N] [--keep DIR]
@@ -262,6 +263,8 @@ def main() -> None:
     parser.add_argument("--throttle", default="150MiB", help="contended PFS write bandwidth")
     parser.add_argument("--load", type=int, default=0, metavar="N",
                         help="run N CPU-burning processes beside the benchmark")
+    parser.add_argument("--load-warmup", type=float, default=90.0, metavar="SECONDS",
+                        help="with --load: wait this long before the first checkpoint")
     parser.add_argument("--no-load-covariate", action="store_true",
                         help="predict at the fit's median load, not each checkpoint's")
     parser.add_argument("--from-events", metavar="DIR",
@@ -283,6 +286,12 @@ def main() -> None:
     results = {}
     started = time.monotonic()
     burners = burn(args.load)
+    if burners and args.load_warmup > 0:
+        # a training node's load is steady: let the 1-minute load average (an EMA that
+        # reaches 63% of a step after 60 s) settle, so the fit half does not see a ramp
+        print(f"{args.load} CPU burners started; {args.load_warmup:.0f} s for the load average"
+              " to settle", flush=True)
+        time.sleep(args.load_warmup)
     try:
         for scenario in args.scenarios.split(","):
             contended = scenario == "contended"

@@ -18,9 +18,11 @@ average over the cores, recorded with every event), the whole time scales as
     t = (1 + beta * l) * (a * N**gamma_fixed + s * N**gamma / B)
 
 beta is chosen on a grid as the value that leaves the least spread of log B (the part
-of the times that tracks the load), and kept at 0 unless it removes at least LOAD_GAIN of
-that variance: on a machine whose load did not vary, or varied without effect, the model
-is the one above. Predictions are at a given load, by default the median of the samples.
+of the times that tracks the load), and kept at 0 unless it removes a fraction R2 of
+that variance with R2 >= LOAD_GAIN and an F statistic R2 / (1 - R2) * (n - 2) >= LOAD_F
+(as for one regressor; about p < 0.003): on a machine whose load did not vary, or
+varied without effect, the model is the one above. Predictions are at a given load,
+by default the median of the samples.
 
 The spread of log B splits in two: a part common to every node of a checkpoint (the
 PFS busy for everyone, the job's own other I/O) and a part of each node. Only the
@@ -44,6 +46,7 @@ from .history import StageSample
 MIN_SAMPLES = 3
 BETAS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
 LOAD_GAIN = 0.10        # fraction of var(log B) the load must explain to be kept
+LOAD_F = 10.0           # and the F statistic of that fraction, for n samples
 
 
 @dataclass(frozen=True)
@@ -144,7 +147,8 @@ Unloaded = tuple[float, float, float, np.ndarray]      # a, gamma_fixed, gamma, 
 def _load_effect(size: np.ndarray, seconds: np.ndarray, nodes: np.ndarray, loads: np.ndarray
                  ) -> tuple[float, Unloaded]:
     """beta and the fit of the times brought to an idle node, t / (1 + beta l): the beta
-    of BETAS that leaves the least var(log B), if it removes LOAD_GAIN of it; else 0."""
+    of BETAS that leaves the least var(log B), if what it removes passes LOAD_GAIN and
+    LOAD_F; else 0."""
     def unloaded(beta: float) -> Unloaded:
         t = seconds / (1.0 + beta * loads) if beta else seconds
         a, gamma_fixed, gamma = _overhead_and_gamma(size, t, nodes)
@@ -158,9 +162,9 @@ def _load_effect(size: np.ndarray, seconds: np.ndarray, nodes: np.ndarray, loads
         fits[beta] = unloaded(beta)
         spread[beta] = float(np.var(np.log(fits[beta][3])))
     best = min(spread, key=lambda b: spread[b])
-    if spread[best] > (1 - LOAD_GAIN) * spread[0.0]:
-        return 0.0, plain
-    return best, fits[best]
+    explained = 1.0 - spread[best] / spread[0.0] if spread[0.0] > 0 else 0.0
+    needed = max(LOAD_GAIN, LOAD_F / (LOAD_F + len(seconds) - 2))
+    return (best, fits[best]) if explained >= needed else (0.0, plain)
 
 
 def _split_spread(logs: np.ndarray, keys: list[tuple[str, str]]) -> tuple[float, float]:
