@@ -5,7 +5,7 @@ STAMP  := $(VENV)/.installed
 export PATH := $(abspath $(VENV))/bin:$(PATH)
 NP     ?= 4
 
-.PHONY: venv tools test test-unit test-mpi test-integration test-netns test-slurm lint demo bench clean
+.PHONY: venv tools test test-unit test-mpi test-integration test-netns test-slurm lint demo bench bench-model clean
 
 $(STAMP): pyproject.toml
 	python3 -m venv $(VENV)
@@ -66,5 +66,20 @@ demo: venv
 bench: venv
 	$(PY) benchmarks/flush.py
 
+# The durability model's figures (docs/model.md), JSON into $(BENCH_OUT): prediction MAPE
+# and calibration idle and with $(LOAD) CPU-burning processes beside it, and the CoV of
+# the trainer's checkpoint writes under the mild and the heavy-tail contention scenarios.
+# Needs root: the PFS is a loop-device ext4 with a cgroup v1 blkio write throttle
+# (benchmarks/contention.py). BENCH_FLAGS=--quick makes cov.py a few-minute run.
+BENCH_OUT ?= bench-model
+LOAD ?= 2
+PREDICT_FLAGS ?= --sizes 16MiB,48MiB --nodes 2,4 --count 8 --scenarios quiet
+bench-model: venv
+	@if [ "$$(id -u)" != 0 ]; then echo "make bench-model: needs root (loop device, mount, cgroup blkio)"; exit 2; fi
+	mkdir -p $(BENCH_OUT)
+	$(PY) benchmarks/predict.py $(PREDICT_FLAGS) --json $(BENCH_OUT)/predict-idle.json
+	$(PY) benchmarks/predict.py $(PREDICT_FLAGS) --load $(LOAD) --json $(BENCH_OUT)/predict-loaded.json
+	$(PY) benchmarks/cov.py --scenarios mild,heavy $(BENCH_FLAGS) --json $(BENCH_OUT)/cov.json
+
 clean:
-	rm -rf $(VENV) demo-run
+	rm -rf $(VENV) demo-run bench-model

@@ -10,7 +10,9 @@
                   one client of a PFS whose bandwidth every member shares.
     Contention    background writers: separate processes in that group, each writing files
                   of heavy-tailed sizes (Pareto or log-normal, capped) with write + fsync,
-                  then an exponential think time, keeping only their newest few files. A
+                  then an exponential think time, keeping only their newest few files;
+                  with `burst` > 1, files come in bursts (a geometric number, mean
+                  `burst`, back to back) and the think time is between bursts. A
                   checkpoint written by another member queues behind whatever they have in
                   flight, so its service time is heavy-tailed, as on a busy Lustre/GPFS.
 
@@ -316,20 +318,22 @@ class Contention:
     File sizes: `dist` "pareto" (scale * Pareto(shape), i.e. at least `scale`, mean
     scale*shape/(shape-1) before the cap) or "lognormal" (median `scale`, sigma `shape`);
     capped at `max_size`. Each file: write in `chunk` pieces from a random buffer, fsync,
-    close; then sleep Exp(mean `think` s). Each writer keeps its newest `keep` files in
-    `<pfs.path>/.contention/w<i>/`. Writers exit on their own when their parent dies.
+    close; then, with probability 1/`burst` (the burst ends), sleep Exp(mean `think` s).
+    Each writer keeps its newest `keep` files in `<pfs.path>/.contention/w<i>/`. Writers
+    exit on their own when their parent dies.
     """
 
     def __init__(self, pfs: ThrottledPFS, writers: int = 2, *, dist: str = "pareto",
                  scale: str | int = "8MiB", shape: float = 1.5,
                  max_size: str | int = "256MiB", think: float = 0.5, keep: int = 2,
-                 chunk: str | int = "4MiB", seed: int = 0) -> None:
+                 chunk: str | int = "4MiB", seed: int = 0, burst: float = 1.0) -> None:
         if dist not in ("pareto", "lognormal"):
             raise ValueError(f"dist must be pareto or lognormal, not {dist!r}")
         self.pfs, self.writers, self.dist = pfs, writers, dist
         self.scale, self.shape = parse_size(scale), shape
         self.max_size, self.chunk = parse_size(max_size), parse_size(chunk)
         self.think, self.keep, self.seed = think, keep, seed
+        self.burst = max(1.0, burst)
         self.procs: list[subprocess.Popen[bytes]] = []
         self._logs: Path | None = None
         self._samples: list[Sample] = []
@@ -346,6 +350,7 @@ class Contention:
                      "--scale", str(self.scale), "--shape", str(self.shape),
                      "--max-size", str(self.max_size), "--chunk", str(self.chunk),
                      "--think", str(self.think), "--keep", str(self.keep),
+                     "--burst", str(self.burst),
                      "--seed", str(self.seed * 1000 + i), "--parent", str(os.getpid())],
                     stdin=subprocess.DEVNULL, start_new_session=True))
         except BaseException:
@@ -448,7 +453,7 @@ def _writer(args: argparse.Namespace) -> int:
             files.append(path)
             while len(files) > args.keep:
                 files.popleft().unlink(missing_ok=True)
-            if args.think > 0:
+            if args.think > 0 and rng.random() < 1 / args.burst:     # the burst ends
                 time.sleep(rng.expovariate(1 / args.think))
     return 0
 
@@ -458,7 +463,9 @@ def _demo(args: argparse.Namespace) -> int:
     started = time.monotonic()
     with ThrottledPFS(args.workdir, size=args.size, write_bps=bps) as pfs:
         made = time.monotonic() - started
-        with Contention(pfs, writers=args.writers, dist=args.dist) as contention:
+        with Contention(pfs, writers=args.writers, dist=args.dist, shape=args.shape,
+                        scale=args.scale, max_size=args.max_size, think=args.think,
+                        burst=args.burst) as contention:
             time.sleep(args.seconds)
         samples = contention.samples()
         print(f"{pfs.path} on {pfs.loop} ({pfs.device}), cap {bps / MiB:.0f} MiB/s,"
@@ -467,9 +474,12 @@ def _demo(args: argparse.Namespace) -> int:
         total = sum(s.size for s in samples)
         per_mib = sorted(s.seconds / (s.size / MiB) for s in samples)
         sizes = sorted(s.size / MiB for s in samples)
+        seconds = sorted(s.seconds for s in samples)
         print(f"written {total / MiB:.0f} MiB ({total / MiB / args.seconds:.1f} MiB/s);"
               f" sizes MiB median {sizes[len(sizes) // 2]:.1f} max {sizes[-1]:.1f};"
-              f" s/MiB median {per_mib[len(per_mib) // 2]:.4f} max {per_mib[-1]:.4f}")
+              f" s/MiB median {per_mib[len(per_mib) // 2]:.4f} max {per_mib[-1]:.4f};"
+              f" file seconds median {seconds[len(seconds) // 2]:.3f}"
+              f" p99 {seconds[int(0.99 * (len(seconds) - 1))]:.3f}")
     return 0
 
 
@@ -486,6 +496,7 @@ def main(argv: list[str] | None = None) -> int:
     writer.add_argument("--chunk", type=parse_size, default=4 * MiB)
     writer.add_argument("--think", type=float, default=0.5)
     writer.add_argument("--keep", type=int, default=2)
+    writer.add_argument("--burst", type=float, default=1.0)
     writer.add_argument("--seed", type=int, default=0)
     writer.add_argument("--parent", type=int, required=True)
     demo = sub.add_parser("demo", help="a throttled PFS with writers for a while: stats")
@@ -495,6 +506,11 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--writers", type=int, default=2)
     demo.add_argument("--dist", default="pareto", choices=["pareto", "lognormal"])
     demo.add_argument("--seconds", type=float, default=20)
+    demo.add_argument("--shape", type=float, default=1.5)
+    demo.add_argument("--scale", type=parse_size, default=8 * MiB)
+    demo.add_argument("--max-size", type=parse_size, default=256 * MiB)
+    demo.add_argument("--think", type=float, default=0.5)
+    demo.add_argument("--burst", type=float, default=1.0)
     args = parser.parse_args(argv)
     return _writer(args) if args.command == "writer" else _demo(args)
 

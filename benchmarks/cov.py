@@ -32,13 +32,27 @@ writers run throughout all phases. A write to the PFS queues behind whatever the
 flight, first come first served, so its service time is heavy-tailed (a 64 MiB write alone
 takes 0.5 s at 128 MiB/s; behind a 256 MiB file, 2 s more).
 
+Two contention scenarios (--scenarios, default both, each with a PFS of its own):
+
+  mild   the above: 128 MiB/s, 2 writers, Pareto shape 1.5 from 8 MiB up to 256 MiB,
+         think Exp(0.5 s) after every file
+  heavy  a busy shared Lustre: 96 MiB/s, 3 bursty writers (a geometric number of files,
+         mean 6, back to back, then think Exp(2.5 s)), Pareto shape 1.1 from 4 MiB up
+         to 1 GiB: most files are small, a few are huge, so a direct write's p99 is many
+         times its median
+
+--bps, --writers, --writer-scale, --shape, --writer-max, --think and --burst override
+the scenario's value. --quick: 12 timed checkpoints per mode of 32 MiB, 0.5 s compute,
+a few minutes for both scenarios.
+
 Reported: per mode n, mean, median, p99, min, max and CoV = stdev/mean (ddof 1); the
 ratios CoV(direct)/CoV(agent) (the published headline: up to 43x) and CoV(agent)/CoV(none)
 (the agent must not add variance to the trainer), each with a bootstrap 90% interval;
 what the agents did (time from commit to every node flushed, flush durations, drain time
 at the end); what the background writers achieved.
 
-    .venv/bin/python benchmarks/cov.py [--size 64MiB] [--count 30] [--blocks 3]
+    .venv/bin/python benchmarks/cov.py [--scenarios mild,heavy] [--quick]
+                                       [--size 64MiB] [--count 30] [--blocks 3]
                                        [--compute 1.5] [--bps 128MiB] [--writers 2]
                                        [--shape 1.5] [--writer-max 256MiB] [--json out.json]
 
@@ -76,6 +90,13 @@ from cachex_agent.layout import events_path, journal_dir, journal_status_path, r
 MiB = 1 << 20
 BIN = Path(sys.executable).parent
 MODES = ("direct", "agent", "none")
+SCENARIOS: dict[str, dict[str, Any]] = {
+    "mild": {"bps": 128 * MiB, "writers": 2, "writer_scale": 8 * MiB, "shape": 1.5,
+             "writer_max": 256 * MiB, "think": 0.5, "burst": 1.0, "pfs_size": "4GiB"},
+    "heavy": {"bps": 96 * MiB, "writers": 3, "writer_scale": 4 * MiB, "shape": 1.1,
+              "writer_max": 1024 * MiB, "think": 2.5, "burst": 6.0, "pfs_size": "8GiB"},
+}
+QUICK = {"count": 12, "size": 32 * MiB, "compute": 0.5}
 KEEP = 3                    # checkpoints the trainer keeps in its directory
 
 
@@ -298,20 +319,23 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
                         help="compute by keeping one core busy instead of sleeping")
     parser.add_argument("--nodes", type=int, default=2, help="virtual nodes = agents")
     parser.add_argument("--files", type=int, default=4, help="files per node")
-    parser.add_argument("--bps", type=parse_size, default=128 * MiB,
-                        help="write bandwidth cap of the PFS (default 128MiB)")
-    parser.add_argument("--writers", type=int, default=2, help="background writers")
-    parser.add_argument("--writer-scale", type=parse_size, default=8 * MiB,
-                        help="smallest background file (Pareto scale, default 8MiB)")
-    parser.add_argument("--shape", type=float, default=1.5,
-                        help="Pareto shape of the background file sizes (default 1.5)")
-    parser.add_argument("--writer-max", type=parse_size, default=256 * MiB,
-                        help="largest background file (default 256MiB)")
+    parser.add_argument("--scenarios", default="mild,heavy",
+                        help=f"contention scenarios, in order (of {', '.join(SCENARIOS)})")
+    parser.add_argument("--quick", action="store_true",
+                        help="a short run: " + ", ".join(f"{k} {v}" for k, v in QUICK.items()))
+    parser.add_argument("--bps", type=parse_size, help="write bandwidth cap of the PFS")
+    parser.add_argument("--writers", type=int, help="background writers")
+    parser.add_argument("--writer-scale", type=parse_size,
+                        help="smallest background file (Pareto scale)")
+    parser.add_argument("--shape", type=float,
+                        help="Pareto shape of the background file sizes")
+    parser.add_argument("--writer-max", type=parse_size, help="largest background file")
+    parser.add_argument("--burst", type=float, help="background files per burst (mean)")
     parser.add_argument("--trainer-nice", type=int, default=0,
                         help="nice value of the trainer in every mode (default 0)")
-    parser.add_argument("--think", type=float, default=0.5,
-                        help="background writers' mean think time (default 0.5 s)")
-    parser.add_argument("--pfs-size", default="4GiB", help="size of the PFS image (sparse)")
+    parser.add_argument("--think", type=float,
+                        help="background writers' mean think time (s)")
+    parser.add_argument("--pfs-size", help="size of the PFS image (sparse)")
     parser.add_argument("--modes", default=",".join(MODES),
                         help="which modes, in this order (default direct,agent,none)")
     parser.add_argument("--workdir", default="/tmp",
@@ -320,7 +344,21 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--trainer", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--dir", help=argparse.SUPPRESS)
     parser.add_argument("--out", help=argparse.SUPPRESS)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.quick:
+        for key, value in QUICK.items():
+            if f"--{key}" not in (argv if argv is not None else sys.argv):
+                setattr(args, key, value)
+    return args
+
+
+def scenario_args(args: argparse.Namespace, name: str) -> argparse.Namespace:
+    """`args` with the scenario's contention where the command line did not set it."""
+    values = vars(args).copy()
+    for key, value in SCENARIOS[name].items():
+        if values.get(key) is None:
+            values[key] = value
+    return argparse.Namespace(**values, scenario=name)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -332,9 +370,25 @@ def main(argv: list[str] | None = None) -> int:
         print(f"cov.py: {reason}", file=sys.stderr)
         return 2
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    if not set(modes) <= set(MODES):
+    scenarios = [s.strip() for s in args.scenarios.split(",") if s.strip()]
+    if not set(modes) <= set(MODES) or not modes:
         print(f"cov.py: --modes: choose from {', '.join(MODES)}", file=sys.stderr)
         return 2
+    if not set(scenarios) <= set(SCENARIOS) or not scenarios:
+        print(f"cov.py: --scenarios: choose from {', '.join(SCENARIOS)}", file=sys.stderr)
+        return 2
+    began = time.monotonic()
+    figures: dict[str, Any] = {}
+    for name in scenarios:
+        figures[name] = run_scenario(scenario_args(args, name), modes)
+    summary(figures, time.monotonic() - began)
+    if args.json:
+        Path(args.json).write_text(json.dumps(figures, indent=1))
+    return 0
+
+
+def run_scenario(args: argparse.Namespace, modes: list[str]) -> dict[str, Any]:
+    """Every mode under one scenario's contention; its figures."""
     began = time.monotonic()
     work = Path(tempfile.mkdtemp(prefix="cachex-cov-", dir=args.workdir))
     shm = Path(tempfile.mkdtemp(prefix="cachex-cov-", dir="/dev/shm"))
@@ -346,11 +400,11 @@ def main(argv: list[str] | None = None) -> int:
         with ThrottledPFS(work, size=args.pfs_size, write_bps=args.bps) as pfs, \
                 Contention(pfs, writers=args.writers, scale=args.writer_scale,
                            shape=args.shape, max_size=args.writer_max,
-                           think=args.think) as contention:
-            print(f"PFS {pfs.path} ({pfs.loop}, {pfs.device}): write cap"
+                           think=args.think, burst=args.burst) as contention:
+            print(f"\n[{args.scenario}] PFS {pfs.path} ({pfs.loop}, {pfs.device}): write cap"
                   f" {args.bps / MiB:.0f} MiB/s, {args.writers} background writers"
                   f" (Pareto >= {args.writer_scale / MiB:.0f} MiB, shape {args.shape},"
-                  f" <= {args.writer_max / MiB:.0f} MiB,"
+                  f" <= {args.writer_max / MiB:.0f} MiB, bursts of {args.burst:g},"
                   f" think Exp({args.think}s)); checkpoint {args.size / MiB:.0f} MiB ="
                   f" {args.nodes} nodes x {args.files} files; {args.count} timed per mode in"
                   f" {args.blocks} blocks (+{args.warmup} untimed each), compute"
@@ -371,13 +425,30 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(shm, ignore_errors=True)
         shutil.rmtree(work, ignore_errors=True)
     load.append(os.getloadavg()[0])
-    report(args, {m: np.array(t) for m, t in times.items()}, agents, samples,
-           time.monotonic() - began)
+    figures = report(args, {m: np.array(t) for m, t in times.items()}, agents, samples,
+                     time.monotonic() - began)
+    figures["load"] = [min(load), max(load)]
     print(f"load average (1 min) during the run: {min(load):.1f}-{max(load):.1f}")
     if neighbours:
+        figures["neighbours"] = len(neighbours)
         print(f"WARNING: {len(neighbours)} other agent/writer/benchmark processes ran beside"
               f" this one (pids {sorted(neighbours)[:8]}...): the machine was shared")
-    return 0
+    return figures
+
+
+def summary(figures: dict[str, Any], elapsed: float) -> None:
+    """The ratios of every scenario, last."""
+    print(f"\nCoV ratios, bootstrap 90% intervals ({elapsed:.0f} s in all):")
+    for name, f in figures.items():
+        line = [f"{name:6s}"]
+        if "direct" in f:
+            line.append(f"direct p99/median {f['direct']['p99'] / f['direct']['median']:.1f}")
+        for key, what in (("direct/agent", "direct/agent"), ("agent/none", "agent/none")):
+            if key in f:
+                low, high = f[key]["interval90"]
+                line.append(f"{what} {f[key]['ratio']:.2f} ({low:.2f}-{high:.2f})")
+        print("  ".join(line) + f"  load {f['load'][0]:.1f}-{f['load'][1]:.1f}")
+    print("published: direct/agent up to 43x; agent/none should be near 1")
 
 
 def run_phase(args: argparse.Namespace, mode: str, block: int, count: int, pfs: ThrottledPFS,
@@ -419,7 +490,7 @@ def other_benchmarks() -> set[int]:
 
 
 def report(args: argparse.Namespace, times: dict[str, np.ndarray], agents: dict[str, Any],
-           samples: list[Any], elapsed: float) -> None:
+           samples: list[Any], elapsed: float) -> dict[str, Any]:
     print()
     for mode, x in times.items():
         print(f"{mode:6s} n {len(x):3d}  {describe(x)}")
@@ -460,8 +531,8 @@ def report(args: argparse.Namespace, times: dict[str, np.ndarray], agents: dict[
               f" s/MiB median {np.median(rate):.4f} p99 {np.percentile(rate, 99):.4f}"
               f" (alone: {MiB / args.bps:.4f})")
     print(f"elapsed {elapsed:.0f}s")
-    if args.json:
-        Path(args.json).write_text(json.dumps(figures, indent=1))
+    figures["contention"] = {k: getattr(args, k) for k in SCENARIOS["mild"]}
+    return figures
 
 
 if __name__ == "__main__":

@@ -12,10 +12,18 @@ then the next waits until it is flushed, so completion times are not queueing be
 other. Per scenario the model is fitted on the first half of every workload's checkpoints
 (events of those only) and predicts the median completion time of each level for the
 second half; the script prints the MAPE per level, per checkpoint and per workload
-(observed median vs predicted median), against the published 7.1%.
+(observed median vs predicted median), against the published 7.1%, and the calibration
+of the predicted distributions on the same held-out checkpoints: per level, the fraction
+of observed completion times below the predicted 0.5, 0.9 and 0.99 quantiles
+(model/calibration.py; target q +- 0.05).
+
+`--load N` runs N CPU-burning processes beside the whole run (a training node's cores
+are never idle), started `--load-warmup` seconds (90) before the first checkpoint so the
+1-minute load average has settled; it is recorded at every checkpoint and printed.
 
     python benchmarks/predict.py [--sizes 24MiB,64MiB,160MiB] [--nodes 2,4] [--count 10]
-                                 [--scenarios quiet,contended] [--keep DIR]
+                                 [--scenarios quiet,contended] [--load N] [--keep DIR]
+                                 [--json FILE]
 """
 
 from __future__ import annotations
@@ -32,6 +40,7 @@ import tempfile
 import time
 from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -42,6 +51,7 @@ from contention import Contention, ThrottledPFS  # noqa: E402
 
 from cachex_agent import config as configuration  # noqa: E402
 from cachex_agent.layout import pfs_stop_file  # noqa: E402
+from cachex_agent.model.calibration import QUANTILES, calibration, predictor  # noqa: E402
 from cachex_agent.model.history import History, config_event_files, load_history  # noqa: E402
 from cachex_agent.model.predict import fit_system  # noqa: E402
 from cachex_agent.status import load_status  # noqa: E402
@@ -49,6 +59,23 @@ from cachex_agent.status import load_status  # noqa: E402
 MiB = 1024 * 1024
 BIN = Path(sys.executable).parent
 LEVELS = ("captured", "replicated", "flushed")
+
+
+LOADS: list[float] = []         # 1-minute load average at every checkpoint
+LOAD_COVARIATE = True           # predict each checkpoint at its recorded load (--no-load-covariate)
+
+
+def burn(count: int) -> list[subprocess.Popen]:
+    """`count` processes spinning on a core each: a node whose cores are training."""
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"],
+                             stdin=subprocess.DEVNULL, start_new_session=True)
+            for _ in range(count)]
+
+
+def stop_burning(procs: list[subprocess.Popen]) -> None:
+    for proc in procs:
+        proc.kill()
+        proc.wait()
 
 
 def write_config(root: Path, pfs: Path, run: str) -> Path:
@@ -139,6 +166,7 @@ def run_workloads(root: Path, pfs: ThrottledPFS, scenario: str, nodes: int,
             wait(lambda c=ckpt: level_of(cfg, c) in ("flushed", "failed"), 300,
                  f"{run} {ckpt} to be flushed")
             prune_spool(cfg, nodes, ckpt)
+            LOADS.append(os.getloadavg()[0])
             print(f"  {run}: {ckpt} {size // MiB} MiB {level_of(cfg, ckpt)}", flush=True,
                   end="\r")
         stop = pfs_stop_file(cfg.node_paths(0).pfs)
@@ -181,16 +209,16 @@ def evaluate(history: History) -> dict[str, dict[str, float]]:
     model = fit_system(fit)
     errors: dict[str, list[float]] = defaultdict(list)
     groups: dict[tuple[str, str, int], list[tuple[float, float]]] = defaultdict(list)
-    cache: dict[tuple[str, int, int], float] = {}
+    cache: dict[tuple[Any, ...], float] = {}
+    predict = predictor(model, with_load=LOAD_COVARIATE)
     for sample in tests:
-        key = (sample.level, sample.bytes, sample.nodes)
+        key = (sample.level, sample.bytes, sample.nodes, sample.load)
         if key not in cache:
-            cache[key] = model.predict(sample.level, sample.path, sample.bytes,
-                                       sample.nodes).quantile(0.5)
+            cache[key] = predict(sample).quantile(0.5)
         predicted = cache[key]
         errors[sample.level].append(abs(predicted - sample.latency) / sample.latency)
         groups[(sample.level, sample.run, sample.bytes)].append((predicted, sample.latency))
-    out = {}
+    out: dict[str, dict[str, Any]] = {}
     for level in LEVELS:
         per_workload = [abs(p[0][0] - statistics.median(o for _, o in p)) /
                         statistics.median(o for _, o in p)
@@ -198,7 +226,32 @@ def evaluate(history: History) -> dict[str, dict[str, float]]:
         out[level] = {"checkpoint": 100 * statistics.mean(errors[level]),
                       "workload": 100 * statistics.mean(per_workload),
                       "n": len(errors[level])}
+    for row in calibration(tests, predict):
+        out[row.level].setdefault("coverage", {})[row.path] = row.coverage
     return out
+
+
+def print_results(results: dict[str, dict[str, dict[str, Any]]]) -> None:
+    print(f"{'scenario':10} {'level':11} {'n':>4} {'MAPE/ckpt':>10} {'MAPE/workload':>14}"
+          f"  coverage of the predicted {'/'.join(f'{q:g}' for q in QUANTILES)} quantiles"
+          f" ({'at each checkpoint' if LOAD_COVARIATE else 'at the median'} load)")
+    for scenario, levels in results.items():
+        for level, r in levels.items():
+            cover = "  ".join(f"{path} " + "/".join(f"{c[q]:.2f}" for q in QUANTILES)
+                              for path, c in r.get("coverage", {}).items())
+            print(f"{scenario:10} {level:11} {r['n']:>4} {r['checkpoint']:>9.1f}%"
+                  f" {r['workload']:>13.1f}%  {cover}")
+    print("published: 7.1% MAPE of completion-time predictions; calibrated: coverage q +- 0.05")
+
+
+def replay(root: Path) -> dict[str, dict[str, dict[str, Any]]]:
+    """The figures of a kept run (its <scenario>-n<N>.toml configurations), again."""
+    configs: dict[str, list[Path]] = defaultdict(list)
+    for config in sorted(root.glob("*-n*.toml")):
+        configs[config.stem.rsplit("-n", 1)[0]].append(config)
+    return {scenario: evaluate(load_history(
+        [f for c in found for f in config_event_files(configuration.load(c))]))
+        for scenario, found in configs.items()}
 
 
 def main() -> None:
@@ -208,8 +261,23 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=10)
     parser.add_argument("--scenarios", default="quiet,contended")
     parser.add_argument("--throttle", default="150MiB", help="contended PFS write bandwidth")
+    parser.add_argument("--load", type=int, default=0, metavar="N",
+                        help="run N CPU-burning processes beside the benchmark")
+    parser.add_argument("--load-warmup", type=float, default=90.0, metavar="SECONDS",
+                        help="with --load: wait this long before the first checkpoint")
+    parser.add_argument("--no-load-covariate", action="store_true",
+                        help="predict at the fit's median load, not each checkpoint's")
+    parser.add_argument("--from-events", metavar="DIR",
+                        help="no run: evaluate the events of an earlier --keep DIR")
     parser.add_argument("--keep", help="keep the work directory here")
+    parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
+    global LOAD_COVARIATE
+    LOAD_COVARIATE = not args.no_load_covariate
+    if args.from_events:
+        for scenario, levels in replay(Path(args.from_events)).items():
+            print_results({scenario: levels})
+        return
     sizes = [configuration.parse_size(s) for s in args.sizes.split(",")]
     node_counts = [int(n) for n in args.nodes.split(",")]
     root = Path(args.keep or tempfile.mkdtemp(prefix="cachex-predict-"))
@@ -217,6 +285,13 @@ def main() -> None:
     rng = np.random.default_rng(5)
     results = {}
     started = time.monotonic()
+    burners = burn(args.load)
+    if burners and args.load_warmup > 0:
+        # a training node's load is steady: let the 1-minute load average (an EMA that
+        # reaches 63% of a step after 60 s) settle, so the fit half does not see a ramp
+        print(f"{args.load} CPU burners started; {args.load_warmup:.0f} s for the load average"
+              " to settle", flush=True)
+        time.sleep(args.load_warmup)
     try:
         for scenario in args.scenarios.split(","):
             contended = scenario == "contended"
@@ -234,18 +309,24 @@ def main() -> None:
                 files = [f for c in configs for f in config_event_files(configuration.load(c))]
                 results[scenario] = evaluate(load_history(files))
     finally:
+        stop_burning(burners)
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree("/dev/shm/cachex-predict", ignore_errors=True)
-    print(f"\nfit on the first half of each workload, predicted the median of the rest"
+    load = [min(LOADS), statistics.median(LOADS), max(LOADS)] if LOADS else []
+    print(f"\nfit on the first half of each workload, predicted the rest"
           f" ({time.monotonic() - started:.0f} s; sizes {args.sizes}, nodes {args.nodes},"
-          f" {args.count} checkpoints each)")
-    print(f"{'scenario':10} {'level':11} {'n':>4} {'MAPE/ckpt':>10} {'MAPE/workload':>14}")
-    for scenario, levels in results.items():
-        for level, r in levels.items():
-            print(f"{scenario:10} {level:11} {r['n']:>4} {r['checkpoint']:>9.1f}%"
-                  f" {r['workload']:>13.1f}%")
-    print("published: 7.1% MAPE of completion-time predictions")
+          f" {args.count} checkpoints each; --load {args.load}, load average"
+          f" {' / '.join(f'{x:.1f}' for x in load)} min/median/max on {os.cpu_count()} cores)")
+    print_results(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"load_processes": args.load, "loadavg": load, "cores": os.cpu_count(),
+             "sizes": args.sizes, "nodes": args.nodes, "count": args.count,
+             "results": {sc: {lv: {**r, "coverage": {p: {str(q): c for q, c in cov.items()}
+                                                     for p, cov in r.get("coverage", {}).items()}}
+                              for lv, r in levels.items()} for sc, levels in results.items()}},
+            indent=1))
 
 
 if __name__ == "__main__":

@@ -39,14 +39,20 @@ from .collective import agree
 from .config import Config
 from .coordinator import Coordinator
 from .errors import describe
-from .events import EventLog
+from .events import EventCopy, EventLog
 from .flush.flusher import Flusher, flushed_report
 from .fsutil import remove_under
 from .handles import ENDED, Stage, StageLog, State, is_done, is_failed, stage_state
 from .inbox import Inbox, exit_watchdog
 from .index import read_index
 from .journal import Journal
-from .layout import bundle_path, events_path, journal_stop_file, pfs_stop_file
+from .layout import (
+    bundle_path,
+    events_path,
+    journal_stop_file,
+    pfs_events_path,
+    pfs_stop_file,
+)
 from .manifest import LocalManifest
 from .messages import (
     PEER,
@@ -100,8 +106,10 @@ class Agent:
         self._remove_stale()
         self.inbox = Inbox()
         self.announced: dict[str, dict[str, Any]] = {}
+        self.events_copy = EventCopy(self.events.path,
+                                     pfs_events_path(self.paths.pfs, self.node))
         self.flusher = Flusher(self.paths.pfs, config.flush, self.events, self.inbox.put,
-                               self.stages)
+                               self.stages, self.events_copy)
         self.draining = False
         self.drain_deadline = 0.0
         self._drained_sent = False
@@ -117,7 +125,8 @@ class Agent:
         self.replicator = agree(comm, "peer set-up", self._make_replicator)
         self.coordinator = agree(comm, "coordinator", lambda: Coordinator(
             config, self.ranks_by_node, self.journal, self.paths.pfs, self.events, self._send,
-            can_replicate=self.replicator is not None, wake=self.inbox.wake)
+            can_replicate=self.replicator is not None, wake=self.inbox.wake,
+            events_copy=self.events_copy)
             if self.rank == 0 else None)
         self.globals = GlobalFiles(comm, self.paths.journal, self._send_peer,
                                    config.agent.timeout)

@@ -5,7 +5,9 @@ It never moves data. It hears small messages from the agents, and `decisions.dec
 carries the effects out:
 
   main thread   messages to agents (`send`, at once), events, log lines
-  lane "pfs"    global manifests, index and status on the PFS; purges
+  lane "pfs"    global manifests, index and status on the PFS; purges; the node's
+                events appended to its PFS log when a checkpoint ends (flushed or
+                failed) and at close, so the level times reach the PFS too
   lane "journal" coordinator.json and status in the journal
   lane "model"  the path choice's Monte Carlo and its stage samples
 
@@ -63,7 +65,7 @@ from .decisions import (
     state_json,
     status_rows,
 )
-from .events import EventLog
+from .events import EventCopy, EventLog
 from .fsutil import makedirs, remove_under, write_json
 from .index import Index, read_index, write_index
 from .journal import Journal
@@ -84,8 +86,10 @@ class Coordinator:
     def __init__(self, config: Config, ranks_by_node: list[int], journal: Journal,
                  pfs_run: Path, events: EventLog, send: SendFn,
                  clock: Callable[[], float] = time.time, can_replicate: bool = True,
-                 wake: Callable[[], None] | None = None) -> None:
+                 wake: Callable[[], None] | None = None,
+                 events_copy: EventCopy | None = None) -> None:
         self.config = config
+        self.events_copy = events_copy
         self.ranks = ranks_by_node
         self.journal = journal
         self.pfs_run = pfs_run
@@ -160,6 +164,7 @@ class Coordinator:
     def close(self, timeout: float) -> None:
         """Finish the lanes' work (the final status), up to `timeout` seconds."""
         deadline = time.monotonic() + timeout
+        self._copy_events()
         for lane in self.lanes.values():
             if not lane.close(max(0.0, deadline - time.monotonic())):
                 log.warning("coordinator: %s writes not finished after %.0fs; leaving them",
@@ -201,6 +206,13 @@ class Coordinator:
 
     def _emit(self, effect: Emit) -> None:
         self.events.emit(effect.event, **effect.fields)
+        if effect.event in ("level_flushed", "failed"):
+            self._copy_events()
+
+    def _copy_events(self) -> None:
+        copy = self.events_copy
+        if copy is not None:
+            self._offer("pfs", "events", lambda: _copy_events_quietly(copy))
 
     def _log(self, effect: Log) -> None:
         getattr(log, effect.level)("%s", effect.text)
@@ -304,6 +316,13 @@ def _write_pfs_status(pfs_run: Path, status: dict[str, Any]) -> None:
         write_json(layout.pfs_status_path(pfs_run), status)
     except OSError:
         pass                # the journal's copy is the one that counts
+
+
+def _copy_events_quietly(copy: EventCopy) -> None:
+    try:
+        copy.copy()
+    except OSError as exc:
+        log.warning("events not copied to the PFS (the next checkpoint retries): %s", exc)
 
 
 def _remove_quietly(pfs_run: Path, ckpt: str) -> None:

@@ -13,6 +13,8 @@
     <cache>/<run>/replicas/node-<owner>/<ckpt>.manifest.json   written last
     <pfs>/<run>/index.json  status.json  control/stop  coordinator.lock
     <pfs>/<run>/ckpt/<ckpt>/manifest.json  node-<NNNNN>.h5
+    <pfs>/<run>/events/node-<NNNNN>.jsonl   each node's events, appended at every flush
+    <pfs>/<run>/events/node-<NNNNN>.old.jsonl   the previous one, once that reached its cap
 
 A name too long for one component with its suffix or prefix is replaced by a hash
 (fsutil.derived_name). Functions take the root they build under (a node's NodePaths, a
@@ -34,6 +36,9 @@ JOURNAL_STATE = "state.json"
 COORDINATOR_STATE = "coordinator.json"
 RUN_LOCK = "coordinator.lock"
 EVENTS = "events.jsonl"
+PFS_EVENTS_DIR = "events"
+PFS_EVENTS_SUFFIX = ".jsonl"
+PFS_EVENTS_OLD_SUFFIX = ".old.jsonl"
 STOP = "stop"
 REPLICA_MANIFEST_SUFFIX = ".manifest.json"
 PARITY_MANIFEST_SUFFIX = ".parity.json"
@@ -237,3 +242,26 @@ def bundle_name(node: int) -> str:
 
 def bundle_path(pfs_run: Path, ckpt: str, node: int) -> Path:
     return pfs_ckpt_dir(pfs_run, ckpt) / bundle_name(node)
+
+
+def pfs_events_dir(pfs_run: Path) -> Path:
+    """Every node's copy of its events (the coordinator's are node 0's): the model's
+    history when a node's own disk is gone."""
+    return pfs_run / PFS_EVENTS_DIR
+
+
+def pfs_events_path(pfs_run: Path, node: int) -> Path:
+    return pfs_events_dir(pfs_run) / f"{node_dir_name(node)}{PFS_EVENTS_SUFFIX}"
+
+
+def pfs_events_old_path(current: Path) -> Path:
+    """Where a node's PFS event log goes when it reaches its cap (one generation kept)."""
+    return current.with_name(current.name.removesuffix(PFS_EVENTS_SUFFIX)
+                             + PFS_EVENTS_OLD_SUFFIX)
+
+
+def pfs_events_paths(pfs_run: Path) -> list[Path]:
+    """Every node's PFS event logs, the older generation of each node first."""
+    found = sorted(pfs_events_dir(pfs_run).glob(f"node-*{PFS_EVENTS_SUFFIX}"))
+    return sorted(found, key=lambda p: (p.name.split(".")[0],
+                                        not p.name.endswith(PFS_EVENTS_OLD_SUFFIX)))

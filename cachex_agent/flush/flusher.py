@@ -11,6 +11,9 @@ coordinator; `report` must be thread-safe.
 
 A bundle already complete on the PFS whose files match the manifest is adopted, not
 rewritten (an agent restarted after the rename but before the coordinator's commit).
+
+With each bundle done, the worker appends the node's new events to its log on the PFS
+(events.EventCopy), `flushed` included, before the coordinator hears of the flush.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import psutil
 
 from ..config import Flush
 from ..errors import OperationError, describe
-from ..events import EventLog
+from ..events import EventCopy, EventLog
 from ..fsutil import makedirs
 from ..handles import Handle, Stage, StageLog, State, held_for_tests
 from ..layout import bundle_path
@@ -63,9 +66,11 @@ class FlushHandle(Handle):
 
 class Flusher:
     def __init__(self, pfs_run: Path, settings: Flush, events: EventLog, report: Report,
-                 log_: StageLog | None = None) -> None:
-        """`log_`: where stage states go (journal and events); events only if None."""
+                 log_: StageLog | None = None, events_copy: EventCopy | None = None) -> None:
+        """`log_`: where stage states go (journal and events); events only if None.
+        `events_copy`: the node's events to the PFS after each bundle (None: not)."""
         self.pfs_run = pfs_run
+        self.events_copy = events_copy
         self.settings = settings
         self.log = log_ or StageLog(events)
         self.report = report
@@ -155,8 +160,20 @@ class Flusher:
         duration = time.time() - start
         if handle.set(State.DONE, persist={"bundle": target.name}, bytes=manifest.bytes,
                       duration=duration, adopted=adopted, target=str(target)):
+            self._copy_events()
             self.report(flushed_report(manifest.ckpt, manifest.node, target.name, duration,
                                        adopted))
+
+    def _copy_events(self) -> None:
+        """The bundle is durable already: a PFS that refuses the events now only delays
+        them to the next flush."""
+        if self.events_copy is None:
+            return
+        try:
+            self.events_copy.copy()
+        except OSError as exc:
+            log.warning("events not copied to the PFS (next flush retries): %s",
+                        describe(exc))
 
     def _failed(self, handle: FlushHandle, error: str, final: bool, retry_in: float = 0.0
                 ) -> None:

@@ -1,7 +1,10 @@
 """Stage and level observations, read from the agents' event files (events.jsonl).
 
 Every agent writes its own events; the coordinator's file also holds the checkpoint
-levels. From them:
+levels. Each node's events are also appended to its log on the PFS with every flush
+(events.EventCopy, layout.pfs_events_path), so a node whose disk is gone still has its
+history there. A node's files (its own, its PFS log, a restarted agent's repeats) are
+one stream: merged, repeated lines dropped, in time order. From them:
 
   stage samples  one per (checkpoint, node, stage): bytes of that node's part, seconds
     write      the trainer's write: first sight of the checkpoint directory -> commit
@@ -17,6 +20,7 @@ levels. From them:
 
 from __future__ import annotations
 
+import json
 from collections import defaultdict
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -26,7 +30,15 @@ from typing import Any
 from ..config import Config, render
 from ..errors import OperationError
 from ..events import read_events
-from ..layout import EVENTS, events_path, journal_dir, run_dir
+from ..layout import (
+    EVENTS,
+    PFS_EVENTS_DIR,
+    PFS_EVENTS_SUFFIX,
+    events_path,
+    journal_dir,
+    pfs_events_paths,
+    run_dir,
+)
 
 STAGES = ("write", "capture", "replicate", "flush")
 LEVELS = ("captured", "replicated", "flushed")
@@ -43,6 +55,7 @@ class StageSample:
     seconds: float
     end: float          # wall-clock time the stage ended (for timelines)
     path: str
+    load: float | None = None   # the node's load per core when the stage ended
 
 
 @dataclass(frozen=True)
@@ -56,6 +69,7 @@ class LevelSample:
     latency: float      # seconds from commit to the level holding on every node
     committed: float    # wall-clock time of the commit
     path: str
+    load: float | None = None   # the coordinator node's load per core at the commit
 
 
 @dataclass
@@ -82,16 +96,24 @@ def event_files(paths: Iterable[Path]) -> list[Path]:
             found.append(path)
         elif path.is_dir():
             found.extend(sorted(path.rglob(EVENTS)))
+            found.extend(sorted(path.rglob(f"{PFS_EVENTS_DIR}/node-*{PFS_EVENTS_SUFFIX}")))
         else:
             raise OperationError(f"{path}: no such file or directory")
     return found
 
 
 def config_event_files(config: Config) -> list[Path]:
-    """Every node's event file of the configured run: the cache template, any node."""
+    """Every node's event file of the configured run: the cache template, any node; then
+    the nodes' logs on the PFS (what a lost node's disk held)."""
     values = {"node": "*", "rank": "*", "host": "*", "run": config.run, "job": "*"}
     cache = Path(render(config.paths.cache, values, "paths.cache"))
-    pattern = events_path(journal_dir(run_dir(cache, config.run)))
+    local = _glob(events_path(journal_dir(run_dir(cache, config.run))))
+    pfs = Path(render(config.paths.pfs, values, "paths.pfs"))
+    return local + [path for root in _glob(run_dir(pfs, config.run))
+                    for path in pfs_events_paths(root)]
+
+
+def _glob(pattern: Path) -> list[Path]:
     root = Path(pattern.anchor)
     return sorted(root.glob(str(pattern.relative_to(root))))
 
@@ -100,19 +122,36 @@ def load_history(files: Iterable[Path]) -> History:
     history = History()
     paths: dict[tuple[str, str], str] = {}          # (run, ckpt) -> path
     commits: dict[tuple[str, str], float] = {}
-    per_file = []
-    for path in files:
-        records = read_events(path)
-        history.sources.append(path)
-        per_file.append(records)
+    files = list(files)
+    history.sources.extend(files)
+    per_node = _node_streams(files)
+    for records in per_node:
         for rec in records:
             if rec.get("event") == "committed":
                 paths[(rec.get("run", ""), rec["ckpt"])] = rec.get("path", "peer")
                 commits[(rec.get("run", ""), rec["ckpt"])] = rec["t"]
-    for records in per_file:
+    for records in per_node:
         history.stages.extend(_stage_samples(records, paths, commits))
         history.levels.extend(_level_samples(records, paths))
     return history
+
+
+def _node_streams(files: list[Path]) -> list[list[dict[str, Any]]]:
+    """Each (run, node)'s events from every file that has them, a line seen twice (the
+    local file and its PFS copy, an agent that copied its file again after a restart)
+    kept once, in time order. Records without a node stay a stream of their file."""
+    streams: dict[tuple[str, Any], list[dict[str, Any]]] = defaultdict(list)
+    seen: set[str] = set()
+    for number, path in enumerate(files):
+        for rec in read_events(path):
+            line = json.dumps(rec, sort_keys=True)
+            if line in seen:
+                continue
+            seen.add(line)
+            streams[(rec.get("run", ""), rec.get("node", f"file {number}"))].append(rec)
+    for records in streams.values():
+        records.sort(key=lambda rec: float(rec.get("t", 0.0)))
+    return list(streams.values())
 
 
 def _stage_samples(records: list[dict[str, Any]], paths: dict[tuple[str, str], str],
@@ -127,7 +166,8 @@ def _stage_samples(records: list[dict[str, Any]], paths: dict[tuple[str, str], s
         run, ckpt = rec.get("run", ""), rec["ckpt"]
         if seconds > 0 and nbytes > 0:
             out.append(StageSample(run, ckpt, int(rec.get("node", 0)), nodes, stage, nbytes,
-                                   seconds, rec["t"], paths.get((run, ckpt), "peer")))
+                                   seconds, rec["t"], paths.get((run, ckpt), "peer"),
+                                   rec.get("load")))
 
     for rec in records:
         kind = rec.get("event")
@@ -173,5 +213,6 @@ def _level_samples(records: list[dict[str, Any]], paths: dict[tuple[str, str], s
             out.append(LevelSample(key[0], key[1], int(rec.get("seq", 0)),
                                    int(commit.get("nodes", 1)), kind[6:], int(rec["bytes"]),
                                    float(rec["latency"]), float(commit["t"]),
-                                   rec.get("path") or paths.get(key, "peer")))
+                                   rec.get("path") or paths.get(key, "peer"),
+                                   commit.get("load")))
     return out

@@ -110,19 +110,22 @@ class SystemModel:
         return model
 
     def predict(self, level: str, path: str, size: float, nodes: int,
-                samples: int = MONTE_CARLO, seed: int = 1) -> Prediction:
+                samples: int = MONTE_CARLO, seed: int = 1, load: float | None = None
+                ) -> Prediction:
+        """`load`: the nodes' load per core (default: each stage's reference load)."""
         if size <= 0 or nodes < 1:
             raise OperationError(f"need size > 0 and nodes >= 1, got {size}, {nodes}")
         whole = self.stages.get(f"{level}:{path}")
         models = [whole] if whole else [self.stage(s) for s in level_stages(level, path)]
         part = size / nodes
-        shift = sum(m.fixed(nodes) for m in models) + self.overheads.get(level, 0.0)
+        shift = sum(m.fixed(nodes, load) for m in models) + self.overheads.get(level, 0.0)
         if len(models) == 1 and models[0].log_params[2] == 0.0:
             only = models[0]
+            fixed = only.fixed(nodes, load)
             return Prediction(level, path, size, nodes, shift,
-                              lambda y: only.cdf(y + only.fixed(nodes), part, nodes),
-                              lambda q: only.ppf(q, part, nodes) - only.fixed(nodes))
-        times = shift + _slowest_node(models, part, nodes, samples, seed)
+                              lambda y: only.cdf(y + fixed, part, nodes, load),
+                              lambda q: only.ppf(q, part, nodes, load) - fixed)
+        times = shift + _slowest_node(models, part, nodes, samples, seed, load)
         return Prediction(level, path, size, nodes, shift, simulated=np.sort(times))
 
     def durability(self, level: str, path: str, size: float, nodes: int,
@@ -166,7 +169,7 @@ class SystemModel:
 
 
 def _slowest_node(models: list[StageModel], part: float, nodes: int, samples: int,
-                  seed: int) -> np.ndarray:
+                  seed: int, load: float | None = None) -> np.ndarray:
     """Variable part of the slowest node's time, one draw per simulated checkpoint."""
     rng = np.random.default_rng(seed)
     mean = np.zeros(samples)
@@ -174,7 +177,8 @@ def _slowest_node(models: list[StageModel], part: float, nodes: int, samples: in
     for model in models:
         mu, sigma, common = model.log_params
         # log of the node's variable time s*N^g/B, B = exp(mu + common part + node part)
-        loc = math.log(model.scale(part, nodes)) - mu - common * rng.standard_normal(samples)
+        loc = (math.log(model.scale(part, nodes) * model.factor(load)) - mu
+               - common * rng.standard_normal(samples))
         mean += np.exp(loc + sigma * sigma / 2)
         var += np.expm1(sigma * sigma) * np.exp(2 * loc + sigma * sigma)
     s2 = np.log1p(var / (mean * mean))

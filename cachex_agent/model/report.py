@@ -6,6 +6,7 @@
                        against its fitted log-normal, gamma and Weibull (pdf and CDF)
     durability.png     P(level holds by t after the commit) per level and path for one
                        checkpoint size and node count, with the observed latencies
+    reliability.png    coverage of the predicted quantiles per level (calibration.py)
 
 Figures are drawn on bare `Figure` objects (the Agg renderer, no pyplot state), so the
 module is safe to use from any thread and leaves nothing open.
@@ -25,6 +26,7 @@ from matplotlib.patches import Patch
 
 from ..errors import OperationError
 from ..fsutil import atomic_open, makedirs
+from .calibration import reliability
 from .distributions import Fit
 from .history import LEVELS, STAGES, History, LevelSample, StageSample
 from .predict import PATHS, Prediction, SystemModel, level_stages
@@ -55,7 +57,8 @@ def write_report(history: History, model: SystemModel, out: Path, size: float | 
     makedirs(out)
     return [_save(timeline(history), out / "timeline.png"),
             _save(distributions(history, model), out / "distributions.png"),
-            _save(durability(history, model, size, nodes), out / "durability.png")]
+            _save(durability(history, model, size, nodes), out / "durability.png"),
+            _save(reliability(history, model), out / "reliability.png")]
 
 
 def _save(fig: Figure, path: Path) -> Path:

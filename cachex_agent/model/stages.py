@@ -11,6 +11,19 @@ on (N**gamma_fixed, s * N**gamma) over a grid of both exponents; with a single p
 and node count `a` is 0. The exponents need samples from at least two node counts; with
 one, they are 0 (a node count never seen is assumed not to change per-node bandwidth).
 
+A loaded node is slower at every stage (a capture checksums, a flush compresses and
+copies, the agents' loops poll): with the node's load per core l (the 1-minute load
+average over the cores, recorded with every event), the whole time scales as
+
+    t = (1 + beta * l) * (a * N**gamma_fixed + s * N**gamma / B)
+
+beta is chosen on a grid as the value that leaves the least spread of log B (the part
+of the times that tracks the load), and kept at 0 unless it removes a fraction R2 of
+that variance with R2 >= LOAD_GAIN and an F statistic R2 / (1 - R2) * (n - 2) >= LOAD_F
+(as for one regressor; about p < 0.003): on a machine whose load did not vary, or
+varied without effect, the model is the one above. Predictions are at a given load,
+by default the median of the samples.
+
 The spread of log B splits in two: a part common to every node of a checkpoint (the
 PFS busy for everyone, the job's own other I/O) and a part of each node. Only the
 second makes the slowest of N nodes slower than one; predictions use both (predict.py).
@@ -31,6 +44,9 @@ from .distributions import FAMILIES, Fit, best_fit, fit
 from .history import StageSample
 
 MIN_SAMPLES = 3
+BETAS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
+LOAD_GAIN = 0.10        # fraction of var(log B) the load must explain to be kept
+LOAD_F = 10.0           # and the F statistic of that fraction, for n samples
 
 
 @dataclass(frozen=True)
@@ -46,9 +62,15 @@ class StageModel:
     sigma_node: float = math.nan    # spread of log B among the nodes of one checkpoint
     sigma_common: float = 0.0       # spread of log B shared by a checkpoint's nodes
     gamma_fixed: float = 0.0
+    beta: float = 0.0               # time factor per unit of load per core
+    load: float = 0.0               # the reference load per core (median of the samples)
 
-    def fixed(self, nodes: int) -> float:
-        return self.overhead * nodes ** self.gamma_fixed
+    def factor(self, load: float | None = None) -> float:
+        """How much slower than on an idle node, at `load` (default: the reference)."""
+        return 1.0 + self.beta * (self.load if load is None else load)
+
+    def fixed(self, nodes: int, load: float | None = None) -> float:
+        return self.overhead * nodes ** self.gamma_fixed * self.factor(load)
 
     @property
     def log_params(self) -> tuple[float, float, float]:
@@ -68,12 +90,15 @@ class StageModel:
     def scale(self, size: float, nodes: int) -> float:
         return size * nodes ** self.gamma
 
-    def ppf(self, q: float | np.ndarray, size: float, nodes: int) -> float | np.ndarray:
+    def ppf(self, q: float | np.ndarray, size: float, nodes: int, load: float | None = None
+            ) -> float | np.ndarray:
         """Quantile of one node's time (slow bandwidth = long time)."""
-        return self.fixed(nodes) + self.scale(size, nodes) / self.bandwidth.ppf(1.0 - np.asarray(q))
+        variable = self.scale(size, nodes) / self.bandwidth.ppf(1.0 - np.asarray(q))
+        return self.fixed(nodes, load) + self.factor(load) * variable
 
-    def cdf(self, t: np.ndarray, size: float, nodes: int) -> np.ndarray:
-        over = np.asarray(t, dtype=float) - self.fixed(nodes)
+    def cdf(self, t: np.ndarray, size: float, nodes: int, load: float | None = None
+            ) -> np.ndarray:
+        over = (np.asarray(t, dtype=float) - self.fixed(nodes, load)) / self.factor(load)
         out = np.zeros_like(over)
         positive = over > 0
         out[positive] = self.bandwidth.frozen.sf(self.scale(size, nodes) / over[positive])
@@ -82,7 +107,7 @@ class StageModel:
     def to_json(self) -> dict[str, Any]:
         return {"stage": self.stage, "overhead": self.overhead, "gamma": self.gamma,
                 "n": self.n, "ks": self.ks, "log_params": list(self.log_params),
-                "gamma_fixed": self.gamma_fixed,
+                "gamma_fixed": self.gamma_fixed, "beta": self.beta, "load": self.load,
                 "fits": [_fit_json(f) for f in self.fits],
                 "durations": [_fit_json(f) for f in self.durations]}
 
@@ -92,7 +117,8 @@ class StageModel:
                    tuple(_fit_from(f) for f in data["fits"]),
                    tuple(_fit_from(f) for f in data["durations"]), int(data["n"]),
                    float(data["ks"]), *map(float, data["log_params"]),
-                   float(data.get("gamma_fixed", 0.0)))
+                   float(data.get("gamma_fixed", 0.0)), float(data.get("beta", 0.0)),
+                   float(data.get("load", 0.0)))
 
 
 def fit_stage(samples: Sequence[StageSample], criterion: str = "aic",
@@ -103,15 +129,42 @@ def fit_stage(samples: Sequence[StageSample], criterion: str = "aic",
     size = np.array([s.bytes for s in samples], dtype=float)
     seconds = np.array([s.seconds for s in samples], dtype=float)
     nodes = np.array([s.nodes for s in samples], dtype=float)
-    overhead, gamma_fixed, gamma = _overhead_and_gamma(size, seconds, nodes)
-    bandwidth = size * nodes ** gamma / (seconds - overhead * nodes ** gamma_fixed)
+    loads = np.array([np.nan if s.load is None else s.load for s in samples], dtype=float)
+    beta, (overhead, gamma_fixed, gamma, bandwidth) = _load_effect(size, seconds, nodes, loads)
     fits = _ranked(bandwidth, criterion, families)
     durations = _ranked(seconds, criterion, families)
     logs = np.log(bandwidth)
     sigma_node, sigma_common = _split_spread(logs, [(s.run, s.ckpt) for s in samples])
+    reference = float(np.median(loads)) if beta else 0.0
     return StageModel(samples[0].stage, overhead, gamma, tuple(fits), tuple(durations),
                       len(samples), fits[0].ks(bandwidth), float(logs.mean()), sigma_node,
-                      sigma_common, gamma_fixed)
+                      sigma_common, gamma_fixed, beta, reference)
+
+
+Unloaded = tuple[float, float, float, np.ndarray]      # a, gamma_fixed, gamma, B
+
+
+def _load_effect(size: np.ndarray, seconds: np.ndarray, nodes: np.ndarray, loads: np.ndarray
+                 ) -> tuple[float, Unloaded]:
+    """beta and the fit of the times brought to an idle node, t / (1 + beta l): the beta
+    of BETAS that leaves the least var(log B), if what it removes passes LOAD_GAIN and
+    LOAD_F; else 0."""
+    def unloaded(beta: float) -> Unloaded:
+        t = seconds / (1.0 + beta * loads) if beta else seconds
+        a, gamma_fixed, gamma = _overhead_and_gamma(size, t, nodes)
+        return a, gamma_fixed, gamma, size * nodes ** gamma / (t - a * nodes ** gamma_fixed)
+    plain = unloaded(0.0)
+    if np.isnan(loads).any() or np.ptp(loads) <= 0:
+        return 0.0, plain
+    spread = {0.0: float(np.var(np.log(plain[3])))}
+    fits = {0.0: plain}
+    for beta in BETAS[1:]:
+        fits[beta] = unloaded(beta)
+        spread[beta] = float(np.var(np.log(fits[beta][3])))
+    best = min(spread, key=lambda b: spread[b])
+    explained = 1.0 - spread[best] / spread[0.0] if spread[0.0] > 0 else 0.0
+    needed = max(LOAD_GAIN, LOAD_F / (LOAD_F + len(seconds) - 2))
+    return (best, fits[best]) if explained >= needed else (0.0, plain)
 
 
 def _split_spread(logs: np.ndarray, keys: list[tuple[str, str]]) -> tuple[float, float]:

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import json
+import stat
 import threading
 import time
 
 import pytest
 
-from cachex_agent.events import EventLog, read_events
+from cachex_agent.events import EventCopy, EventLog, read_events
+from cachex_agent.layout import pfs_events_old_path, pfs_events_path
 
 
 @pytest.mark.timeout(10)
@@ -117,3 +119,40 @@ def test_restart_after_a_torn_line_keeps_the_new_events(tmp_path):
     assert names == ["captured", "flushed", "drained"], (
         "the restarted agent's first event was lost: EventLog appends after a torn last"
         f" line without starting a new line (read back: {names})")
+
+
+def test_copy_appends_only_new_complete_lines_durably(tmp_path):
+    """Each copy adds what the source gained; a line still being written waits."""
+    log = EventLog(tmp_path / "journal" / "events.jsonl", node=0)
+    target = tmp_path / "pfs" / "events" / "node-00000.jsonl"
+    copy = EventCopy(log.path, target)
+    log.emit("a")
+    assert copy.copy() > 0
+    assert copy.copy() == 0                     # nothing new: nothing appended
+    log.emit("b")
+    with open(log.path, "ab") as handle:        # another thread mid-write
+        handle.write(b'{"t": 1, "event": "half')
+    copy.copy()
+    assert [r["event"] for r in read_events(target)] == ["a", "b"]
+    assert stat.S_IMODE(target.stat().st_mode) == 0o600
+
+
+def test_copy_after_a_torn_target_and_past_the_cap(tmp_path):
+    """A copy killed mid-append left half a line: the next starts on a new line. Past
+    the cap the log is moved aside once (one older generation: bounded)."""
+    log = EventLog(tmp_path / "events.jsonl", node=3)
+    target = pfs_events_path(tmp_path / "pfs", 3)
+    target.parent.mkdir(parents=True)
+    target.write_bytes(b'{"t": 0, "event": "torn')
+    copy = EventCopy(log.path, target, cap=400)
+    log.emit("first")
+    copy.copy()
+    assert [r["event"] for r in read_events(target)] == ["first"]
+    for i in range(6):
+        log.emit(f"e{i}", padding="x" * 100)
+        copy.copy()
+    old = pfs_events_old_path(target)
+    kept = [r["event"] for path in (old, target) for r in read_events(path)]
+    assert kept[-1] == "e5" and "first" not in kept
+    assert target.stat().st_size <= 400 and old.stat().st_size <= 400
+    assert {p.name for p in target.parent.iterdir()} == {old.name, target.name}

@@ -220,3 +220,24 @@ def test_config_event_files_finds_every_node(tmp_path):
     assert config_event_files(load(None, {"run": "nothing", "paths.spool": "/x",
                                           "paths.pfs": "/y", "paths.cache":
                                           f"{tmp_path}/cache/{{node}}"}, environ={})) == []
+
+
+def test_a_nodes_local_file_and_its_pfs_copies_are_one_stream(tmp_path):
+    """The loader sees each event once whether it is in the node's own file, its PFS log
+    or both (a restarted agent copies its file again), and a lost node's PFS log alone
+    gives the same samples."""
+    n0, n1 = two_nodes(tmp_path)
+    whole = load_history([n0, n1])
+    pfs = tmp_path / "pfs" / "r" / "events"
+    pfs.mkdir(parents=True)
+    copy0, copy1 = pfs / "node-00000.jsonl", pfs / "node-00001.jsonl"
+    lines = n0.read_text().splitlines(keepends=True)
+    copy0.write_text("".join(lines[: len(lines) // 2] + lines))     # copied twice
+    copy1.write_text(n1.read_text())
+    assert event_files([tmp_path]) == [n0, n1, copy0, copy1]
+    both = load_history([n0, n1, copy0, copy1])
+    n0.unlink()
+    lost = load_history([copy0, n1])
+    for history in (both, lost):
+        assert sorted(history.stages, key=repr) == sorted(whole.stages, key=repr)
+        assert sorted(history.levels, key=repr) == sorted(whole.levels, key=repr)

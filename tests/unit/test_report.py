@@ -13,7 +13,7 @@ from cachex_agent.model.report import write_report
 
 MIB = 2**20
 PNG = b"\x89PNG\r\n\x1a\n"
-NAMES = ["timeline.png", "distributions.png", "durability.png"]
+NAMES = ["timeline.png", "distributions.png", "durability.png", "reliability.png"]
 BANDWIDTH = {"write": 400, "capture": 1500, "replicate": 600, "flush": 250}    # MiB/s
 
 
