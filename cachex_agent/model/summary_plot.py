@@ -181,9 +181,10 @@ def _agent_runs(log: list[dict[str, Any]], first: float) -> list[Incident]:
     for i, run in enumerate(runs):
         start = next((r for r in run if r.get("event") == "agent_start"), None)
         node = int(run[0].get("node", 0)) if run else 0
-        if start is not None and start["t"] > first + GAP:
+        late = start is not None and start["t"] > first + GAP
+        if start is not None and (i > 0 or late):
             out.append(Incident(start["t"], "restart", (node,), "agents restarted"))
-            if i == 0:
+            if i == 0:      # its log's first start, well after the others' first
                 out.append(Incident(start["t"], "log_lost", (node,),
                                     "first events of this log: the node's earlier log is"
                                     " gone (a replaced node?)"))
