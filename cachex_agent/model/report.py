@@ -222,8 +222,8 @@ def distributions(history: History, model: SystemModel) -> Figure:
     """Per stage: histogram of B with the fitted pdfs; below, the ECDF and fitted CDFs."""
     fig = Figure(figsize=FIGSIZE, layout="constrained")
     axes = fig.subplots(2, len(STAGES), gridspec_kw={"height_ratios": [3, 2]})
-    fig.suptitle("How fast each stage moved a node's data (MiB/s): bars and dots are what"
-                 " was measured, lines the fitted curves the predictions use")
+    fig.suptitle("How fast each stage moved a node's data: bars and dots measured,"
+                 " lines the fits predictions use")
     for col, name in enumerate(STAGES):
         _stage_panels(axes[0, col], axes[1, col], history.stage(name),
                       model.stages.get(name), name)
