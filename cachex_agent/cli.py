@@ -593,7 +593,8 @@ def model_options(func: Callable[..., Any]) -> Callable[..., Any]:
         overrides = _overrides(sets)
         path = config_path or ("cachex.toml" if Path("cachex.toml").exists() else None)
         if path is None:        # the model needs no directories: only events and rates
-            overrides = {"paths.spool": "-", "paths.pfs": "-", **overrides}
+            # placeholders: never made or read, but apart (the overlap check runs on load)
+            overrides = {"paths.spool": "-spool", "paths.pfs": "-pfs", **overrides}
         cfg = configuration.load(path, overrides)
         if events:
             files = event_files(events)

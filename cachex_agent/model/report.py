@@ -1,5 +1,7 @@
 """Figures of the event history and the fitted model (`cachex report`).
 
+    summary.png        the first page: per checkpoint and node, the time from the commit
+                       to each level, with losses, failures and restarts (summary_plot.py)
     timeline.png       the four stages of every checkpoint on every node, in wall-clock
                        time, with the coordinator's level times
     distributions.png  per stage, the effective bandwidth B = s * N**gamma / (t - a)
@@ -31,6 +33,7 @@ from .distributions import Fit
 from .history import LEVELS, STAGES, History, LevelSample, StageSample
 from .predict import PATHS, Prediction, SystemModel, level_stages
 from .stages import StageModel
+from .summary_plot import summary_figure, summary_from_files
 
 MIB = float(2**20)
 FIGSIZE = (10.0, 6.0)
@@ -49,13 +52,15 @@ FAMILY_COLOURS = {"lognormal": "#222222", "gamma": "#ff7f0e", "weibull": "#9467b
 
 def write_report(history: History, model: SystemModel, out: Path, size: float | None = None,
                  nodes: int | None = None) -> list[Path]:
-    """Write timeline.png, distributions.png and durability.png into `out`; their paths.
+    """Write summary.png (the page to read first), then timeline.png, distributions.png,
+    durability.png and reliability.png into `out`; their paths.
 
     `size` (bytes of the whole checkpoint) and `nodes` choose the checkpoint of the
     durability figure; by default the model's median size and most common node count.
     """
     makedirs(out)
-    return [_save(timeline(history), out / "timeline.png"),
+    return [_save(summary_figure(summary_from_files(history.sources)), out / "summary.png"),
+            _save(timeline(history), out / "timeline.png"),
             _save(distributions(history, model), out / "distributions.png"),
             _save(durability(history, model, size, nodes), out / "durability.png"),
             _save(reliability(history, model), out / "reliability.png")]
@@ -220,7 +225,8 @@ def distributions(history: History, model: SystemModel) -> Figure:
     """Per stage: histogram of B with the fitted pdfs; below, the ECDF and fitted CDFs."""
     fig = Figure(figsize=FIGSIZE, layout="constrained")
     axes = fig.subplots(2, len(STAGES), gridspec_kw={"height_ratios": [3, 2]})
-    fig.suptitle("Effective bandwidth per stage: B = bytes * nodes^gamma / (seconds - a)")
+    fig.suptitle("How fast each stage moved a node's data: bars and dots measured,"
+                 " lines the fits predictions use")
     for col, name in enumerate(STAGES):
         _stage_panels(axes[0, col], axes[1, col], history.stage(name),
                       model.stages.get(name), name)
@@ -315,31 +321,42 @@ def durability(history: History, model: SystemModel, size: float | None = None,
         return fig
     ax.set_title(f"Probability of durability by t: a {human_bytes(size)} checkpoint on "
                  f"{nodes} node{'s' if nodes != 1 else ''}")
-    curves, missing = _predictions(model, size, nodes)
+    curves, missing = _predictions(model, size, nodes, observed_paths(history))
     observed = {(level, path): _similar(history.level(level, None if _shared(level) else path),
                                         size, nodes) for level, path in curves}
     if not curves:
         _empty(ax, "no level has a model: too few stage samples")
         return fig
     t = np.linspace(0.0, _durability_range(curves, observed), 500)
+    both = len({path for _, path in curves}) > 1
     for (level, path), prediction in curves.items():
-        _curve(ax, t, prediction, observed[(level, path)])
+        _curve(ax, t, prediction, observed[(level, path)], both)
     _durability_axes(ax, observed, missing)
     return fig
 
 
-def _predictions(model: SystemModel, size: float, nodes: int
+def observed_paths(history: History) -> tuple[str, ...]:
+    """The paths the events show checkpoints taking; every path when there are no
+    events (a saved model alone)."""
+    seen = {s.path for s in history.levels} | {s.path for s in history.stages}
+    return tuple(p for p in PATHS if p in seen) if seen else PATHS
+
+
+def _predictions(model: SystemModel, size: float, nodes: int, paths: Sequence[str]
                  ) -> tuple[dict[tuple[str, str], Prediction], list[str]]:
-    """The curves, and "level, path" of those with a stage the model has no fit of."""
+    """The curves of the paths taken, levels in their order (captured < replicated <
+    flushed), and "level, path" of those with a stage the model has no fit of."""
     out, missing = {}, []
-    for path in PATHS:
-        for level in LEVELS:
-            if path == "direct" and (level == "replicated" or _shared(level)):
-                continue        # never reached, or the same curve as on the peer path
+    for level in LEVELS:
+        for path in paths:
+            if path == "direct" and level == "replicated":
+                continue        # never reached on the direct path
+            if _shared(level) and path != paths[0]:
+                continue        # the same curve on every path: drawn once
             try:
                 out[(level, path)] = model.predict(level, path, size, nodes)
             except OperationError:
-                missing.append(_curve_name(level, path))
+                missing.append(_curve_name(level, path, len(paths) > 1))
     return out, missing
 
 
@@ -349,8 +366,8 @@ def _shared(level: str) -> bool:
                                                                                  "direct")
 
 
-def _curve_name(level: str, path: str) -> str:
-    return f"{level}, {'either path' if _shared(level) else path}"
+def _curve_name(level: str, path: str, both: bool) -> str:
+    return f"{level}, {'either path' if both and _shared(level) else path}"
 
 
 def _similar(samples: Sequence[LevelSample], size: float, nodes: int) -> np.ndarray:
@@ -367,12 +384,13 @@ def _durability_range(curves: dict[tuple[str, str], Prediction],
     return 1.05 * max(finite) if finite else 1.0
 
 
-def _curve(ax: Axes, t: np.ndarray, prediction: Prediction, seen: np.ndarray) -> None:
+def _curve(ax: Axes, t: np.ndarray, prediction: Prediction, seen: np.ndarray,
+           both: bool) -> None:
     level, path = prediction.level, prediction.path
     colour = STAGE_COLOURS[LEVEL_STAGE[level]]
     median, q99 = prediction.quantile(0.5), prediction.quantile(0.99)
     ax.plot(t, prediction.cdf(t), color=colour, ls=PATH_STYLES[path], lw=2,
-            label=f"{_curve_name(level, path)}: median {median:.3g} s, 99% {q99:.3g} s")
+            label=f"{_curve_name(level, path, both)}: median {median:.3g} s, 99% {q99:.3g} s")
     if seen.size:
         y = np.arange(1, seen.size + 1) / seen.size
         ax.plot(seen, y, drawstyle="steps-post", color=colour, lw=0.8, alpha=0.5,
@@ -393,9 +411,10 @@ def _durability_axes(ax: Axes, observed: dict[tuple[str, str], np.ndarray],
     model_legend = ax.legend(handles=handles, loc="lower right", fontsize=8,
                              title="model: F_node(t - c_L)^N", title_fontsize=8)
     ax.add_artist(model_legend)
-    extra = [Line2D([], [], color="black", ls="-", label="peer path"),
-             Line2D([], [], color="black", ls="--", label="direct path")]
-    for path in PATHS:
+    drawn = [path for path in PATHS if any(p == path for _, p in observed)]
+    extra = [Line2D([], [], color="black", ls=PATH_STYLES[path], label=f"{path} path")
+             for path in drawn]
+    for path in drawn:
         count = sum(v.size for (_, p), v in observed.items() if p == path)
         if count:
             extra.append(Line2D([], [], ls="none", marker=PATH_MARKERS[path], color="black",

@@ -101,7 +101,10 @@ class StageModel:
         over = (np.asarray(t, dtype=float) - self.fixed(nodes, load)) / self.factor(load)
         out = np.zeros_like(over)
         positive = over > 0
-        out[positive] = self.bandwidth.frozen.sf(self.scale(size, nodes) / over[positive])
+        # just past the fixed cost the implied bandwidth is huge: a Weibull's x**c
+        # overflows to inf there and its survival is exactly 0, which is right
+        with np.errstate(over="ignore"):
+            out[positive] = self.bandwidth.frozen.sf(self.scale(size, nodes) / over[positive])
         return out
 
     def to_json(self) -> dict[str, Any]:

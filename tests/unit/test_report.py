@@ -9,11 +9,12 @@ from matplotlib import image
 
 from cachex_agent.model.history import History, LevelSample, StageSample
 from cachex_agent.model.predict import fit_system
-from cachex_agent.model.report import write_report
+from cachex_agent.model.report import _predictions, observed_paths, write_report
 
 MIB = 2**20
 PNG = b"\x89PNG\r\n\x1a\n"
-NAMES = ["timeline.png", "distributions.png", "durability.png", "reliability.png"]
+NAMES = ["summary.png", "timeline.png", "distributions.png", "durability.png",
+         "reliability.png"]
 BANDWIDTH = {"write": 400, "capture": 1500, "replicate": 600, "flush": 250}    # MiB/s
 
 
@@ -62,7 +63,7 @@ def _seconds(rng: np.random.Generator, stage: str, part: int) -> float:
 
 def _check_pngs(paths: list[Path], out: Path) -> None:
     assert [p.name for p in paths] == NAMES
-    for path in paths:
+    for path in paths[1:]:          # summary.png reads the event files (none here)
         assert path.parent == out and path.is_file()
         data = path.read_bytes()
         assert data.startswith(PNG)
@@ -72,7 +73,7 @@ def _check_pngs(paths: list[Path], out: Path) -> None:
         assert float(np.var(pixels[..., :3])) > 1e-3, f"{path.name} is blank"
 
 
-def test_report_writes_three_non_blank_pngs(tmp_path):
+def test_report_writes_four_pngs_the_figures_non_blank(tmp_path):
     history = synthetic()
     model = fit_system(history)
     out = tmp_path / "report"
@@ -94,3 +95,16 @@ def test_report_with_too_few_samples_to_fit_any_stage(tmp_path):
     assert not model.stages
     paths = write_report(history, model, tmp_path)
     assert all(p.read_bytes().startswith(PNG) for p in paths)
+
+
+def test_durability_curves_only_for_paths_taken_and_levels_in_order():
+    both = synthetic()
+    peer = History([s for s in both.stages if s.path == "peer"],
+                   [s for s in both.levels if s.path == "peer"])
+    model = fit_system(both)
+    assert observed_paths(peer) == ("peer",) and observed_paths(both) == ("peer", "direct")
+    curves, _ = _predictions(model, 128 * MIB, 2, observed_paths(peer))
+    assert list(curves) == [("captured", "peer"), ("replicated", "peer"), ("flushed", "peer")]
+    curves, _ = _predictions(model, 128 * MIB, 2, observed_paths(both))
+    assert list(curves) == [("captured", "peer"), ("replicated", "peer"), ("flushed", "peer"),
+                            ("flushed", "direct")]
