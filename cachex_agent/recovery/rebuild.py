@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,7 @@ from ..status import human_size
 from ..topology import place_checked
 from . import holdings, transfer
 from .plan import Copy, Move, Plan, choose, next_source, where
+from .restore_handle import open_restore
 
 SLOWEST_RATE = 10 << 20     # bytes/s: a rank moving its part slower than this is stuck
 
@@ -106,8 +108,14 @@ def recover(config: Config, comm: Any, want: str | None = None,
         return outcome
     _arrive(comm, config, "rank exchange")
     rank_of = dict(comm.allgather((node, placement.rank)))
-    restore = _Restore(comm, config, node, rank_of, plan, copies, progress)
-    moved = restore.run()
+    handle = open_restore(config, placement, plan.ckpt, plan.seq)
+    if handle.interrupted():
+        progress.step(f"node {node}: an earlier restore of {plan.ckpt} was cut short;"
+                      " restoring it again")
+    restore = _Restore(comm, config, node, rank_of, plan, copies, progress, handle.check)
+    handle.submit(persist={"seq": plan.seq})
+    moved = handle.run(restore.run, sources=sorted({m.source.kind for m in plan.moves
+                                                    if m.target == node}))
     outcome.fallbacks = restore.notes()
     outcome.move_seconds = time.monotonic() - start - outcome.plan_seconds
     outcome.moved_aside = agree(comm, "set aside", lambda: _set_aside(paths.spool, plan,
@@ -207,9 +215,13 @@ class _Restore:
     alone; a node's own part before the global files of others."""
 
     def __init__(self, comm: Any, config: Config, node: int, rank_of: dict[int, int],
-                 plan: Plan, copies: list[Copy], progress: Progress) -> None:
+                 plan: Plan, copies: list[Copy], progress: Progress,
+                 check: Callable[[], None] = lambda: None) -> None:
+        """`check`: raises when this rank's restore was cancelled (inside each round's
+        agreement, so every rank fails the round alike)."""
         self.comm, self.config, self.node, self.rank_of = comm, config, node, rank_of
         self.plan, self.copies, self.progress = plan, copies, progress
+        self.check = check
         self.entries = {(e["node"], e["path"]): _entry(e) for e in plan.manifest.files}
         self.spool = config.node_paths(node).spool
         self.final = ckpt_dir(self.spool, plan.ckpt)
@@ -250,6 +262,7 @@ class _Restore:
         makedirs(self.directory)
 
     def _round(self, moves: list[Move], moved: dict[str, int]) -> list[Problem]:
+        self.check()
         found: list[Problem] = []
         for move in sorted(moves, key=lambda m: (m.local, m.owner != m.target)):
             files = [self.entries[(move.owner, p)] for p in move.paths]
