@@ -13,6 +13,9 @@ What the events say, and how it shows:
   lost        an agent run that ends without `agent_exit` or `agent_failed` while its
               node starts again (killed: SIGKILL, node loss)
   restart     an `agent_start` after the run's first start
+  recovered   a node's restore by `cachex recover` (`restored`; `restore_failed` and
+              `restore_cancelled` as failures): the restore's own events, kept apart
+              from the agents' runs and from the checkpoint's rows
   failures    `agent_failed`, `<stage>_failed` of a node, the coordinator's `failed`
   missing     a node without any event of a checkpoint others have: its own log is gone
               (a replaced node) or it never saw the checkpoint; a row says so
@@ -40,7 +43,7 @@ LEVEL_MEANING = {"captured": "captured (node-local stage)",
                  "replicated": "replicated (a partner holds a verified copy)",
                  "flushed": "flushed (on the PFS)"}
 INCIDENT_COLOURS = {"lost": "#b2182b", "agent_failed": "#b2182b", "failed": "#b2182b",
-                    "restart": "#2166ac", "log_lost": "#8a5a00"}
+                    "restart": "#2166ac", "log_lost": "#8a5a00", "recovered": "#1a9850"}
 
 
 @dataclass(frozen=True)
@@ -65,7 +68,7 @@ class Checkpoint:
 @dataclass(frozen=True)
 class Incident:
     t: float                        # wall clock
-    kind: str                       # lost | restart | agent_failed | failed
+    kind: str                       # lost | restart | agent_failed | failed | recovered
     nodes: tuple[int, ...]
     text: str
 
@@ -87,6 +90,8 @@ def summary_from_files(files: Iterable[Path]) -> Summary:
 
 def summarize(logs: Sequence[list[dict[str, Any]]]) -> Summary:
     """Checkpoints, rows and incidents from the agents' event logs (one list per file)."""
+    restores = [r for log in logs for r in log if "t" in r and r.get("stage") == "restore"]
+    logs = [[r for r in log if r.get("stage") != "restore"] for log in logs]
     records = sorted((r for log in logs for r in log if "t" in r), key=lambda r: r["t"])
     nodes = max([int(r.get("nodes", 1)) for r in records if r.get("event") == "agent_start"]
                 + [int(r.get("node", 0)) + 1 for r in records], default=0)
@@ -97,8 +102,8 @@ def summarize(logs: Sequence[list[dict[str, Any]]]) -> Summary:
     levels = tuple(lv for lv in LEVELS if any(lv in row.reached or lv in row.early
                                               for c in checkpoints for row in c.rows))
     paths = tuple(sorted({c.path for c in checkpoints if c.path}))
-    return Summary(checkpoints, _incidents(logs, records, checkpoints), levels, paths, nodes,
-                   records[0]["t"] if records else 0.0)
+    return Summary(checkpoints, _incidents(logs, records, checkpoints, restores), levels,
+                   paths, nodes, records[0]["t"] if records else 0.0)
 
 
 def _key(rec: dict[str, Any]) -> tuple[str, str]:
@@ -159,11 +164,13 @@ def _rows(c: Checkpoint, records: list[dict[str, Any]], nodes: int) -> list[Node
 
 
 def _incidents(logs: Sequence[list[dict[str, Any]]], records: list[dict[str, Any]],
-               checkpoints: list[Checkpoint]) -> list[Incident]:
+               checkpoints: list[Checkpoint], restores: list[dict[str, Any]]
+               ) -> list[Incident]:
     first = min((r["t"] for r in records if r.get("event") == "agent_start"), default=0.0)
     found: list[Incident] = []
     for log in logs:
         found.extend(_agent_runs(log, first))
+    found.extend(_restored(restores))
     found.extend(Incident(c.commit, "failed", (), f"{c.ckpt} failed: {c.failed}")
                  for c in checkpoints if c.failed)
     return _grouped(sorted(found, key=lambda i: i.t))
@@ -197,6 +204,20 @@ def _agent_runs(log: list[dict[str, Any]], first: float) -> list[Incident]:
         if not ended & {"agent_exit", "agent_failed"} and i + 1 < len(runs):
             out.append(Incident(run[-1]["t"], "lost", (node,),
                                 "agents ended without agent_exit (killed or node lost)"))
+    return out
+
+
+def _restored(restores: list[dict[str, Any]]) -> list[Incident]:
+    """Each node's restore that ended: recovered, or why not."""
+    out = []
+    for r in restores:
+        node = (int(r.get("node", 0)),)
+        if r.get("event") == "restored":
+            out.append(Incident(r["t"], "recovered", node, f"{r.get('ckpt')} restored by"
+                                " cachex recover"))
+        elif r.get("event") in ("restore_failed", "restore_cancelled"):
+            out.append(Incident(r["t"], "failed", node, f"restore of {r.get('ckpt')}"
+                                f" {r.get('state')}: {r.get('error', '')}".rstrip(": ")))
     return out
 
 
@@ -324,7 +345,8 @@ def _row(ax: Axes, y: float, row: NodeRow) -> None:
 def _banner(ax: Axes, y: float, inc: Incident, start: float) -> None:
     colour = INCIDENT_COLOURS.get(inc.kind, "#b2182b")
     ax.axhspan(y - 0.45, y + 0.45, color=colour, alpha=0.12, lw=0)
-    mark = {"restart": "\u21bb ", "log_lost": "? "}.get(inc.kind, "\u2717 ")
+    mark = {"restart": "\u21bb ", "log_lost": "? ", "recovered": "\u2713 "}.get(inc.kind,
+                                                                             "\u2717 ")
     ax.text(0.5, y, mark + incident_text(inc, start), transform=_data_y(ax), ha="center",
             va="center", fontsize=8.5, color=colour, fontweight="bold")
 

@@ -94,3 +94,30 @@ def test_many_nodes_show_the_slowest_and_the_figure_draws():
     assert [r.node for r in shown_rows(c, 3)] == [9, 10, 11]
     fig = summary_figure(summarize(peer_run()))
     assert fig.axes and fig.axes[0].get_yticklabels()[0].get_text() == "step_1   node 0"
+
+
+def test_a_recovery_is_marked_and_keeps_apart_from_the_agents_runs_and_rows():
+    """Node 1's agent is killed after step_1; `cachex recover` restores step_1 on both
+    nodes (its events in the nodes' logs, before the agents start again)."""
+    restore = [("restore_queued", "queued"), ("restore_start", "running"),
+               ("restored", "done")]
+    node0 = [ev(0, 0, "agent_start", nodes=2),
+             *levels(0, "step_1", 10, ("replicated", 2.0)),
+             ev(25, 0, "agent_exit"),
+             *(ev(40 + i, 0, e, ckpt="step_1", stage="restore", state=s, seq=1)
+               for i, (e, s) in enumerate(restore)),
+             ev(50, 0, "agent_start", nodes=2)]
+    node1 = [ev(0.2, 1, "agent_start", nodes=2),
+             *levels(1, "step_1", 10, ("replicated", 2.5)),
+             ev(20, 1, "restore_queued", ckpt="step_1", stage="restore", state="queued"),
+             ev(41, 1, "restore_failed", ckpt="step_1", stage="restore", state="failed",
+                error="cancelled"),
+             ev(50.1, 1, "agent_start", nodes=2)]
+    s = summarize([node0, node1])
+    assert s.checkpoints[0].rows[1].reached == {"captured": 0.5, "replicated": 2.5}
+    assert not s.checkpoints[0].rows[1].failed         # a restore is not the capture's
+    kinds = [(i.kind, i.nodes, i.t - T0) for i in s.incidents]
+    assert ("lost", (1,), 12.5) in kinds        # its last agent event, not the restore
+    assert ("recovered", (0,), 42) in kinds
+    assert ("failed", (1,), 41) in kinds
+    assert "restore of step_1 failed: cancelled" in [i.text for i in s.incidents]
