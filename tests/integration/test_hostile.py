@@ -115,11 +115,14 @@ def with_sentinel(target: Path) -> dict[str, bytes]:
 
 
 def assert_refused(result: subprocess.CompletedProcess[str], where: Path, value: str) -> None:
+    """One error line naming the file and the value; progress lines (what the command
+    was doing, on stderr when not `-q`) may come before it, nothing after it."""
     lines = result.stderr.strip().splitlines()
+    errors = [line for line in lines if ": error: " in line]
     assert result.returncode == 1, result.stdout + result.stderr
     assert "Traceback" not in result.stderr, result.stderr
-    assert len(lines) == 1, result.stderr
-    assert str(where) in lines[0] and repr(value) in lines[0], lines[0]
+    assert len(errors) == 1 and lines[-1] == errors[0], result.stderr
+    assert str(where) in errors[0] and repr(value) in errors[0], errors[0]
 
 
 # ------------------------------------------------------------------- the tests
