@@ -467,6 +467,7 @@ def _on_replicated(s: CoordinatorState, e: Replicated, out: Effects) -> None:
         record.replication_failed = True
         record.errors[str(e.node)] = "; ".join(e.errors.values())
     _advance(s, record, e.now, out)
+    _try_finalize(s, record, e.now, out)        # every bundle may be in already
 
 
 def _advance(s: CoordinatorState, record: CheckpointRecord, now: float, out: Effects) -> None:
@@ -642,12 +643,21 @@ def _fail(s: CoordinatorState, record: CheckpointRecord, reason: str, out: Effec
 def _try_finalize(s: CoordinatorState, record: CheckpointRecord, now: float,
                   out: Effects) -> None:
     if (record.level not in ("captured", "replicated") or len(record.flushed) < len(s.nodes)
-            or record.id in s.finalizing):
+            or record.id in s.finalizing or _replicating(record)):
         return
     s.finalizing.add(record.id)
     manifest = global_manifest(record, {**record.times, "flushed": now}, now)
     rows = [*index_rows(s), Row(record.id, record.seq, "valid", record.total_bytes(), now)]
     out.append(Finalize(record.id, manifest, rows))
+
+
+def _replicating(record: CheckpointRecord) -> bool:
+    """On the peer path the flush runs beside the replication, yet `flushed` is recorded
+    after `replicated` (or after the replication failed): the levels stay in order, and
+    an agent restarted meanwhile still finds its replication to resume (the checkpoint
+    is not committed yet)."""
+    return (record.path == "peer" and record.level == "captured"
+            and not record.replication_failed)
 
 
 def _purge_pfs(s: CoordinatorState, out: Effects) -> bool:

@@ -54,7 +54,8 @@ def commit_all(coord, ckpt, flushed=True):
     coord.handle(0, {"type": "marker", "ckpt": ckpt, "global_files": [".metadata"], "t": 1.0})
     for node in range(NODES):
         coord.handle(node, {"type": "captured", "ckpt": ckpt, "manifest": manifest(ckpt, node)})
-    if flushed:
+    if flushed:     # the peer path: flushed is recorded after replicated
+        replicate_all(coord, ckpt)
         for node in range(NODES):
             coord.handle(node, {"type": "flushed", "ckpt": ckpt, "bundle": f"node-{node:05d}.h5"})
 
@@ -79,11 +80,12 @@ def test_levels_need_every_node(world, tmp_path):
     assert coord.ckpts["s1"].level == "written"
     coord.handle(3, {"type": "captured", "ckpt": "s1", "manifest": manifest("s1", 3)})
     assert coord.ckpts["s1"].level == "captured"
-    for node in range(NODES - 1):
+    for node in range(NODES):
         coord.handle(node, {"type": "flushed", "ckpt": "s1", "bundle": f"node-{node:05d}.h5"})
+    # every bundle is in, yet flushed waits for replicated (the peer path: levels in order)
     assert coord.ckpts["s1"].level == "captured"
     assert not (tmp_path / "pfs/r/ckpt/s1/manifest.json").exists()
-    coord.handle(3, {"type": "flushed", "ckpt": "s1", "bundle": "node-00003.h5"})
+    replicate_all(coord, "s1")
     assert coord.ckpts["s1"].level == "flushed"
     gm = json.loads((tmp_path / "pfs/r/ckpt/s1/manifest.json").read_text())
     assert gm["format"] == "cachex-global-manifest" and len(gm["files"]) == NODES
@@ -143,7 +145,7 @@ def test_finalize_waits_for_a_writable_pfs(world, tmp_path):
     (tmp_path / "pfs/r/ckpt").write_text("not a directory")    # root ignores chmod: use ENOTDIR
     commit_all(coord, "s1")
     record = coord.ckpts["s1"]
-    assert record.level == "captured" and "coordinator" in record.errors
+    assert record.level == "replicated" and "coordinator" in record.errors
     (tmp_path / "pfs/r/ckpt").unlink()
     (tmp_path / "pfs/r/ckpt/s1").mkdir(parents=True)
     coord.tick()
@@ -187,7 +189,7 @@ def test_status_and_events(world, tmp_path):
     assert status["checkpoints"][1]["progress"]["1"]["done"] == 5
     assert (tmp_path / "pfs/r/status.json").exists()
     kinds = [e["event"] for e in read_events(tmp_path / "events.jsonl")]
-    assert kinds[:3] == ["committed", "level_captured", "level_flushed"]
+    assert kinds[:4] == ["committed", "level_captured", "level_replicated", "level_flushed"]
 
 
 def replicate_all(coord, ckpt, failing: int | None = None):

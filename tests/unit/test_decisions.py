@@ -51,7 +51,12 @@ def captured_all(s, ckpt, now=2.0, nodes=range(NODES)):
 
 
 def flushed_all(s, ckpt, now=4.0):
-    return feed(s, *(d.Flushed(n, now, ckpt, f"node-{n:05d}.h5") for n in range(NODES)))
+    """Every node's bundle; on the peer path each node replicated first (flushed is
+    recorded after replicated)."""
+    reports = [] if s.ckpts[ckpt].path != "peer" else [
+        replicated(n, ckpt) for n in range(NODES) if str(n) not in s.ckpts[ckpt].replicated]
+    return feed(s, *reports, *(d.Flushed(n, now, ckpt, f"node-{n:05d}.h5")
+                               for n in range(NODES)))
 
 
 def test_marker_commits_once_with_a_sequence_number():
@@ -150,12 +155,12 @@ def test_finalization_is_a_round_trip_and_the_index_says_valid_only_with_it():
     (request,) = of(out, d.Finalize)
     assert request.manifest.ckpt == "s1" and request.manifest.times["flushed"] == 4.0
     assert [(r.id, r.state) for r in request.index] == [("s1", "valid")]
-    assert s.ckpts["s1"].level == "captured" and not broadcasts(out, "finalized")
+    assert s.ckpts["s1"].level == "replicated" and not broadcasts(out, "finalized")
     assert not of(feed(s, d.Tick(4.5)), d.Finalize)      # one finalize out at a time
     out = feed(s, d.FinalizeDone(5.0, "s1", request.manifest))
     record = s.ckpts["s1"]
     assert record.level == "flushed" and record.times["flushed"] == 5.0
-    assert record.captured == {} and record.counts == {"captured": 4, "replicated": 0,
+    assert record.captured == {} and record.counts == {"captured": 4, "replicated": 4,
                                                        "flushed": 4}
     assert broadcasts(out, "finalized")[0]["manifest"]["ckpt"] == "s1"
     assert of(out, d.SaveGlobal) and of(out, d.WriteIndex)
@@ -169,12 +174,26 @@ def test_a_failed_finalize_is_retried_at_the_next_tick():
     (request,) = of(flushed_all(s, "s1"), d.Finalize)
     out = feed(s, d.FinalizeDone(5.0, "s1", request.manifest, "Read-only file system"))
     record = s.ckpts["s1"]
-    assert record.level == "captured"
+    assert record.level == "replicated"
     assert record.errors["coordinator"] == "global manifest: Read-only file system"
     assert of(out, d.Log)[0].level == "warning" and not broadcasts(out, "finalized")
     (retry,) = of(feed(s, d.Tick(6.0)), d.Finalize)
     feed(s, d.FinalizeDone(7.0, "s1", retry.manifest))
     assert record.level == "flushed" and "coordinator" not in record.errors
+
+
+def test_on_the_peer_path_flushed_waits_for_replicated():
+    """The flush runs beside the replication; its level is recorded after it."""
+    s = state()
+    feed(s, d.Marker(0, 1.0, "s1", []))
+    captured_all(s, "s1")
+    out = feed(s, *(d.Flushed(n, 3.0, "s1", f"node-{n:05d}.h5") for n in range(NODES)))
+    assert not of(out, d.Finalize) and s.ckpts["s1"].level == "captured"
+    out = feed(s, *(replicated(n) for n in range(NODES)))
+    assert [e.event for e in of(out, d.Emit)] == ["level_replicated"]
+    (request,) = of(out, d.Finalize)
+    feed(s, d.FinalizeDone(4.0, "s1", request.manifest))
+    assert s.ckpts["s1"].level == "flushed"
 
 
 def test_a_transient_flush_error_is_shown_a_final_one_fails():
