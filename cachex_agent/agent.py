@@ -54,6 +54,7 @@ from .messages import (
     Drain,
     Exit,
     Failed,
+    FileCaptured,
     Finalized,
     GlobalFile,
     ManifestReady,
@@ -325,9 +326,14 @@ class Agent:
             if isinstance(msg, ToNode):         # the replica store answers an owner
                 self._send_peer(self.ranks_by_node[msg.node], msg.message)
                 continue
+            if isinstance(msg, FileCaptured):
+                self._stream_file(msg)
+                continue
             kind = msg["type"]
             if kind == "captured":
                 self._after_capture(msg)
+            elif kind == "capture_failed" and self.replicator is not None:
+                self.replicator.cancel(msg["ckpt"], f"capture failed: {msg['error']}")
             elif kind == "replicated":
                 self._retain_stage()
                 msg = {**msg, "dead": sorted(self.replicator.dead) if self.replicator else []}
@@ -376,10 +382,19 @@ class Agent:
         self._share_globals(manifest, entry)
         peer = self.announced.get(ckpt, {}).get("path", "peer") == "peer"
         if self.replicator is not None and peer and not is_done(entry, Stage.REPLICATE):
-            self.replicator.replicate(manifest, Path(entry["source"]),
-                                      mapped=entry.get("mode") == "copy")
+            self.replicator.captured(manifest, Path(entry["source"]),
+                                     mapped=entry.get("mode") == "copy")
         self._flush_if_wanted(ckpt)
         self._retain_stage()
+
+    def _stream_file(self, msg: FileCaptured) -> None:
+        """A file copied while its part is still being captured: its replication starts
+        now (the replicator keeps it only if the final manifest agrees)."""
+        ckpt = msg.header.ckpt
+        peer = self.announced.get(ckpt, {}).get("path", "peer") == "peer"
+        replicate = stage_state(self.journal.get(ckpt), Stage.REPLICATE)
+        if self.replicator is not None and peer and replicate not in ENDED:
+            self.replicator.file_captured(msg)
 
     def _share_globals(self, manifest: LocalManifest, entry: dict[str, Any]) -> None:
         """This node wrote the checkpoint's global files: every journal gets a copy."""
