@@ -234,13 +234,16 @@ class Agent:
         Captured, not committed: the coordinator hears of it again (a marker) and
         announces it again; `_after_capture` then runs the stages not done (replicate
         and flush), a stage done is never run again. A capture queued or
-        running when the agent ended is captured again."""
+        running when the agent ended is captured again. Committed, replication cut
+        short (the flush runs beside it and may finish first): replicated again."""
         in_order = sorted(self.journal.entries.items(), key=lambda kv: kv[1]["seq"])
         for ckpt, entry in in_order:
             if (is_done(entry, Stage.CAPTURE) and not is_failed(entry)
                     and not is_done(entry, Stage.COMMIT)):
                 self._to_coordinator({"type": "marker", "ckpt": ckpt, "t": time.time(),
                                       "global_files": entry.get("global_files", [])})
+            elif is_done(entry, Stage.COMMIT):
+                self._replicate_cut_short(ckpt, entry)
         cut_short = [c for c, e in in_order if c in self._preexisting
                      and stage_state(e, Stage.CAPTURE) in (State.QUEUED, State.RUNNING)]
         known = self._known()
@@ -255,6 +258,15 @@ class Agent:
             log.warning("node %d: %s", self.node, note)
             self.events.emit("catch_up_skipped", ckpts=skipped, reason=note)
             self._to_coordinator({"type": "unprotected", "ckpts": skipped, "note": note})
+
+    def _replicate_cut_short(self, ckpt: str, entry: dict[str, Any]) -> None:
+        """A finalized checkpoint whose replication was under way (so it was asked for):
+        from the captured copy again, while it is held; the coordinator has moved on."""
+        manifest = self.journal.manifest(ckpt)
+        cut_short = stage_state(entry, Stage.REPLICATE) in (State.QUEUED, State.RUNNING)
+        if self.replicator is not None and cut_short and manifest and _held(entry):
+            self.replicator.captured(manifest, Path(entry["source"]),
+                                     mapped=entry.get("mode") == "copy")
 
     def _known(self) -> set[str]:
         """Checkpoints this node already heard of: its journal, and for a node without
