@@ -277,6 +277,9 @@ class Replicator:
             return self.replicate(manifest, source, mapped)
         handle.stream.finish((manifest, source, mapped))
         handle.manifest = manifest
+        # the duration the model hears of: what replication adds after the capture
+        # (the stream's time beside the capture is not the replication's cost)
+        self.started[manifest.ckpt] = time.monotonic()
         for sender in self._senders(manifest.ckpt):
             if sender.state == "queued":        # not begun: no stream to end
                 sender.restart(manifest, source, mapped and sender.partner in self.map_to)
