@@ -60,6 +60,7 @@ from .messages import (
     Drain,
     Exit,
     Failed,
+    FileCaptured,
     Finalized,
     GlobalFile,
     ManifestReady,
@@ -242,13 +243,16 @@ class Agent:
         Captured, not committed: the coordinator hears of it again (a marker) and
         announces it again; `_after_capture` then runs the stages not done (replicate
         and flush), a stage done is never run again. A capture queued or
-        running when the agent ended is captured again."""
+        running when the agent ended is captured again. Committed, replication cut
+        short (the flush runs beside it and may finish first): replicated again."""
         in_order = sorted(self.journal.entries.items(), key=lambda kv: kv[1]["seq"])
         for ckpt, entry in in_order:
             if (is_done(entry, Stage.CAPTURE) and not is_failed(entry)
                     and not is_done(entry, Stage.COMMIT)):
                 self._to_coordinator({"type": "marker", "ckpt": ckpt, "t": time.time(),
                                       "global_files": entry.get("global_files", [])})
+            elif is_done(entry, Stage.COMMIT):
+                self._replicate_cut_short(ckpt, entry)
         cut_short = [c for c, e in in_order if c in self._preexisting
                      and stage_state(e, Stage.CAPTURE) in (State.QUEUED, State.RUNNING)]
         known = self._known()
@@ -263,6 +267,15 @@ class Agent:
             log.warning("node %d: %s", self.node, note)
             self.events.emit("catch_up_skipped", ckpts=skipped, reason=note)
             self._to_coordinator({"type": "unprotected", "ckpts": skipped, "note": note})
+
+    def _replicate_cut_short(self, ckpt: str, entry: dict[str, Any]) -> None:
+        """A finalized checkpoint whose replication was under way (so it was asked for):
+        from the captured copy again, while it is held; the coordinator has moved on."""
+        manifest = self.journal.manifest(ckpt)
+        cut_short = stage_state(entry, Stage.REPLICATE) in (State.QUEUED, State.RUNNING)
+        if self.replicator is not None and cut_short and manifest and _held(entry):
+            self.replicator.captured(manifest, Path(entry["source"]),
+                                     mapped=entry.get("mode") == "copy")
 
     def _known(self) -> set[str]:
         """Checkpoints this node already heard of: its journal, and for a node without
@@ -334,9 +347,14 @@ class Agent:
             if isinstance(msg, ToNode):         # the replica store answers an owner
                 self._send_peer(self.ranks_by_node[msg.node], msg.message)
                 continue
+            if isinstance(msg, FileCaptured):
+                self._stream_file(msg)
+                continue
             kind = msg["type"]
             if kind == "captured":
                 self._after_capture(msg)
+            elif kind == "capture_failed" and self.replicator is not None:
+                self.replicator.cancel(msg["ckpt"], f"capture failed: {msg['error']}")
             elif kind == "replicated":
                 self._retain_stage()
                 msg = {**msg, "dead": sorted(self.replicator.dead) if self.replicator else []}
@@ -385,10 +403,19 @@ class Agent:
         self._share_globals(manifest, entry)
         peer = self.announced.get(ckpt, {}).get("path", "peer") == "peer"
         if self.replicator is not None and peer and not is_done(entry, Stage.REPLICATE):
-            self.replicator.replicate(manifest, Path(entry["source"]),
-                                      mapped=entry.get("mode") == "copy")
+            self.replicator.captured(manifest, Path(entry["source"]),
+                                     mapped=entry.get("mode") == "copy")
         self._flush_if_wanted(ckpt)
         self._retain_stage()
+
+    def _stream_file(self, msg: FileCaptured) -> None:
+        """A file copied while its part is still being captured: its replication starts
+        now (the replicator keeps it only if the final manifest agrees)."""
+        ckpt = msg.header.ckpt
+        peer = self.announced.get(ckpt, {}).get("path", "peer") == "peer"
+        replicate = stage_state(self.journal.get(ckpt), Stage.REPLICATE)
+        if self.replicator is not None and peer and replicate not in ENDED:
+            self.replicator.file_captured(msg)
 
     def _share_globals(self, manifest: LocalManifest, entry: dict[str, Any]) -> None:
         """This node wrote the checkpoint's global files: every journal gets a copy."""

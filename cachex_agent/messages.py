@@ -12,7 +12,7 @@ Protocols (docs/architecture.md draws them):
   Tag.COORDINATOR  coordinator -> agents: Commit, ManifestReady, Finalized, Failed,
                    Drain, Exit; agents -> coordinator: the names in TO_COORDINATOR,
                    typed by decisions.from_wire (the coordinator's events)
-  Tag.PEER         replication between an owner and its partner: Begin, Slot, End
+  Tag.PEER         replication between an owner and its partner: Begin, File, Slot, End
                    (owner -> partner), Credit, Ack (partner -> owner); GlobalFile headers
   Tag.GLOBAL_DATA  a global file's bytes after its GlobalFile header (peer/globals.py)
   Tag.RECOVERY     file bytes between the ranks of `cachex recover` (recovery/transfer.py)
@@ -24,9 +24,10 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass, field
 from enum import IntEnum
+from pathlib import Path
 from typing import Any, ClassVar
 
-from .manifest import GlobalManifest, LocalManifest
+from .manifest import FileEntry, GlobalManifest, LocalManifest
 from .safepath import UnsafeInput, checkpoint_id, index, relative_path, relative_paths
 
 
@@ -91,9 +92,28 @@ class Exit:
 # ----------------------------------------------------------- owner <-> partner
 @dataclass(frozen=True, slots=True)
 class Begin:
-    """A checkpoint's part follows: its local manifest."""
+    """A checkpoint's part follows: its local manifest. `streamed`: the part is still
+    being captured; the manifest names no files, each arrives as a File before its
+    slots, and End carries the final manifest."""
     TYPE: ClassVar[str] = "begin"
     manifest: LocalManifest
+    streamed: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class File:
+    """File `file` (0, 1, ... in order) of a streamed part: its manifest entry."""
+    TYPE: ClassVar[str] = "file"
+    ckpt: str
+    file: int
+    path: str
+    size: int
+    mode: int
+    checksum: str
+
+    @property
+    def entry(self) -> FileEntry:
+        return FileEntry(self.path, self.size, self.mode, self.checksum)
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,9 +129,12 @@ class Slot:
 
 @dataclass(frozen=True, slots=True)
 class End:
-    """Every byte of `ckpt` was put: verify and answer with an Ack."""
+    """Every byte of `ckpt` was put: verify and answer with an Ack. A streamed part
+    ends with its final manifest (the replica is kept only if it names exactly the
+    files received); without one, the owner abandons the stream."""
     TYPE: ClassVar[str] = "end"
     ckpt: str
+    manifest: LocalManifest | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +164,18 @@ class GlobalFile:
 
 
 @dataclass(frozen=True, slots=True)
+class FileCaptured:
+    """Inside one agent: the capture thread copied file `index` of a part into
+    `partial` (renamed to `final` once the part is whole); `header` is the part's
+    manifest without files. The replicator may stream it before the capture ends."""
+    header: LocalManifest
+    index: int
+    entry: FileEntry
+    partial: Path
+    final: Path
+
+
+@dataclass(frozen=True, slots=True)
 class ToNode:
     """Inside one agent: a worker thread asks the main thread to send `message` to the
     agent of `node` on Tag.PEER (worker threads never call MPI)."""
@@ -150,7 +185,8 @@ class ToNode:
 
 TO_AGENT: dict[str, type] = {c.TYPE: c for c in (
     Commit, ManifestReady, Finalized, Failed, Drain, Exit)}
-PEER: dict[str, type] = {c.TYPE: c for c in (Begin, Slot, End, Credit, Ack, GlobalFile)}
+PEER: dict[str, type] = {c.TYPE: c for c in (
+    Begin, File, Slot, End, Credit, Ack, GlobalFile)}
 # typed on arrival by decisions.from_wire (the coordinator's events); a test keeps the
 # two lists equal
 TO_COORDINATOR = frozenset({
@@ -197,7 +233,7 @@ def _checked_fields(kind: type, fields: dict[str, Any], source: str) -> dict[str
         if name == "ckpt":
             checkpoint_id(value, what)
         elif name == "path":
-            if kind is GlobalFile:
+            if kind in (GlobalFile, File):
                 relative_path(value, what)
             elif value not in ("peer", "direct"):
                 raise UnsafeInput(f"{what}: path must be peer or direct, not {_short(value)}")
@@ -209,14 +245,16 @@ def _checked_fields(kind: type, fields: dict[str, Any], source: str) -> dict[str
         elif name == "dead":
             for node in _list(value, name, what):
                 index(node, what)
-        elif name in ("seq", "slot", "file", "offset", "length", "size"):
+        elif name in ("seq", "slot", "file", "offset", "length", "size", "mode"):
             _count(value, name, what)
-        elif name in ("flush", "ok") and not isinstance(value, bool):
+        elif name in ("flush", "ok", "streamed") and not isinstance(value, bool):
             raise UnsafeInput(f"{what}: {name} must be true or false, not {_short(value)}")
-        elif name in ("reason", "error", "checksum") and not isinstance(value, (str, type(None))):
+        elif name in ("reason", "error") and not isinstance(value, (str, type(None))):
             raise UnsafeInput(f"{what}: {name} must be text, not {_short(value)}")
-    if "manifest" in fields:
-        manifest_kind = LocalManifest if kind is Begin else GlobalManifest
+        elif name == "checksum" and not isinstance(value, str):
+            raise UnsafeInput(f"{what}: {name} must be text, not {_short(value)}")
+    if "manifest" in fields and (fields["manifest"] is not None or kind is not End):
+        manifest_kind = LocalManifest if kind in (Begin, End) else GlobalManifest
         fields["manifest"] = manifest_kind.from_json(fields["manifest"], what, fields.get("ckpt"))
     return fields
 

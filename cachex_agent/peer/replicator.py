@@ -7,6 +7,15 @@ Protocol (small messages on the PEER tag; bulk bytes only through `Put`):
   owner   -> partner  end     every byte was sent
   partner -> owner    ack     verified, fsynced, manifest written (or the error)
 
+A part captured by copy is streamed while it is captured: `begin` names no files, each
+file goes as a `file` message (its manifest entry) once the capture thread has copied
+it (`file_captured`), its slots after it, and `end` carries the final manifest
+(`captured`). The partner keeps the replica only if that manifest names exactly the
+files it received (paths, sizes, modes, checksums, order). A capture that started over
+(a file posted again from index 0), failed, or ended with other files abandons the
+stream (`end` without a manifest); once the final manifest is known the owner sends
+the whole part again from it, so a torn part is never a replica.
+
 Each owner has `peer.slots` slots of `peer.slot` bytes in each partner's window, so
 memory is bounded by the window whatever the checkpoint size, and several owners can
 send to one partner at once. Bytes go from a mapping of the staged file straight into
@@ -26,7 +35,7 @@ import socket
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, BinaryIO
 
@@ -37,7 +46,7 @@ from ..events import EventLog
 from ..handles import Handle, Stage, StageLog, State, held_for_tests
 from ..layout import NodePaths
 from ..manifest import LocalManifest
-from ..messages import Ack, Begin, Credit, End, Slot
+from ..messages import Ack, Begin, Credit, End, File, FileCaptured, Slot
 from .partners import incoming
 from .store import ReplicaStore
 from .window import ReceiveWindow
@@ -46,6 +55,33 @@ log = logging.getLogger(__name__)
 Send = Callable[[int, Any], None]         # (rank, a typed message)
 Post = Callable[[Any], None]        # into the agent's inbox
 POPULATE = getattr(mmap, "MAP_POPULATE", 0)     # Linux; elsewhere faults per page
+
+
+Final = tuple[LocalManifest, Path, bool]     # a finished capture: manifest, source, mapped
+
+
+@dataclass
+class Stream:
+    """A part replicated while it is captured: the files copied so far."""
+
+    manifest: LocalManifest     # files appended as the capture thread posts them
+    partial: Path               # where the capture copies them
+    final_dir: Path             # where they are once the part is whole
+    torn: bool = False          # the capture started over or changed: abandon the stream
+    final: Final | None = None  # the capture finished
+    failed: str | None = None   # the capture failed or was cancelled: nothing to send
+
+    def add(self, msg: FileCaptured) -> None:
+        if msg.index != len(self.manifest.files) or msg.partial != self.partial:
+            self.torn = True        # posted from index 0 again: a new attempt
+        elif not self.torn:
+            self.manifest.files.append(msg.entry)
+
+    def finish(self, final: Final) -> None:
+        manifest, source, _mapped = final
+        self.final = final
+        if manifest.files != self.manifest.files or source != self.final_dir:
+            self.torn = True        # another attempt, or by reference: not these bytes
 
 
 @dataclass
@@ -59,12 +95,24 @@ class Sender:
     region: int             # my region in the partner's window
     free: deque[int]
     mapped: bool = True     # Put straight from a mapping of each piece (see `next_chunk`)
+    stream: Stream | None = None    # files still being captured (then `source` is partial)
     file: int = 0
     offset: int = 0
+    announced: int = 0      # File messages sent (a stream)
     handle: BinaryIO | None = None
-    state: str = "queued"   # queued | sending | ending | done | failed
+    # queued | sending | ending | waiting (a stream abandoned, for the final manifest)
+    # | done | failed
+    state: str = "queued"
     heard: float = field(default_factory=time.monotonic)
     error: str | None = None
+    aborted: bool = False   # a stream ended without its final manifest
+
+    def restart(self, manifest: LocalManifest, source: Path, mapped: bool) -> None:
+        """Send the whole part again, from its final manifest (the stream was abandoned)."""
+        self.close()
+        self.manifest, self.source, self.mapped, self.stream = manifest, source, mapped, None
+        self.file = self.offset = self.announced = 0
+        self.state, self.error, self.aborted = "queued", None, False
 
     def next_chunk(self, buffer: np.ndarray) -> tuple[int, int, np.ndarray] | None:
         """The next piece, at most `buffer.nbytes` long: (file index, offset, its bytes),
@@ -90,7 +138,10 @@ class Sender:
         return None
 
     def _open(self, relpath: str, size: int) -> BinaryIO:
-        handle = open(self.source / relpath, "rb", buffering=0)  # noqa: SIM115
+        path = self.source / relpath
+        if self.stream is not None and not path.exists():
+            path = self.stream.final_dir / relpath      # the part was renamed into place
+        handle = open(path, "rb", buffering=0)  # noqa: SIM115
         if os.fstat(handle.fileno()).st_size < size:
             handle.close()
             raise OSError(errno.EIO, f"{self.source / relpath}: shorter than its manifest")
@@ -150,10 +201,10 @@ class ReplicateHandle(Handle):
     stage = Stage.REPLICATE
 
     def __init__(self, manifest: LocalManifest, source: Path, mapped: bool,
-                 replicator: Replicator) -> None:
+                 replicator: Replicator, stream: Stream | None = None) -> None:
         super().__init__(manifest.ckpt, manifest.seq, replicator.log)
         self.manifest, self.source, self.mapped = manifest, source, mapped
-        self.replicator = replicator
+        self.replicator, self.stream = replicator, stream
 
     def _start(self) -> None:
         self.replicator.queue(self)
@@ -204,6 +255,41 @@ class Replicator:
         self.handles[manifest.ckpt] = handle
         return handle.submit()
 
+    def file_captured(self, msg: FileCaptured) -> ReplicateHandle:
+        """The capture thread copied a file of a part: the first one starts streaming
+        the part to every partner; each later one is sent after the earlier ones."""
+        handle = self.handles.get(msg.header.ckpt)
+        if handle is None:
+            stream = Stream(replace(msg.header, files=[]), msg.partial, msg.final)
+            handle = ReplicateHandle(stream.manifest, msg.partial, True, self, stream)
+            self.handles[handle.ckpt] = handle
+            handle.submit()
+        if handle.stream is not None and handle.stream.final is None:
+            handle.stream.add(msg)
+        return handle
+
+    def captured(self, manifest: LocalManifest, source: Path, mapped: bool
+                 ) -> ReplicateHandle:
+        """The part is captured: replicate it, or end its stream with this manifest
+        (a stream of other files is abandoned and the whole part sent again)."""
+        handle = self.handles.get(manifest.ckpt)
+        if handle is None or handle.stream is None:
+            return self.replicate(manifest, source, mapped)
+        handle.stream.finish((manifest, source, mapped))
+        handle.manifest = manifest
+        # the duration the model hears of: what replication adds after the capture
+        # (the stream's time beside the capture is not the replication's cost)
+        self.started[manifest.ckpt] = time.monotonic()
+        for sender in self._senders(manifest.ckpt):
+            if sender.state == "queued":        # not begun: no stream to end
+                sender.restart(manifest, source, mapped and sender.partner in self.map_to)
+            elif sender.state == "waiting":
+                self._restart(sender, "the capture changed while it was streamed")
+        return handle
+
+    def _senders(self, ckpt: str) -> list[Sender]:
+        return [s for q in self.queues.values() for s in q if s.manifest.ckpt == ckpt]
+
     def queue(self, handle: ReplicateHandle) -> None:
         manifest = handle.manifest
         self.results[manifest.ckpt] = {}
@@ -214,15 +300,19 @@ class Replicator:
                 continue
             self.queues[partner].append(Sender(
                 manifest, handle.source, partner, self.ranks[partner], self.regions[partner],
-                deque(range(self.slots)), handle.mapped and partner in self.map_to))
+                deque(range(self.slots)), handle.mapped and partner in self.map_to,
+                handle.stream))
 
-    def cancel(self, ckpt: str) -> None:
+    def cancel(self, ckpt: str, reason: str = "cancelled") -> None:
         """Drop the partners' streams of `ckpt` not begun yet; a begun one runs to its ack
-        (the partner holds slots of it)."""
-        for queue in self.queues.values():
-            for sender in queue:
-                if sender.manifest.ckpt == ckpt and sender.state == "queued":
-                    self._fail(sender, "cancelled")
+        (the partner holds slots of it). A part still being captured has nothing
+        whole to send: its streams are abandoned (`reason`: why)."""
+        handle = self.handles.get(ckpt)
+        if handle is not None and handle.stream is not None and handle.stream.final is None:
+            handle.stream.failed = reason
+        for sender in self._senders(ckpt):
+            if sender.state in ("queued", "waiting"):
+                self._fail(sender, reason)
 
     def pump(self) -> None:
         """Move what can move now; detect partners that stopped answering."""
@@ -242,18 +332,15 @@ class Replicator:
 
     def _pump_one(self, sender: Sender, now: float) -> None:
         if sender.state == "queued":
-            sender.state, sender.heard = "sending", now
-            handle = self.handles[sender.manifest.ckpt]
-            if handle.state == State.QUEUED:
-                handle.set(State.RUNNING, bytes=sender.manifest.bytes, partners=self.partners)
-            self.send(sender.rank, Begin(sender.manifest))
+            self._begin(sender, now)
+        if sender.stream is not None and sender.state == "sending":
+            self._announce(sender)
         held = held_for_tests(Stage.REPLICATE, self.node)
         try:
             while sender.state == "sending" and sender.free and not held:
                 chunk = sender.next_chunk(self.buffer)
                 if chunk is None:
-                    sender.state = "ending"
-                    self.send(sender.rank, End(sender.manifest.ckpt))
+                    self._out_of_files(sender, now)
                     break
                 index, offset, data = chunk
                 slot = sender.free.popleft()
@@ -264,9 +351,8 @@ class Replicator:
         except OSError as exc:
             # end the stream but stay at the head of the queue until the partner's ack:
             # credits for slots it still writes must not reach the next checkpoint's sender
-            sender.error, sender.state = f"reading {sender.source}: {exc}", "ending"
-            sender.close()
-            self.send(sender.rank, End(sender.manifest.ckpt))
+            sender.error = f"reading {sender.source}: {exc}"
+            self._end(sender)
         waiting = sender.state == "ending" or not sender.free
         if waiting and now - sender.heard > self.timeout:
             reason = f"did not answer for {self.timeout:.0f}s"
@@ -276,6 +362,55 @@ class Replicator:
             for queued in self.queues[sender.partner]:
                 self._fail(queued, f"partner node {sender.partner} (rank {sender.rank}) {reason}")
 
+    def _begin(self, sender: Sender, now: float) -> None:
+        sender.state, sender.heard = "sending", now
+        handle = self.handles[sender.manifest.ckpt]
+        if handle.state == State.QUEUED:
+            handle.set(State.RUNNING, bytes=sender.manifest.bytes, partners=self.partners)
+        if sender.stream is None:
+            self.send(sender.rank, Begin(sender.manifest))
+        else:
+            self.send(sender.rank, Begin(replace(sender.manifest, files=[]), streamed=True))
+
+    def _announce(self, sender: Sender) -> None:
+        """Each file captured since, before its slots; or abandon a stream gone stale."""
+        assert sender.stream is not None
+        if sender.stream.torn or sender.stream.failed:
+            self._end(sender)
+            return
+        files = sender.stream.manifest.files
+        while sender.announced < len(files):
+            entry = files[sender.announced]
+            self.send(sender.rank, File(sender.manifest.ckpt, sender.announced, entry.path,
+                                        entry.size, entry.mode, entry.checksum))
+            sender.announced += 1
+
+    def _out_of_files(self, sender: Sender, now: float) -> None:
+        """Every file known was put: end, or (a stream) wait for the capture."""
+        stream = sender.stream
+        if stream is None:
+            self._end(sender)
+        elif stream.final is not None:
+            self._end(sender, stream.final[0])      # not torn: `_announce` looked
+        elif len(sender.free) == self.slots:
+            sender.heard = now      # nothing in flight: waiting for the capture, not the partner
+
+    def _end(self, sender: Sender, final: LocalManifest | None = None) -> None:
+        """No more slots: a part's End; a stream's with its final manifest, or without
+        one to abandon it."""
+        sender.state = "ending"
+        sender.aborted = sender.stream is not None and final is None
+        sender.close()
+        self.send(sender.rank, End(sender.manifest.ckpt, final))
+
+    def _restart(self, sender: Sender, why: str) -> None:
+        """An abandoned stream: the whole part again, from the final manifest."""
+        assert sender.stream is not None and sender.stream.final is not None
+        manifest, source, mapped = sender.stream.final
+        self.handles[manifest.ckpt].note("replicate_restart", partner=sender.partner,
+                                         reason=why)
+        sender.restart(manifest, source, mapped and sender.partner in self.map_to)
+
     def on_credit(self, partner: int, slot: int) -> None:
         sender = self._current(partner)
         if sender is not None:
@@ -284,13 +419,27 @@ class Replicator:
 
     def on_ack(self, partner: int, ckpt: str, ok: bool, error: str | None) -> None:
         sender = self._current(partner)
-        if sender is None or sender.manifest.ckpt != ckpt:
+        if sender is None or sender.manifest.ckpt != ckpt or sender.state != "ending":
+            return
+        sender.close()
+        if sender.stream is not None and not (ok and sender.error is None
+                                              and not sender.aborted):
+            self._abandoned(sender, error or sender.error or "abandoned")
             return
         sender.state = "done" if ok and sender.error is None else "failed"
-        sender.close()
         if sender.error is None and not ok:
             sender.error = f"partner node {partner}: {error}"
         self._finish(sender.manifest, partner, sender.error)
+
+    def _abandoned(self, sender: Sender, why: str) -> None:
+        """The partner dropped a stream: the whole part again once it is captured."""
+        assert sender.stream is not None
+        if sender.stream.failed:
+            self._fail(sender, sender.stream.failed)
+            return
+        sender.state = "waiting"
+        if sender.stream.final is not None:
+            self._restart(sender, why)
 
     def _current(self, partner: int) -> Sender | None:
         queue = self.queues.get(partner)
@@ -323,15 +472,18 @@ class Replicator:
                    "errors": errors, "partners": self.partners, "duration": duration})
 
     # --------------------------------------------------------------- partner side
-    def handle(self, source_node: int, msg: Begin | Slot | End | Credit | Ack) -> None:
+    def handle(self, source_node: int, msg: Begin | File | Slot | End | Credit | Ack
+               ) -> None:
         """A peer message (messages.decode) from the agent of `source_node`."""
         kind = type(msg)
         if kind is Begin:
-            self.store.begin(source_node, msg.manifest)
+            self.store.begin(source_node, msg.manifest, msg.streamed)
+        elif kind is File:
+            self.store.file(source_node, msg.ckpt, msg.file, msg.entry)
         elif kind is Slot:
             self.store.slot(source_node, msg.ckpt, msg.slot, msg.file, msg.offset, msg.length)
         elif kind is End:
-            self.store.end(source_node, msg.ckpt)
+            self.store.end(source_node, msg.ckpt, msg.manifest)
         elif kind is Credit:
             self.on_credit(source_node, msg.slot)
         elif kind is Ack:

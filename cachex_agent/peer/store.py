@@ -6,10 +6,12 @@
 (layout.py names them.) One writer thread does all disk work, in the
 order the slots were filled, so a file's checksum is computed as its bytes arrive (a
 second thread hashes each slot while the writer writes it, in 1 MiB pieces); the
-main thread only queues work (`begin`, `slot`, `end`) and forwards what the writer
-`post`s: a `credit` once a slot's bytes are on disk (the owner may refill it), and an
-`ack` once every file is verified against the owner's checksums, fsynced, renamed into
-place and the manifest written: only then is the replica durable.
+main thread only queues work (`begin`, `file`, `slot`, `end`) and forwards what the
+writer `post`s: a `credit` once a slot's bytes are on disk (the owner may refill it), and
+an `ack` once every file is verified against the owner's checksums, fsynced, renamed into
+place and the manifest written: only then is the replica durable. A part streamed while
+it was captured (its files announced one by one) is kept only if the final manifest
+that ends it names exactly the files received; anything else is abandoned.
 
 A full disk evicts replicas that a newer replica of the same owner supersedes, oldest
 first, and retries; with nothing left to evict the replica fails (the owner flushes to
@@ -43,7 +45,7 @@ from ..fsutil import (
     remove_under,
 )
 from ..layout import replica_dir, replica_manifest_path, replica_manifest_paths
-from ..manifest import LocalManifest
+from ..manifest import FileEntry, LocalManifest
 from ..messages import Ack, Credit, ToNode
 from ..safepath import UnsafeInput
 from .window import ReceiveWindow
@@ -75,6 +77,22 @@ def _update(digest: Any, data: memoryview) -> None:
         digest.update(data[start:start + PIECE])
 
 
+def _identity(manifest: LocalManifest) -> tuple[Any, ...]:
+    return (manifest.run, manifest.ckpt, manifest.seq, manifest.node, manifest.host,
+            manifest.rank, manifest.algorithm)
+
+
+def _differs(owner: int, item: _Incoming, final: LocalManifest | None) -> str | None:
+    """Why the files received are not the part `final` describes (None: they are)."""
+    if final is None:
+        return (f"node {owner} abandoned the stream (its capture changed or failed)"
+                if item.streamed else None)
+    if _identity(final) != _identity(item.manifest) or final.files != item.manifest.files:
+        return (f"the final manifest ({len(final.files)} files) differs from the"
+                f" {len(item.manifest.files)} files received")
+    return None
+
+
 def partial_dir(root: Path, owner: int, ckpt: str) -> Path:
     return partial_path(replica_dir(root, owner, ckpt))
 
@@ -99,6 +117,7 @@ class _Incoming:
     fds: dict[int, int] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)
     error: str | None = None
+    streamed: bool = False      # files announced one by one; the final manifest at `end`
 
 
 class ReplicaStore:
@@ -116,11 +135,15 @@ class ReplicaStore:
         self._thread.start()
 
     # ------------------------------------------------------------ main thread
-    def begin(self, owner: int, manifest: LocalManifest) -> None:
+    def begin(self, owner: int, manifest: LocalManifest, streamed: bool = False) -> None:
         self._open_streams[owner] = time.monotonic()
         if manifest.node != owner:
             raise UnsafeInput(f"replication from node {owner}: manifest of node {manifest.node}")
-        self._tasks.put(("begin", (owner, manifest)))
+        self._tasks.put(("begin", (owner, manifest, streamed)))
+
+    def file(self, owner: int, ckpt: str, index: int, entry: FileEntry) -> None:
+        self._open_streams[owner] = time.monotonic()
+        self._tasks.put(("file", (owner, ckpt, index, entry)))
 
     def slot(self, owner: int, ckpt: str, slot: int, index: int, offset: int, length: int
              ) -> None:
@@ -128,9 +151,10 @@ class ReplicaStore:
         self._open_streams[owner] = time.monotonic()
         self._tasks.put(("write", (owner, ckpt, slot, index, offset, length)))
 
-    def end(self, owner: int, ckpt: str) -> None:
+    def end(self, owner: int, ckpt: str, final: LocalManifest | None = None) -> None:
+        """`final`: a streamed part's final manifest (None abandons the stream)."""
         self._open_streams.pop(owner, None)
-        self._tasks.put(("end", (owner, ckpt)))
+        self._tasks.put(("end", (owner, ckpt, final)))
 
     def busy(self) -> bool:
         """Work queued, or a stream open (more slots will come: keep the loop fast);
@@ -157,21 +181,42 @@ class ReplicaStore:
                 self._tasks.task_done()
         self._tasks.task_done()
 
-    def _do_begin(self, owner: int, manifest: LocalManifest) -> None:
+    def _do_begin(self, owner: int, manifest: LocalManifest, streamed: bool) -> None:
         partial = partial_dir(self.root, owner, manifest.ckpt)
-        item = _Incoming(manifest, partial)
+        item = _Incoming(manifest, partial, streamed=streamed)
         self._incoming[(owner, manifest.ckpt)] = item
         self.events.emit("replica_start", ckpt=manifest.ckpt, seq=manifest.seq, owner=owner,
-                         bytes=manifest.bytes)
+                         bytes=manifest.bytes, streamed=streamed)
         try:
+            if streamed and manifest.files:
+                raise OSError(errno.EINVAL, "a streamed part must begin without files")
             remove_under(self.root, partial)
             self._retry_full(lambda: makedirs(partial))
             for index, entry in enumerate(manifest.files):
-                if entry.size == 0:
-                    self._retry_full(lambda e=entry: self._create_empty(partial, e))
-                    item.done.add(index)
+                self._created_if_empty(item, index, entry)
         except OSError as exc:
             item.error = describe(exc)
+
+    def _do_file(self, owner: int, ckpt: str, index: int, entry: FileEntry) -> None:
+        """A streamed file's entry: its slots follow."""
+        item = self._incoming.get((owner, ckpt))
+        if item is None or item.error is not None:
+            return
+        try:
+            if not item.streamed or index != len(item.manifest.files):
+                raise OSError(errno.EINVAL, f"file {index} ({entry.path}) announced out of"
+                              f" order (expected {len(item.manifest.files)})")
+            item.manifest.files.append(entry)
+            self._created_if_empty(item, index, entry)
+        except OSError as exc:
+            item.error = describe(exc)
+            self._abandon(item)
+
+    def _created_if_empty(self, item: _Incoming, index: int, entry: FileEntry) -> None:
+        """An empty file gets no slot: created (and done) when it is named."""
+        if entry.size == 0:
+            self._retry_full(lambda: self._create_empty(item.partial, entry))
+            item.done.add(index)
 
     def _do_write(self, owner: int, ckpt: str, slot: int, index: int, offset: int,
                   length: int) -> None:
@@ -187,6 +232,8 @@ class ReplicaStore:
 
     def _write(self, item: _Incoming, region: int, slot: int, index: int, offset: int,
                length: int) -> None:
+        if index >= len(item.manifest.files):
+            raise OSError(errno.EINVAL, f"a slot of file {index}, never announced")
         entry = item.manifest.files[index]
         if item.written.get(index, 0) != offset:
             raise OSError(errno.EIO, f"{entry.path}: out-of-order chunk at {offset}")
@@ -223,12 +270,13 @@ class ReplicaStore:
             raise OSError(errno.EIO, f"{entry.path}: checksum differs from the owner's")
         item.done.add(index)
 
-    def _do_end(self, owner: int, ckpt: str) -> None:
+    def _do_end(self, owner: int, ckpt: str, final: LocalManifest | None) -> None:
         item = self._incoming.pop((owner, ckpt), None)
         if item is None:
             return
-        error = item.error or self._missing(item)
+        error = item.error or _differs(owner, item, final) or self._missing(item)
         if error is None:
+            item.manifest = final or item.manifest
             try:
                 self._commit(owner, item)
             except OSError as exc:

@@ -75,18 +75,26 @@ def list_files(ckpt_dir: Path, ignore: Callable[[str], bool] = lambda _: False) 
 
 def capture_copy(src: Path, dst: Path, relpaths: Iterable[str], chunk: int = COPY_CHUNK,
                  on_bytes: Callable[[int], None] | None = None,
-                 sources: Mapping[str, Path] | None = None) -> list[FileEntry]:
+                 sources: Mapping[str, Path] | None = None,
+                 on_file: Callable[[int, FileEntry, Path], None] | None = None
+                 ) -> list[FileEntry]:
     """Copy `relpaths` from `src` into the new directory `dst`; return their entries.
     `sources` names the file read for a relpath that does not live under `src` (a
-    tracker or single-file checkpoint at the spool root)."""
+    tracker or single-file checkpoint at the spool root). `on_file(i, entry, partial)`:
+    file i is copied, fsynced and checked unchanged, in `partial` (renamed to `dst` at
+    the end); a later failure or retry of the part may still discard it."""
     sources = sources or {}
     partial = partial_path(dst)
     remove_under(dst.parent, partial)
     makedirs(partial)
     buffer = copy_buffer(chunk)
     try:
-        entries = [_copy_one(sources.get(rel, src / rel), partial, rel, buffer, on_bytes)
-                   for rel in relpaths]
+        entries = []
+        for i, rel in enumerate(relpaths):
+            entries.append(_copy_one(sources.get(rel, src / rel), partial, rel, buffer,
+                                     on_bytes))
+            if on_file is not None:
+                on_file(i, entries[-1], partial)
         fsync_tree(partial)
         remove_under(dst.parent, dst)
         os.rename(partial, dst)

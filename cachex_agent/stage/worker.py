@@ -5,10 +5,16 @@ announces it, running from the first listing, done once its local manifest and
 journal entry are durable; then the worker posts `captured` to the agent's inbox. A
 part that keeps changing is captured again (bounded); a capture that cannot complete
 fails with one line, never a torn part reported captured.
+
+A copy also posts each file as soon as it is copied and checksummed (`FileCaptured`),
+so that its replication can start while later files are still being copied. What is
+streamed that way is only provisional: the partner keeps it only if the final manifest,
+posted with `captured`, names exactly those files (peer/replicator.py).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -27,6 +33,7 @@ from ..handles import Handle, Stage, StageLog, State, held_for_tests
 from ..journal import Journal
 from ..layout import NodePaths, ckpt_dir, root_entry
 from ..manifest import FileEntry, LocalManifest
+from ..messages import FileCaptured
 from ..topology import Placement
 from .capture import (
     CaptureError,
@@ -43,7 +50,11 @@ log = logging.getLogger(__name__)
 MEMORY_RESERVE = 1 << 30    # capture by reference when the copy would leave less than this
 CAPTURE_ATTEMPTS = 3        # captures of a part that keeps changing before it fails
 TEST_FAIL_CAPTURE = "CACHEX_TEST_FAIL_CAPTURE"  # tests: this rank's capture thread raises
+# tests: "<node>:<dir>": after the first file of a checkpoint is copied, this node's
+# capture writes <dir>/paused-<ckpt> and waits for <dir>/resume-<ckpt>
+TEST_PAUSE = "CACHEX_TEST_CAPTURE_PAUSE"
 Captured = tuple[Path, list[FileEntry], str, str]   # where, entries, mode, why that mode
+OnFile = Callable[[int, FileEntry, Path], None]     # a file copied: stream it
 
 
 class CaptureHandle(Handle):
@@ -59,12 +70,13 @@ class CaptureHandle(Handle):
 
 class CaptureWorker:
     def __init__(self, config: Config, paths: NodePaths, placement: Placement, rule: CommitRule,
-                 journal: Journal, log_: StageLog, post: Callable[[dict[str, Any]], None],
+                 journal: Journal, log_: StageLog, post: Callable[[Any], None],
                  first_seen: Callable[[str], float | None]) -> None:
         self.config, self.paths, self.placement, self.rule = config, paths, placement, rule
         self.journal, self.log, self.post, self.first_seen = journal, log_, post, first_seen
         self.queue: queue.Queue[CaptureHandle | None] = queue.Queue()
         self.handles: dict[str, CaptureHandle] = {}     # not ended yet
+        self._paused: set[str] = set()      # TEST_PAUSE: checkpoints paused once already
         self._thread = threading.Thread(target=self._loop, name="capture", daemon=True)
 
     def start(self) -> None:
@@ -125,12 +137,14 @@ class CaptureWorker:
         # A marker vouches at most for files written before it: a directory that
         # appeared after the commit gets this node's own check.
         vouched = self.rule.vouches_for(source) and not late
-        target, entries, mode, reason = self._capture_whole(handle, source, vouched, deadline)
+        header = LocalManifest(run=self.config.run, ckpt=ckpt, seq=seq,
+                               node=self.placement.node, host=self.placement.host,
+                               rank=self.placement.rank, files=[])
+        target, entries, mode, reason = self._capture_whole(
+            handle, source, vouched, deadline, self._streamer(handle, header))
         if held_for_tests(Stage.CAPTURE, self.placement.node):
             handle.cancelled.wait(3600)
-        manifest = LocalManifest(run=self.config.run, ckpt=ckpt, seq=seq,
-                                 node=self.placement.node, host=self.placement.host,
-                                 rank=self.placement.rank, files=entries)
+        manifest = dataclasses.replace(header, files=entries, captured_at=time.time())
         self.journal.save_manifest(manifest)
         duration = time.time() - start
         # This node's own candidates, from its finished part: the marker's list is the
@@ -173,8 +187,31 @@ class CaptureWorker:
                                    f" within commit.timeout")
         return True
 
+    def _streamer(self, handle: CaptureHandle, header: LocalManifest) -> OnFile:
+        """Post each copied file to the agent (the replicator streams it)."""
+        final = self.paths.stage_dir(header.ckpt)
+
+        def on_file(index: int, entry: FileEntry, partial: Path) -> None:
+            self.post(FileCaptured(header, index, entry, partial, final))
+            self._pause_for_tests(handle)
+        return on_file
+
+    def _pause_for_tests(self, handle: CaptureHandle) -> None:
+        """The integration tests' way to hold a capture between its files (TEST_PAUSE),
+        once per checkpoint; never set in production."""
+        node, _, where = os.environ.get(TEST_PAUSE, "").partition(":")
+        if node != str(self.placement.node) or handle.ckpt in self._paused:
+            return
+        self._paused.add(handle.ckpt)
+        Path(where, f"paused-{handle.ckpt}").touch()
+        resume = Path(where, f"resume-{handle.ckpt}")
+        deadline = time.monotonic() + self.config.commit.timeout
+        while not resume.exists() and time.monotonic() < deadline:
+            if handle.cancelled.wait(0.05):
+                return
+
     def _capture_whole(self, handle: CaptureHandle, source: Path, vouched: bool,
-                       deadline: float) -> Captured:
+                       deadline: float, on_file: OnFile) -> Captured:
         """Capture until a listing after the capture equals the one before it (bounded):
         a file missing or torn is never reported captured."""
         changes = ""
@@ -183,7 +220,7 @@ class CaptureWorker:
             settle = 0.0 if vouched and attempt == 1 else self.config.commit.settle
             listed = self._settled(handle, source, settle, deadline)
             try:
-                captured = self._capture_once(handle.ckpt, source, listed)
+                captured = self._capture_once(handle.ckpt, source, listed, on_file)
                 changes = part_changes(listed, self._listing(source))
             except PartChanged as exc:
                 captured, changes = None, str(exc)
@@ -216,8 +253,8 @@ class CaptureWorker:
         except FileNotFoundError:
             raise CaptureError(f"{source}: checkpoint directory is missing") from None
 
-    def _capture_once(self, ckpt: str, source: Path, listed: dict[Path, FileState]
-                      ) -> Captured:
+    def _capture_once(self, ckpt: str, source: Path, listed: dict[Path, FileState],
+                      on_file: OnFile) -> Captured:
         """(where the captured bytes are, entries, mode, why that mode) of one capture."""
         relpaths = sorted(rel for rel in (p.relative_to(source).as_posix() for p in listed)
                           if not self.rule.ignore(rel))
@@ -231,7 +268,7 @@ class CaptureWorker:
         else:
             try:
                 return target, capture_copy(source, target, [*relpaths, *roots],
-                                            sources=roots), "copy", ""
+                                            sources=roots, on_file=on_file), "copy", ""
             except OSError as exc:
                 if not is_stage_full(exc):
                     raise

@@ -33,20 +33,21 @@ def events(c: Cluster, node: int, kind: str) -> list[dict]:
     return [e for e in c.events(node) if e["event"] == kind]
 
 
-def test_replicated_before_flushed_and_replicas_identical(cluster):
+def test_replicated_beside_flushed_and_replicas_identical(cluster):
     c = cluster()
     c.start_agents()
     finish(c.trainer("--steps", "8", "--every", "4", *TRAIN))
     steps = ("step_00004", "step_00008")
     for step in steps:
         c.wait_level(step, "flushed")
-    coordinator = {(e["event"], e.get("ckpt")): e["t"] for e in c.events(0)}
-    for step in steps:
-        assert coordinator[("level_replicated", step)] < coordinator[("level_flushed", step)]
+    # the flush starts beside the replication once a part is captured (either may end
+    # first; the replication of a copied part may begin before its capture ends), and a
+    # part is replicated only once it is captured whole
     for node in range(4):
         for step in steps:
             times = {e["event"]: e["t"] for e in c.events(node) if e.get("ckpt") == step}
-            assert times["captured"] <= times["replicated"] <= times["flush_start"]
+            assert times["captured"] <= times["replicated"]
+            assert times["captured"] <= times["flush_start"]
             partner = (node + 1) % 4
             assert files_of(replica(c, partner, node, step)) == own_files(c, node, step)
     assert c.cachex("verify", "step_00008").returncode == 0

@@ -50,8 +50,11 @@ def kill_while_running(c: Cluster, stage: str, done_on_0: str) -> None:
     says it is running and node 0's says `done_on_0` is done."""
     c.start_agents(env={"CACHEX_TEST_HOLD": f"{stage}:1"})
     write_checkpoint(c)
+    # replication starts while the capture runs: a held one waits for node 1's capture
+    before = {"capture": "done"} if stage == "replicate" else {}
     wait_for(lambda: stages(c, 1).get(stage) == "running"
-             and stages(c, 0).get(done_on_0) == "done", 90,
+             and stages(c, 0).get(done_on_0) == "done"
+             and all(stages(c, 1).get(s) == v for s, v in before.items()), 90,
              f"{stage} running on node 1, {done_on_0} done on node 0")
     kill_tree(c.agents)
     assert stages(c, 1)[stage] == "running"
@@ -65,7 +68,9 @@ def restart_until_flushed(c: Cluster, tmp_path: Path) -> None:
         out = tmp_path / f"extracted{node}"
         extract(c.pfs / "ckpt" / CKPT / f"node-{node:05d}.h5", out)
         assert files_of(out) == part                       # byte for byte
-        assert set(stages(c, node).values()) == {"done"}, stages(c, node)
+        # the flush runs beside the replication: `flushed` may come before `replicated`
+        wait_for(lambda n=node: set(stages(c, n).values()) == {"done"}, 60,
+                 f"every stage of node {node} done (now {stages(c, node)})")
     assert c.stop() == 0
 
 

@@ -3,10 +3,12 @@ partner. Run with and without MPIR_CVAR_NOLOCAL=1 (make test-mpi does both)."""
 
 from __future__ import annotations
 
+import json
 import os
 import queue
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +20,7 @@ from cachex_agent.config import load
 from cachex_agent.events import EventLog
 from cachex_agent.layout import replica_dir, replica_manifest_path
 from cachex_agent.manifest import FileEntry, LocalManifest
-from cachex_agent.messages import Tag, ToNode, decode, wire
+from cachex_agent.messages import FileCaptured, Tag, ToNode, decode, wire
 from cachex_agent.peer.partners import incoming, partner_map, replication_map
 from cachex_agent.topology import place_in
 
@@ -51,9 +53,11 @@ def make_files(directory: Path, sizes: dict[str, int], seed: int) -> list[FileEn
 
 
 def run_replication(root: Path, cfg, sizes_of_rank, ckpts=("c1",), mapped=True,
-                    damage=None) -> dict:
+                    damage=None, feed=None) -> dict:
     """Every rank replicates its files to its partners, serving the others meanwhile.
-    `damage(source)` runs on each staged checkpoint after its manifest was made."""
+    `damage(source)` runs on each staged checkpoint after its manifest was made.
+    `feed(replicator, manifest, source)` starts a replication its own way (a stream) and
+    returns what to do once the loop has run a while (end the capture), or None."""
     from mpi4py import MPI
 
     from cachex_agent.peer.replicator import Replicator
@@ -71,6 +75,7 @@ def run_replication(root: Path, cfg, sizes_of_rank, ckpts=("c1",), mapped=True,
     replicator = Replicator(comm, placement.node, pmap, list(range(comm.size)), cfg, paths,
                             events, send, posts.put)
     results = {}
+    later = []
     for seq, ckpt in enumerate(ckpts, 1):
         source = paths.stage / ckpt
         files = make_files(source, sizes_of_rank(comm.rank), seed=comm.rank * 100 + seq)
@@ -78,7 +83,10 @@ def run_replication(root: Path, cfg, sizes_of_rank, ckpts=("c1",), mapped=True,
                                  rank=comm.rank, files=files)
         if damage is not None:
             damage(source)
-        replicator.replicate(manifest, source, mapped=mapped)
+        if feed is None:
+            replicator.replicate(manifest, source, mapped=mapped)
+        else:
+            later.append(feed(replicator, manifest, source))
     barrier = None
     deadline = time.monotonic() + 120
     status = MPI.Status()
@@ -94,6 +102,10 @@ def run_replication(root: Path, cfg, sizes_of_rank, ckpts=("c1",), mapped=True,
             else:
                 results[msg["ckpt"]] = msg
         replicator.pump()
+        if later and replicator.busy():     # some of the stream went out: capture ends
+            for action in filter(None, later):
+                action()
+            later = []
         requests = [r for r in requests if not r.Test()]
         if barrier is None and len(results) == len(ckpts):
             barrier = comm.Ibarrier()       # done as an owner; keep serving as a partner
@@ -204,3 +216,91 @@ def test_retention_keeps_the_newest_replicas(mpi_tmp_path):
     kept = sorted(p.name for p in (replicas / f"node-{owner:05d}").glob("*.manifest.json"))
     assert all_ok(comm, kept == ["c3.manifest.json"]), kept
     assert all_ok(comm, not (replicas / f"node-{owner:05d}" / "c1").exists())
+
+
+def stream(replicator, manifest: LocalManifest, source: Path):
+    """As the capture thread does: each file posted as copied; the end comes later."""
+    header = replace(manifest, files=[])
+    for index, entry in enumerate(manifest.files):
+        replicator.file_captured(FileCaptured(header, index, entry, source, source))
+    return lambda: replicator.captured(manifest, source, True)
+
+
+def replica_events(cfg, kind: str) -> list[dict]:
+    """This rank's events named `kind` (as owner and as partner)."""
+    from mpi4py import MPI
+    path = cfg.node_paths(MPI.COMM_WORLD.rank).journal / "events.jsonl"
+    return [e for e in map(json.loads, path.read_text().splitlines()) if e["event"] == kind]
+
+
+def test_a_part_streamed_while_captured_is_replicated_byte_for_byte(mpi_tmp_path):
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    cfg = config(mpi_tmp_path, '[peer]\nslot = "64KiB"\nslots = 2\n')
+    sizes = {"big.bin": 768 * 1024, "empty": 0, "d/small": 100, "last": 65537}
+    results = run_replication(mpi_tmp_path, cfg, lambda rank: sizes, ckpts=("c1", "c2"),
+                              feed=stream)
+    assert all_ok(comm, len(results) == 2 and all(r["ok"] for r in results.values())), results
+    problems = check_replicas(mpi_tmp_path, cfg, ckpts=("c1", "c2"))
+    assert all_ok(comm, not problems), problems[:5]
+    # c2 waited behind c1 until its capture had ended: then it goes whole
+    started = {e["ckpt"]: e["streamed"] for e in replica_events(cfg, "replica_start")}
+    assert all_ok(comm, started["c1"]), started
+
+
+def test_a_capture_that_starts_over_is_sent_again_from_its_final_manifest(mpi_tmp_path):
+    """The first attempt's files went out; the part changed: the second attempt posts
+    from index 0 again, and the replica is the final capture, byte for byte."""
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    cfg = config(mpi_tmp_path, '[peer]\nslot = "64KiB"\nslots = 2\n')
+
+    def start_over(replicator, manifest, source):
+        header = replace(manifest, files=[])
+        for index, entry in enumerate(manifest.files):
+            replicator.file_captured(FileCaptured(header, index, entry, source, source))
+
+        def second_attempt():
+            temp = source / "new.tmp"      # a new inode, as a new capture attempt writes
+            temp.write_bytes(os.urandom(300_000))
+            temp.rename(source / "a.bin")
+            files = [FileEntry(e.path, (source / e.path).stat().st_size, e.mode,
+                               file_checksum(source / e.path)) for e in manifest.files]
+            final = replace(manifest, files=files)
+            for index, entry in enumerate(files):
+                replicator.file_captured(FileCaptured(header, index, entry, source, source))
+            replicator.captured(final, source, True)
+        return second_attempt
+    results = run_replication(mpi_tmp_path, cfg, lambda rank: {"a.bin": 200_000, "b": 5},
+                              feed=start_over)
+    assert all_ok(comm, results["c1"]["ok"]), results
+    problems = check_replicas(mpi_tmp_path, cfg)
+    assert all_ok(comm, not problems), problems[:5]
+    assert all_ok(comm, replica_events(cfg, "replicate_restart")), "no restart"
+
+
+def test_a_final_manifest_other_than_the_files_streamed_is_never_kept(mpi_tmp_path):
+    """The partner's own check: an owner that ends a stream with a manifest naming other
+    files (here it skips its own comparison) gets no replica."""
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    cfg = config(mpi_tmp_path, '[peer]\nslot = "64KiB"\nslots = 2\n')
+
+    def lie(replicator, manifest, source):
+        stream(replicator, manifest, source)
+        torn = replace(manifest, files=[replace(manifest.files[0], checksum="0" * 32)])
+
+        def end():
+            handle = replicator.handles[manifest.ckpt]
+            handle.stream.final = (torn, source, True)      # not `finish`: no check here
+        return end
+    results = run_replication(mpi_tmp_path, cfg, lambda rank: {"a.bin": 200_000},
+                              feed=lie)
+    assert all_ok(comm, not results["c1"]["ok"]), results
+    failed = replica_events(cfg, "replica_failed")
+    assert all_ok(comm, failed and "differs from the 1 files received" in failed[0]["error"]
+                  ), failed
+    partner = cfg.node_paths(comm.rank).replicas
+    owner = (comm.rank - 1) % comm.size
+    assert all_ok(comm, not replica_manifest_path(partner, owner, "c1").exists())
+    assert all_ok(comm, not replica_dir(partner, owner, "c1").exists())

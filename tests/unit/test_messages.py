@@ -18,6 +18,7 @@ from cachex_agent.messages import (
     End,
     Exit,
     Failed,
+    File,
     Finalized,
     GlobalFile,
     ManifestReady,
@@ -29,6 +30,8 @@ from cachex_agent.messages import (
 from cachex_agent.safepath import UnsafeInput
 
 SOURCE = "message from rank 3"
+FILE = {"type": "file", "ckpt": "step-1", "file": 0, "path": "a.pt", "size": 10, "mode": 420,
+        "checksum": "0" * 32}
 
 
 def local(ckpt: str = "step-1", node: int = 1, path: str = "a/b.pt") -> LocalManifest:
@@ -51,8 +54,11 @@ EVERY = [
     (Tag.COORDINATOR, Drain(["step-1", "step-2"])),
     (Tag.COORDINATOR, Exit([0, 3])),
     (Tag.PEER, Begin(local())),
+    (Tag.PEER, Begin(local(), streamed=True)),
+    (Tag.PEER, File("step-1", 2, "a/b.pt", 10, 0o644, "0" * 32)),
     (Tag.PEER, Slot("step-1", 3, 0, 4 << 20, 1 << 20)),
     (Tag.PEER, End("step-1")),
+    (Tag.PEER, End("step-1", local())),
     (Tag.PEER, Credit(3)),
     (Tag.PEER, Ack("step-1", False, "disk full")),
     (Tag.PEER, GlobalFile("step-1", ".metadata", 10, "0" * 32)),
@@ -62,8 +68,8 @@ EVERY = [
 @pytest.mark.parametrize("tag,message", EVERY, ids=lambda v: getattr(v, "TYPE", str(v)))
 def test_every_message_arrives_as_it_was_sent(tag, message):
     raw = wire(message)
-    assert raw["type"] == message.TYPE and "manifest" not in raw or isinstance(
-        raw["manifest"], dict)
+    assert raw["type"] == message.TYPE
+    assert isinstance(raw.get("manifest"), (dict, type(None)))   # manifests as JSON
     assert decode(raw, SOURCE, tag) == message
 
 
@@ -105,6 +111,20 @@ HOSTILE = [
                                                "files": [{"path": "/abs", "size": 1,
                                                           "mode": 420, "checksum": "0"}]}},
      "/abs"),
+    (Tag.PEER, {"type": "begin", "manifest": local().to_json(), "streamed": "yes"},
+     "streamed must be true or false"),
+    (Tag.PEER, {**FILE, "path": "../x"}, "../x"),
+    (Tag.PEER, {**FILE, "path": "/etc/passwd"}, "/etc/passwd"),
+    (Tag.PEER, {**FILE, "file": -1}, "file must be a count"),
+    (Tag.PEER, {**FILE, "size": "10"}, "size must be a count"),
+    (Tag.PEER, {**FILE, "mode": 1.5}, "mode must be a count"),
+    (Tag.PEER, {**FILE, "checksum": None}, "checksum must be text"),
+    (Tag.PEER, {**FILE, "ckpt": "../s"}, "../s"),
+    (Tag.PEER, {k: v for k, v in FILE.items() if k != "checksum"}, "file message with"),
+    (Tag.PEER, {"type": "end", "ckpt": "step-2", "manifest": local().to_json()}, "step-1"),
+    (Tag.PEER, {"type": "end", "ckpt": "step-1", "manifest": {**local().to_json(),
+                                                               "node": -1}}, "node"),
+    (Tag.PEER, {"type": "end", "ckpt": "step-1", "manifest": "all of it"}, "expected an object"),
     (Tag.COORDINATOR, {"type": "captured", "ckpt": "s"}, "node"),
     (Tag.COORDINATOR, {"type": "unprotected", "node": 1, "ckpts": ["a/../../b"]}, "a/../../b"),
     (Tag.GLOBAL_DATA, {"type": "end", "ckpt": "s"}, "unknown message type"),
