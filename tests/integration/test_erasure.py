@@ -1,0 +1,82 @@
+"""Erasure-coded redundancy through real agents: 8 virtual nodes under mpiexec encode
+each checkpoint in groups (`peer.scheme` xor or rs:K+M) instead of copying it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+from harness import BIN, MPIEXEC, Cluster, finish
+
+from cachex_agent.peer.parity import ParityManifest, check_member
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+NODES = 8
+TRAIN = ["--shard-size", "96KiB", "--chunk-size", "32KiB", "--step-time", "0.02",
+         "--files-per-rank", "3", "--every", "4"]
+
+
+def peer(scheme: str, group: int, flush_every: int = 1) -> str:
+    return (f'\n[peer]\nscheme = "{scheme}"\ngroup = {group}\n'
+            f'\n[flush]\nevery = {flush_every}\n')
+
+
+def trained(cluster, scheme: str, group: int, steps: int = 8, level: str = "flushed",
+            flush_every: int = 1) -> Cluster:
+    """Agents (one per virtual node) and a trainer (one rank per node) ran `steps` steps;
+    the last checkpoint reached `level`; agents stopped."""
+    c = cluster(nodes=NODES, extra=peer(scheme, group, flush_every))
+    c.start_agents()
+    finish(c.trainer("--steps", str(steps), *TRAIN, ranks=NODES, ranks_per_node=1))
+    c.wait_level(f"step_{steps:05d}", level, timeout=120)
+    c.last_status = c.status()
+    assert c.stop() == 0
+    return c
+
+
+def parity_root(c: Cluster, node: int):
+    return c.root / f"node{node}" / "nvme" / "t" / "parity"
+
+
+def test_xor_groups_of_four_reach_replicated_and_parity_verifies(cluster):
+    # only the first checkpoint is flushed: the second stays at `replicated`
+    c = trained(cluster, "xor", 4, level="replicated", flush_every=100)
+    ckpt = "step_00008"
+    row = next(r for r in c.last_status["checkpoints"] if r["id"] == ckpt)
+    assert row["nodes_replicated"] == NODES and row["level"] == "replicated", row
+    groups = set()
+    for node in range(NODES):
+        done = [e for e in c.events(node) if e["event"] == "replicated" and e["ckpt"] == ckpt]
+        assert len(done) == 1 and len(done[0]["partners"]) == 3, done
+        manifest = ParityManifest.load(parity_root(c, node), ckpt)
+        assert (manifest.scheme, manifest.k, manifest.m) == ("xor", 3, 1)
+        assert manifest.group[manifest.member] == node
+        groups.add(tuple(manifest.group))
+        source = c.stage(node) / ckpt
+        assert check_member(parity_root(c, node), ckpt, source if source.is_dir() else None
+                            ) == {}
+    assert sorted(n for g in groups for n in g) == list(range(NODES)) and len(groups) == 2
+    # no RMA copy was made: no node holds another's replica
+    assert not any(any((c.root / f"node{n}" / "nvme" / "t" / "replicas").glob("*/*"))
+                   for n in range(NODES))
+    text = json.dumps(c.status())
+    assert "replicate_failed" not in text
+
+
+@pytest.mark.parametrize("extra,env,words", [
+    (peer("xor", 8), {}, ["peer.group", "8"]),      # 8 nodes per group, the job has 4
+    (peer("xor", 2), {"MPI4PY_RC_THREAD_LEVEL": "funneled"},
+     ["peer.scheme", "MPI_THREAD_MULTIPLE"]),
+], ids=["group larger than the job", "mpi without thread support"])
+def test_erasure_start_up_refused_in_one_line(cluster, extra, env, words):
+    c = cluster(nodes=4, extra=extra)
+    proc = subprocess.run([str(MPIEXEC), "-n", "4", str(BIN / "cachex-agent"), "--config",
+                           str(c.config)], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, **env})
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert all(word in lines[0] for word in words), lines[0]
+    assert not (c.root / "node0" / "nvme" / "t").exists()     # nothing created
