@@ -32,6 +32,7 @@ def trained(cluster, scheme: str, group: int, steps: int = 8, level: str = "flus
     finish(c.trainer("--steps", str(steps), *TRAIN, ranks=NODES, ranks_per_node=1))
     c.wait_level(f"step_{steps:05d}", level, timeout=120)
     c.last_status = c.status()
+    c.shown = {what: c.cachex(*what.split()) for what in ("ls", "status", "ls --json")}
     assert c.stop() == 0
     return c
 
@@ -63,6 +64,14 @@ def test_xor_groups_of_four_reach_replicated_and_parity_verifies(cluster):
                    for n in range(NODES))
     text = json.dumps(c.status())
     assert "replicate_failed" not in text
+    listed = c.shown["ls"]          # while the agents ran (the drain flushes the rest)
+    assert listed.returncode == 0, listed.stderr
+    assert any(ckpt in line and "replicated (xor 4)" in line
+               for line in listed.stdout.splitlines()), listed.stdout
+    assert "xor parity over groups of 4 nodes; each group survives 1 lost node" \
+        in c.shown["status"].stdout, c.shown["status"].stdout
+    assert json.loads(c.shown["ls --json"].stdout)["redundancy"] == {
+        "scheme": "xor", "group": 4, "survives": 1}
 
 
 @pytest.mark.parametrize("extra,env,words", [
