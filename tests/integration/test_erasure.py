@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shutil
 import subprocess
 
 import pytest
-from harness import BIN, MPIEXEC, Cluster, finish
+from harness import BIN, MPIEXEC, Cluster, files_of, finish
 
 from cachex_agent.peer.parity import ParityManifest, check_member
 
@@ -24,12 +26,12 @@ def peer(scheme: str, group: int, flush_every: int = 1) -> str:
 
 
 def trained(cluster, scheme: str, group: int, steps: int = 8, level: str = "flushed",
-            flush_every: int = 1) -> Cluster:
+            flush_every: int = 1, nodes: int = NODES) -> Cluster:
     """Agents (one per virtual node) and a trainer (one rank per node) ran `steps` steps;
     the last checkpoint reached `level`; agents stopped."""
-    c = cluster(nodes=NODES, extra=peer(scheme, group, flush_every))
+    c = cluster(nodes=nodes, extra=peer(scheme, group, flush_every))
     c.start_agents()
-    finish(c.trainer("--steps", str(steps), *TRAIN, ranks=NODES, ranks_per_node=1))
+    finish(c.trainer("--steps", str(steps), *TRAIN, ranks=nodes, ranks_per_node=1))
     c.wait_level(f"step_{steps:05d}", level, timeout=120)
     c.last_status = c.status()
     c.shown = {what: c.cachex(*what.split()) for what in ("ls", "status", "ls --json")}
@@ -89,3 +91,70 @@ def test_erasure_start_up_refused_in_one_line(cluster, extra, env, words):
     assert len(lines) == 1 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert all(word in lines[0] for word in words), lines[0]
     assert not (c.root / "node0" / "nvme" / "t").exists()     # nothing created
+
+
+def lose(c: Cluster, *nodes: int) -> None:
+    """Everything node-local is gone (spool, stage, cache with journal and parity); the
+    replacement has an empty spool."""
+    for node in nodes:
+        shutil.rmtree(c.root / f"node{node}")
+        c.spool(node).mkdir(parents=True)
+
+
+def recover(c: Cluster, nodes: int) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([str(MPIEXEC), "-n", str(nodes), str(BIN / "cachex"), "recover",
+                           "--config", str(c.config)],
+                          capture_output=True, text=True, timeout=240)
+
+
+def spools(c: Cluster, nodes: int, ckpt: str) -> dict[int, dict[str, bytes]]:
+    return {n: files_of(c.spool(n) / ckpt) for n in range(nodes)}
+
+
+def pfs_down(c: Cluster) -> None:
+    """Nothing can come from the PFS: only the nodes' data and parity are left."""
+    os.rename(c.pfs, c.root / "pfs-gone")
+    c.pfs.write_text("the parallel file system is down")
+
+
+@pytest.mark.parametrize("lost", [(1, 6), (0, 3)], ids=["nodes 1 and 6", "nodes 0 and 3"])
+def test_xor_loses_one_node_per_group_and_recovers_byte_for_byte(cluster, lost):
+    c = trained(cluster, "xor", 4)
+    ckpt = "step_00008"
+    before = spools(c, NODES, ckpt)
+    groups = {tuple(ParityManifest.load(parity_root(c, n), ckpt).group) for n in range(NODES)}
+    assert all(len(set(lost) & set(g)) == 1 for g in groups), groups   # one per group
+    lose(c, *lost)
+    pfs_down(c)
+    result = recover(c, NODES)
+    assert result.returncode == 0, result.stdout + result.stderr
+    for node in lost:
+        assert re.search(rf"rebuilds node {node} from the survivors", result.stdout), \
+            result.stdout
+    assert "not re-encoded yet" in result.stdout
+    assert spools(c, NODES, ckpt) == before
+
+
+def test_rs_4_2_loses_any_two_and_recovers(cluster):
+    c = trained(cluster, "rs:4+2", 6, nodes=6)
+    ckpt = "step_00008"
+    before = spools(c, 6, ckpt)
+    lose(c, 1, 4)
+    pfs_down(c)
+    result = recover(c, 6)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "rebuilds nodes 1, 4 from the survivors" in result.stdout, result.stdout
+    assert spools(c, 6, ckpt) == before
+
+
+def test_rs_4_2_three_losses_fall_back_to_the_pfs(cluster):
+    c = trained(cluster, "rs:4+2", 6, nodes=6)
+    ckpt = "step_00008"
+    before = spools(c, 6, ckpt)
+    lose(c, 0, 2, 5)
+    result = recover(c, 6)
+    assert result.returncode == 0, result.stdout + result.stderr
+    lines = [line for line in result.stdout.splitlines() if "more than the 2" in line]
+    assert len(lines) == 1 and "lost nodes 0, 2, 5" in lines[0], result.stdout
+    assert "from the PFS bundle" in result.stdout
+    assert spools(c, 6, ckpt) == before
