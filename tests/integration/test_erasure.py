@@ -158,3 +158,20 @@ def test_rs_4_2_three_losses_fall_back_to_the_pfs(cluster):
     assert len(lines) == 1 and "lost nodes 0, 2, 5" in lines[0], result.stdout
     assert "from the PFS bundle" in result.stdout
     assert spools(c, 6, ckpt) == before
+
+
+def test_verify_catches_a_corrupted_parity_byte(cluster):
+    c = trained(cluster, "xor", 4)
+    ckpt = "step_00008"
+    good = c.cachex("verify", ckpt)
+    assert good.returncode == 0, good.stdout + good.stderr
+    assert len(re.findall(rf"{ckpt} parity +node \d+ +ok", good.stdout)) == NODES, good.stdout
+    chunk = sorted((parity_root(c, 5) / ckpt).iterdir())[0]
+    data = bytearray(chunk.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    chunk.write_bytes(bytes(data))
+    bad = c.cachex("verify", ckpt)
+    assert bad.returncode == 1, bad.stdout + bad.stderr
+    assert re.search(rf"{ckpt} parity +node 5 +BAD", bad.stdout), bad.stdout
+    assert f"{chunk}: checksum mismatch" in bad.stdout, bad.stdout
+    assert "1 bad copies" in bad.stderr, bad.stderr
