@@ -37,6 +37,7 @@ from ..layout import NodePaths
 from ..manifest import LocalManifest
 from .encode_exchange import encode_part
 from .groups import group_map, group_of
+from .parity import retain_parity
 
 log = logging.getLogger(__name__)
 Post = Callable[[Any], None]        # into the agent's inbox
@@ -93,6 +94,7 @@ class Encoder:
         self.partners = [n for n in members if n != node]
         self.scheme = config.peer.scheme
         self.timeout = config.agent.timeout
+        self.keep = config.keep.replica
         self.root = paths.parity
         self.log, self.post = log_, post
         self.jobs: queue.Queue[EncodeHandle | None] = queue.Queue()
@@ -161,6 +163,8 @@ class Encoder:
         handle.set(State.DONE, bytes=handle.manifest.bytes, partners=self.partners,
                    duration=time.monotonic() - started)
         self._report(handle, {}, started)
+        for ckpt in retain_parity(self.root, self.keep):
+            self.log.emit("evicted", ckpt=ckpt, level="parity", reason="keep.replica")
 
     def _in_step(self, handle: EncodeHandle, step: str) -> bool:
         """Every member is at this checkpoint (raises if not); False if any dropped it."""

@@ -20,16 +20,16 @@ TRAIN = ["--shard-size", "96KiB", "--chunk-size", "32KiB", "--step-time", "0.02"
          "--files-per-rank", "3", "--every", "4"]
 
 
-def peer(scheme: str, group: int, flush_every: int = 1) -> str:
+def peer(scheme: str, group: int, flush_every: int = 1, keep: int = 0) -> str:
     return (f'\n[peer]\nscheme = "{scheme}"\ngroup = {group}\n'
-            f'\n[flush]\nevery = {flush_every}\n')
+            f'\n[flush]\nevery = {flush_every}\n\n[keep]\nreplica = {keep}\n')
 
 
 def trained(cluster, scheme: str, group: int, steps: int = 8, level: str = "flushed",
-            flush_every: int = 1, nodes: int = NODES) -> Cluster:
+            flush_every: int = 1, nodes: int = NODES, keep: int = 0) -> Cluster:
     """Agents (one per virtual node) and a trainer (one rank per node) ran `steps` steps;
     the last checkpoint reached `level`; agents stopped."""
-    c = cluster(nodes=nodes, extra=peer(scheme, group, flush_every))
+    c = cluster(nodes=nodes, extra=peer(scheme, group, flush_every, keep))
     c.start_agents()
     finish(c.trainer("--steps", str(steps), *TRAIN, ranks=nodes, ranks_per_node=1))
     c.wait_level(f"step_{steps:05d}", level, timeout=120)
@@ -45,7 +45,7 @@ def parity_root(c: Cluster, node: int):
 
 def test_xor_groups_of_four_reach_replicated_and_parity_verifies(cluster):
     # only the first checkpoint is flushed: the second stays at `replicated`
-    c = trained(cluster, "xor", 4, level="replicated", flush_every=100)
+    c = trained(cluster, "xor", 4, level="replicated", flush_every=100, keep=1)
     ckpt = "step_00008"
     row = next(r for r in c.last_status["checkpoints"] if r["id"] == ckpt)
     assert row["nodes_replicated"] == NODES and row["level"] == "replicated", row
@@ -66,6 +66,11 @@ def test_xor_groups_of_four_reach_replicated_and_parity_verifies(cluster):
                    for n in range(NODES))
     text = json.dumps(c.status())
     assert "replicate_failed" not in text
+    for node in range(NODES):       # keep.replica = 1: step_00004's parity went, manifest first
+        assert sorted(p.name for p in parity_root(c, node).iterdir()) == [
+            ckpt, f"{ckpt}.parity.json"]
+        assert [e for e in c.events(node) if e["event"] == "evicted"
+                and e.get("level") == "parity"][0]["ckpt"] == "step_00004"
     listed = c.shown["ls"]          # while the agents ran (the drain flushes the rest)
     assert listed.returncode == 0, listed.stderr
     assert any(ckpt in line and "replicated (xor 4)" in line
