@@ -7,9 +7,10 @@ the newest (or the one asked for): while every member has its part, nothing is r
 a group that lost no more members than its M is rebuilt, each lost member's part written
 into its replacement's stage (private, each file renamed once its checksum matches), so
 that the plan (plan.py) then takes it from there like any staged copy, checked again as
-it moves into the spool. A group that lost more falls back, with one line, to the PFS
-bundle when there is one, else to an older checkpoint. The rebuilt members hold no parity
-afterwards: the group is not re-encoded here (the agents encode the next checkpoint).
+it moves into the spool. Then the group encodes the checkpoint again (from the
+survivors' parts and the rebuilt ones in the stages), so the replacements hold their
+parity share too. A group that lost more falls back, with one line, to the PFS bundle
+when there is one, else to an older checkpoint.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from mpi4py import MPI
 from ..collective import agree, arrive
 from ..config import Config
 from ..errors import CachexError
-from ..manifest import GlobalManifest
+from ..manifest import GlobalManifest, LocalManifest
+from ..peer.encode_exchange import encode_part
 from ..peer.parity import ParityManifest
 from ..safepath import UnsafeInput
 from . import holdings
@@ -105,7 +107,7 @@ def _decide(manifests: dict[str, GlobalManifest], copies: list[Copy], groups: Gr
                 f"{manifest.ckpt}: erasure group of nodes {g} ({group_of[g[0]][2]})"
                 f" rebuilds node{'s' if len(m) > 1 else ''}"
                 f" {', '.join(str(g[i]) for i in m)} from the survivors' data and parity;"
-                " not re-encoded yet (the agents encode the next checkpoint)"
+                " then encodes the group again"
                 for g, m in plan])
         if all(_on_pfs(ours, o) for o in lost):
             break           # the plan takes the lost parts from the PFS
@@ -167,14 +169,30 @@ def _run(comm: Any, config: Config, node: int, decision: Rebuild, copies: list[C
         own = next((c for c in copies if c.ckpt == decision.ckpt and c.owner == node
                     and c.holder == node and c.kind in ("spool", "stage")), None)
         source = holdings.source_dir(config, own) if own else None
+        dest = paths.stage_dir(decision.ckpt)
         try:
-            rebuild_parts(group_comm, mine[1], paths.parity, source,
-                          paths.stage_dir(decision.ckpt), decision.ckpt, bound)
+            rebuilt = rebuild_parts(group_comm, mine[1], paths.parity, source, dest,
+                                    decision.ckpt, bound)
         except CachexError as exc:      # the same on every member: the plan falls back
+            group_comm.Free()
             return f"{decision.ckpt}: {exc}"
+        try:
+            _encode_again(group_comm, config, decision.ckpt, mine[0], node, rebuilt,
+                          source or dest, bound)
+        except CachexError as exc:      # the parts are back; their protection is not
+            return f"{decision.ckpt}: rebuilt, but not encoded again: {exc}"
         finally:
             group_comm.Free()
         return None
-    failures = agree(comm, "erasure rebuild", rebuild, bound)
+    failures = agree(comm, "erasure rebuild", rebuild, 2 * bound)
     arrive(comm, "recovery erasure rebuilt", config.agent.timeout)
     return sorted({f for f in comm.allgather(failures) if f})
+
+
+def _encode_again(comm: Any, config: Config, ckpt: str, group: list[int], node: int,
+                  rebuilt: LocalManifest | None, source: Path, bound: float) -> None:
+    """The group encodes the rebuilt checkpoint as the agents did: a survivor's part is
+    the one its parity manifest lists, a replacement's the one just rebuilt."""
+    root = config.node_paths(node).parity
+    part = rebuilt or ParityManifest.load(root, ckpt).parts[group.index(node)]
+    encode_part(comm, group, config.peer.scheme, part, source, root, bound)

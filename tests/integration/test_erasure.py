@@ -136,8 +136,16 @@ def test_xor_loses_one_node_per_group_and_recovers_byte_for_byte(cluster, lost):
     for node in lost:
         assert re.search(rf"rebuilds node {node} from the survivors", result.stdout), \
             result.stdout
-    assert "not re-encoded yet" in result.stdout
+    assert "then encodes the group again" in result.stdout
     assert spools(c, NODES, ckpt) == before
+    for node in lost:           # the replacements hold their parity share again
+        assert ParityManifest.load(parity_root(c, node), ckpt).group[
+            ParityManifest.load(parity_root(c, node), ckpt).member] == node
+    c.pfs.unlink()              # the PFS is back: every copy verifies
+    os.rename(c.root / "pfs-gone", c.pfs)
+    checked = c.cachex("verify", ckpt)
+    assert checked.returncode == 0, checked.stdout + checked.stderr
+    assert len(re.findall(rf"{ckpt} parity +node \d+ +ok", checked.stdout)) == NODES
 
 
 def test_rs_4_2_loses_any_two_and_recovers(cluster):
