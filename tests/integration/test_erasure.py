@@ -10,7 +10,7 @@ import shutil
 import subprocess
 
 import pytest
-from harness import BIN, MPIEXEC, Cluster, files_of, finish
+from harness import BIN, MPIEXEC, Cluster, files_of, finish, kill_tree, wait_for
 
 from cachex_agent.peer.parity import ParityManifest, check_member
 
@@ -188,3 +188,33 @@ def test_verify_catches_a_corrupted_parity_byte(cluster):
     assert re.search(rf"{ckpt} parity +node 5 +BAD", bad.stdout), bad.stdout
     assert f"{chunk}: checksum mismatch" in bad.stdout, bad.stdout
     assert "1 bad copies" in bad.stderr, bad.stderr
+
+
+def test_killed_while_encoding_encodes_again_after_restart(cluster):
+    """SIGKILL while node 1 holds its first encoding `running` and the second is queued
+    behind it; the restarted agents (whose journals hold the second's global manifest)
+    encode the second again, every member. The first was flushed and finalized: a
+    finished checkpoint resumes nothing (docs/architecture.md), encoded or not."""
+    ckpt = "step_00008"         # seq 2: not flushed (flush.every), so not finalized
+    c = cluster(nodes=4, extra=peer("xor", 4, flush_every=100))
+    c.start_agents(env={"CACHEX_TEST_HOLD": "replicate:1"})
+    finish(c.trainer("--steps", "8", *TRAIN, ranks=4, ranks_per_node=1))
+
+    def replicate_state(node: int, name: str = ckpt) -> str | None:
+        try:
+            doc = json.loads((c.journal(node) / "state.json").read_text())
+        except (OSError, ValueError):
+            return None
+        return doc["ckpts"].get(name, {}).get("stages", {}).get("replicate")
+    wait_for(lambda: replicate_state(1, "step_00004") == "running"
+             and replicate_state(1) == "queued", 90, "node 1 encoding, the next queued")
+    kill_tree(c.agents)
+    assert not (parity_root(c, 1) / f"{ckpt}.parity.json").exists()
+    c.start_agents()
+    wait_for(lambda: all(replicate_state(n) == "done" for n in range(4)), 120,
+             "every member's encoding done after the restart")
+    for node in range(4):
+        assert check_member(parity_root(c, node), ckpt, c.stage(node) / ckpt) == {}
+    assert [e["event"] for e in c.events(1) if e.get("stage") == "replicate"
+            and e["ckpt"] == ckpt][-2:] == ["replicate_start", "replicated"]
+    assert c.stop() == 0
