@@ -16,7 +16,10 @@ a member keeps over its part (M x chunk / part; `copy` keeps its partner's whole
 Under `mpiexec -n N` (N >= 2), every rank also stages a part of --part bytes in /dev/shm
 and the real exchange (peer/encode_exchange.encode_part: reads, Isend/Irecv, encoding,
 parity writes with fsync, manifest) runs as one XOR group of N ranks, against memcpy of
-the part; N ranks share the machine's cores, so read it as an upper bound on the cost.
+the part; then rank 1 is taken as lost and its part rebuilt from the others' data and
+parity (recovery/erasure_rebuild.rebuild_parts: the transfer, decoding, checksums, the
+files written, fsynced, checked and renamed), against the same memcpy. N ranks share the
+machine's cores, so read both as an upper bound on the cost.
 
     [mpiexec -n 4] python benchmarks/redundancy.py [--part 256MiB] [--segment 1MiB]
                                                    [--repeat 3] [--json FILE]
@@ -102,6 +105,7 @@ def kernels(args: argparse.Namespace, part: int, segment: int) -> dict[str, Any]
 def exchange(comm: Any, args: argparse.Namespace, part: int, segment: int) -> dict[str, Any]:
     """The real encode_part over the ranks as one XOR group, against memcpy."""
     from cachex_agent.peer.encode_exchange import encode_part
+    from cachex_agent.recovery.erasure_rebuild import rebuild_parts
     root = Path(tempfile.mkdtemp(prefix=f"cachex-bench-ec-{comm.rank}-", dir="/dev/shm"))
     try:
         source = root / "stage"
@@ -111,7 +115,7 @@ def exchange(comm: Any, args: argparse.Namespace, part: int, segment: int) -> di
             for _offset, length in segments(part, POOL):
                 handle.write(pool[:length])
         entry = FileEntry("part.bin", part, 0o600, file_checksum(source / "part.bin"))
-        times: dict[str, list[float]] = {"memcpy": [], "exchange": []}
+        times: dict[str, list[float]] = {"memcpy": [], "exchange": [], "rebuild": []}
         group = list(range(comm.size))
         for r in range(args.repeat + 1):
             manifest = LocalManifest("bench", f"c{r}", r, comm.rank, "h", comm.rank, [entry])
@@ -120,13 +124,21 @@ def exchange(comm: Any, args: argparse.Namespace, part: int, segment: int) -> di
             encode_part(comm, group, "xor", manifest, source, root / "parity", 600.0, segment)
             elapsed = comm.allreduce(time.perf_counter() - start, op=_max())
             copy = comm.allreduce(memcpy(pool, part, segment), op=_max())
+            comm.Barrier()
+            start = time.perf_counter()
+            rebuild_parts(comm, [1], root / "parity", source, root / "rebuilt", manifest.ckpt,
+                          600.0, segment)
+            rebuilt = comm.allreduce(time.perf_counter() - start, op=_max())
             shutil.rmtree(root / "parity")
+            shutil.rmtree(root / "rebuilt", ignore_errors=True)
             if r:                                   # the first is the warm-up
                 times["exchange"].append(elapsed)
+                times["rebuild"].append(rebuilt)
                 times["memcpy"].append(copy)
         rate = {k: part / MiB / statistics.median(v) for k, v in times.items()}
         return {"ranks": comm.size, "seconds": times, "median_mib_s": rate,
-                "ratio": rate["exchange"] / rate["memcpy"]}
+                "ratio": rate["exchange"] / rate["memcpy"],
+                "rebuild_ratio": rate["rebuild"] / rate["memcpy"]}
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -173,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
             print(f"exchange (xor over {e['ranks']} ranks, encode_part) ratio {e['ratio']:.2f}"
                   f" of memcpy ({e['median_mib_s']['exchange']:.1f} vs"
                   f" {e['median_mib_s']['memcpy']:.1f} MiB/s)")
+            print(f"rebuild of one lost rank (rebuild_parts) ratio {e['rebuild_ratio']:.2f}"
+                  f" of memcpy ({e['median_mib_s']['rebuild']:.1f} MiB/s,"
+                  f" {statistics.median(e['seconds']['rebuild']):.2f}s)")
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
     return 0

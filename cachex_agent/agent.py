@@ -9,6 +9,8 @@ Threads and who does what:
   capture  one checkpoint at a time: spool -> stage, checksums, local manifest
            (stage/worker.py)
   flush-*  stage -> PFS bundles (flush/flusher.py), low priority, throttled
+  encode   `peer.scheme` xor / rs:K+M: the group's erasure encoding (peer/encoder.py),
+           the one thread beside main that calls MPI, on its group's communicator only
   lane-*   rank 0: the coordinator's file writes and model (coordinator.py), so a hung
            PFS never holds up this loop
 Worker threads never call MPI: they put messages into `inbox` (inbox.py), which the
@@ -70,6 +72,7 @@ from .messages import (
     wire,
 )
 from .node_dirs import prepare_dirs
+from .peer.encoder import erasure_groups, start_encoder
 from .peer.globals import GlobalFiles
 from .peer.mirror import Mirror
 from .peer.partners import replication_map
@@ -93,6 +96,7 @@ class Agent:
         self.comm = comm
         self.placement = place_checked(comm, config.topology)
         self.rank, self.node = self.placement.rank, self.placement.node
+        groups = erasure_groups(comm, config, list(self.placement.hosts))   # before any dir
         self.paths = agree(comm, "start-up", lambda: prepare_dirs(config, self.placement))
         self.rule = make_rule(config.commit.rule, config.commit.settle, config.commit.globals)
         self.journal = agree(comm, "journal", lambda: Journal(
@@ -124,10 +128,12 @@ class Agent:
         self.ranks_by_node = self._ranks_by_node()
         self.node_of_rank = {r: n for n, r in enumerate(self.ranks_by_node)}
         self.replicator = agree(comm, "peer set-up", self._make_replicator)
+        self.encoder = start_encoder(comm, config, groups, self.node, self.paths,
+                                     self.stages, self.inbox.put)
         self.coordinator = agree(comm, "coordinator", lambda: Coordinator(
             config, self.ranks_by_node, self.journal, self.paths.pfs, self.events, self._send,
-            can_replicate=self.replicator is not None, wake=self.inbox.wake,
-            events_copy=self.events_copy)
+            can_replicate=self.replicator is not None or self.encoder is not None,
+            wake=self.inbox.wake, events_copy=self.events_copy)
             if self.rank == 0 else None)
         self.globals = GlobalFiles(comm, self.paths.journal, self._send_peer,
                                    config.agent.timeout)
@@ -154,8 +160,8 @@ class Agent:
     def _make_replicator(self) -> Replicator | None:
         """Collective (the window): every rank takes the same decision from the config."""
         pmap = replication_map(self.config, list(self.placement.hosts))
-        if pmap is None:
-            return None         # flush-only: asked for, or no other failure domain
+        if pmap is None or self.config.peer.scheme != "copy":
+            return None         # flush-only (asked for, or one failure domain), or erasure
         return Replicator(self.comm, self.placement.node, pmap, self.ranks_by_node,
                           self.config, self.paths, self.events, self._send_peer,
                           self.inbox.put, self.stages)
@@ -199,6 +205,8 @@ class Agent:
             self._wait_requests(self.config.agent.timeout)
             if self.replicator is not None:
                 self.replicator.close(free=not self._dead_agents)
+            if self.encoder is not None:
+                self.encoder.close(self.config.agent.timeout)
             self.events.close()
             if self.run_lock is not None:
                 self.run_lock.release()
@@ -217,7 +225,8 @@ class Agent:
     def _busy(self) -> bool:
         """Work in flight that messages from other agents move on."""
         return bool(self._requests or self.capture.busy() or self.draining or self.globals.busy()
-                    or (self.replicator is not None and self.replicator.busy()))
+                    or (self.replicator is not None and self.replicator.busy())
+                    or (self.encoder is not None and self.encoder.busy()))
 
     def _step(self) -> bool:
         """One turn of the main loop; True if it had anything to do."""
@@ -371,6 +380,7 @@ class Agent:
     def _on_manifest(self, msg: ManifestReady) -> None:
         self.journal.save_global(msg.manifest)
         self.mirror.mirror(msg.ckpt)
+        self._encode_if_wanted(msg.ckpt)    # every node captured: the group encodes
 
     def _on_exit(self, msg: Exit) -> None:
         self._dead_agents = msg.dead
@@ -405,6 +415,8 @@ class Agent:
         if self.replicator is not None and peer and not is_done(entry, Stage.REPLICATE):
             self.replicator.captured(manifest, Path(entry["source"]),
                                      mapped=entry.get("mode") == "copy")
+        if self.journal.global_manifest(ckpt) is not None:
+            self._encode_if_wanted(ckpt)    # resumed after ManifestReady was heard
         self._flush_if_wanted(ckpt)
         self._retain_stage()
 
@@ -416,6 +428,14 @@ class Agent:
         replicate = stage_state(self.journal.get(ckpt), Stage.REPLICATE)
         if self.replicator is not None and peer and replicate not in ENDED:
             self.replicator.file_captured(msg)
+
+    def _encode_if_wanted(self, ckpt: str) -> None:
+        entry = self.journal.get(ckpt)
+        path = self.announced.get(ckpt, {}).get("path", "peer")
+        manifest = self.journal.manifest(ckpt)
+        if self.encoder is not None and self.encoder.wanted(entry, manifest, path):
+            assert entry is not None and manifest is not None
+            self.encoder.encode(manifest, Path(entry["source"]))
 
     def _share_globals(self, manifest: LocalManifest, entry: dict[str, Any]) -> None:
         """This node wrote the checkpoint's global files: every journal gets a copy."""
@@ -456,6 +476,8 @@ class Agent:
         self.flusher.cancel(ckpt)
         if self.replicator is not None:
             self.replicator.cancel(ckpt)
+        if self.encoder is not None:
+            self.encoder.cancel(ckpt)
         if entry and entry.get("mode") == "copy":
             remove_under(self.paths.stage, self.paths.stage_dir(ckpt))
         self.stages.record(Stage.COMMIT, State.FAILED, ckpt, (entry or {}).get("seq"),
@@ -474,6 +496,7 @@ class Agent:
     def _check_drained(self) -> None:
         replicating = self.replicator is not None and self.replicator.busy()
         replicating = replicating or self.globals.busy()
+        replicating = replicating or (self.encoder is not None and self.encoder.busy())
         busy = (self.capture.busy() or self.flusher.pending() or not self.inbox.empty()
                 or replicating)
         if busy and time.monotonic() < self.drain_deadline:
@@ -486,6 +509,8 @@ class Agent:
         in_use = set(self.flusher.pending())
         if self.replicator is not None:
             in_use |= self.replicator.pending()
+        if self.encoder is not None:
+            in_use |= self.encoder.pending()
         for ckpt in retain_stage(self.config.keep.stage, self.journal, self.paths, in_use,
                                  lambda c: self.announced.get(c, {}).get("flush", False),
                                  self.events):

@@ -475,7 +475,7 @@ def recover_command(cfg: configuration.Config, ckpt: str | None, exclude: tuple[
     if comm.Get_rank() == 0 and as_json:
         _echo_json(_recovery_json(outcome, dry_run))
     elif comm.Get_rank() == 0:
-        click.echo("\n".join(outcome.plan.describe()))
+        click.echo("\n".join([*outcome.erasure, *outcome.plan.describe()]))
         if not dry_run:
             click.echo(_recovery_summary(outcome))
 
@@ -485,7 +485,8 @@ def _recovery_json(outcome: Any, dry_run: bool) -> dict[str, Any]:
     moves = [{"target": m.target, "owner": m.owner, "kind": m.source.kind,
               "holder": m.source.holder, "files": list(m.paths)} for m in plan.moves]
     data: dict[str, Any] = {"ckpt": plan.ckpt, "seq": plan.seq, "dry_run": dry_run,
-                            "nodes": len(plan.manifest.nodes), "moves": moves}
+                            "nodes": len(plan.manifest.nodes), "moves": moves,
+                            "erasure": outcome.erasure}
     if not dry_run:
         data.update(bytes_by_kind=outcome.bytes_by_kind,
                     replicated_bytes=outcome.replicated_bytes,

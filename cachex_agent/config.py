@@ -416,8 +416,7 @@ MEANINGS: dict[str, str] = {
                    " `peer.copies` partners), `xor` (one parity over each group of"
                    " `peer.group` nodes: survives one lost node per group), `rs:K+M`"
                    " (Reed-Solomon, M parities over groups of K+M nodes: survives M lost"
-                   " nodes per group). See docs/redundancy.md; the agent uses `copy` for"
-                   " now.",
+                   " nodes per group; needs MPI_THREAD_MULTIPLE). See docs/redundancy.md.",
     "peer.group": "Nodes per erasure group, each in a different failure domain (`xor`:"
                   " any size, K = group-1; `rs:K+M`: must be K+M). Ignored by `copy`.",
     "flush.bandwidth": "Bytes per second per node written to the PFS, enforced by a token"

@@ -73,6 +73,7 @@ from .lanes import Lane
 from .manifest import GlobalManifest
 from .messages import wire
 from .model.choose import LEARNED, PathChooser, fixed_choice
+from .peer.groups import redundancy
 
 __all__ = ["HEARTBEAT", "HISTORY", "Coordinator"]
 log = logging.getLogger(__name__)
@@ -283,6 +284,7 @@ class Coordinator:
                 "updated": now, "state": self.state.phase, "nodes": self.nodes,
                 "heartbeat": {"t": now, "pid": os.getpid(), "host": socket.gethostname(),
                               "period": HEARTBEAT},
+                "redundancy": redundancy(self.config),
                 "notes": notes(self.state), "checkpoints": status_rows(self.state)}
 
     def write_status(self) -> None:

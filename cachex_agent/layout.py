@@ -196,6 +196,13 @@ def parity_manifest_path(parity: Path, ckpt: str) -> Path:
     return parity / derived_name(ckpt, PARITY_MANIFEST_SUFFIX)
 
 
+def parity_manifest_paths(parity: Path) -> list[Path]:
+    try:
+        return sorted(parity.glob(f"*{PARITY_MANIFEST_SUFFIX}"))
+    except OSError:
+        return []
+
+
 # -------------------------------------------------------------------------- PFS
 def index_path(pfs_run: Path) -> Path:
     return pfs_run / INDEX

@@ -63,7 +63,7 @@ def with_liveness(status: dict[str, Any], now: float | None = None) -> dict[str,
 
 def listing(status: dict[str, Any]) -> dict[str, Any]:
     """The `ls --json` shape: id and level of every checkpoint, oldest first."""
-    return {"run": status["run"], "checkpoints": [
+    return {"run": status["run"], "redundancy": status.get("redundancy"), "checkpoints": [
         {"id": r["id"], "seq": r["seq"], "level": r["level"], "bytes": r["bytes"]}
         for r in status["checkpoints"]]}
 
@@ -77,11 +77,37 @@ def human_size(n: float) -> str:
 
 
 def format_ls(status: dict[str, Any]) -> str:
-    lines = [f"{'checkpoint':<24} {'level':<10} {'size':>10}  {'path':<6}  rule"]
+    scheme = scheme_note(status.get("redundancy"))
+    width = 10 + (len(scheme) + 1 if scheme else 0)
+    lines = [f"{'checkpoint':<24} {'level':<{width}} {'size':>10}  {'path':<6}  rule"]
     for row in status["checkpoints"]:
-        lines.append(f"{row['id']:<24} {row['level']:<10} {human_size(row['bytes']):>10}"
+        level = f"{row['level']} {scheme}" if scheme and row["level"] == "replicated" \
+            else row["level"]
+        lines.append(f"{row['id']:<24} {level:<{width}} {human_size(row['bytes']):>10}"
                      f"  {row.get('path', '-'):<6}  {row.get('rule') or '-'}")
     return "\n".join(lines)
+
+
+def scheme_note(redundancy: dict[str, Any] | None) -> str:
+    """`(xor 4)`, `(rs:4+2)`: how a `replicated` checkpoint is held; empty for a copy
+    (and for status files written before the scheme was recorded)."""
+    if not redundancy or redundancy.get("scheme", "copy") == "copy":
+        return ""
+    scheme = redundancy["scheme"]
+    return f"({scheme} {redundancy['group']})" if scheme == "xor" else f"({scheme})"
+
+
+def redundancy_line(redundancy: dict[str, Any] | None) -> str | None:
+    """What `replicated` means in this run, for `cachex status`."""
+    if not redundancy:
+        return None
+    survives = redundancy.get("survives", 1)
+    lost = f"{survives} lost node{'s' if survives != 1 else ''}"
+    if redundancy.get("scheme", "copy") == "copy":
+        return (f"replicated: a full copy of each node's part on"
+                f" {redundancy.get('copies', 1)} partner(s); survives {lost}")
+    return (f"replicated: {redundancy['scheme']} parity over groups of"
+            f" {redundancy['group']} nodes; each group survives {lost}")
 
 
 def format_status(status: dict[str, Any]) -> str:
@@ -93,6 +119,9 @@ def format_status(status: dict[str, Any]) -> str:
                  f" the status said {status['recorded_state']})")
     lines = [f"run {status['run']}: agents {state}, {status.get('nodes', '?')} nodes,"
              f" updated {age}", format_ls(status)]
+    meaning = redundancy_line(status.get("redundancy"))
+    if meaning:
+        lines.append(f"  {meaning}")
     lines.extend(f"  note: {note}" for note in status.get("notes") or [])
     for row in status["checkpoints"]:
         lines.extend(_details(row, status.get("nodes")))

@@ -60,6 +60,16 @@ def group_map(config: Config, hosts_by_node: list[str]) -> list[list[int]] | Non
     return build_groups(domains, config.peer.group)
 
 
+def redundancy(config: Config) -> dict[str, object]:
+    """What `replicated` means in this run, for status.json: the scheme, and for erasure
+    schemes the group size and the lost members a group survives."""
+    if config.peer.scheme == "copy":
+        return {"scheme": "copy", "copies": config.peer.copies,
+                "survives": config.peer.copies}
+    _k, m = shape(config.peer.scheme, config.peer.group, config.peer.group)
+    return {"scheme": config.peer.scheme, "group": config.peer.group, "survives": m}
+
+
 def group_of(node: int, groups: list[list[int]]) -> list[int]:
     """The members of `node`'s group, in member order (a member's index is its place)."""
     return next(group for group in groups if node in group)

@@ -18,8 +18,8 @@ import numpy as np
 
 from ..checksum import ALGORITHM, COPY_CHUNK, file_checksum, hasher
 from ..errors import OperationError, describe
-from ..fsutil import read_json, write_json
-from ..layout import parity_chunk_path, parity_manifest_path
+from ..fsutil import fsync_dir, read_json, remove_under, write_json
+from ..layout import parity_chunk_path, parity_dir, parity_manifest_path, parity_manifest_paths
 from ..manifest import LocalManifest
 from ..safepath import UnsafeInput, checkpoint_id, index
 from .erasure import PartReader, Scheme, segments
@@ -81,6 +81,27 @@ class ParityManifest:
             return cls.from_json(read_json(path), path)
         except FileNotFoundError:
             raise OperationError(f"{path}: no parity manifest for {ckpt}") from None
+
+
+def retain_parity(root: Path, keep: int) -> list[str]:
+    """`keep.replica` for parity: the newest `keep` encoded checkpoints stay (0: all);
+    each older one loses its manifest first (durably), then its chunks, so no manifest
+    ever lists chunks that are gone. Returns the evicted checkpoints, oldest first."""
+    held = []
+    for path in parity_manifest_paths(root):
+        try:
+            manifest = ParityManifest.from_json(read_json(path), path)
+        except (OSError, ValueError, OperationError):
+            continue            # not ours to judge here: verify and recover report it
+        held.append((manifest.parts[manifest.member].seq, manifest.ckpt, path))
+    held.sort()
+    evicted = []
+    for _seq, ckpt, path in held[:-keep] if keep else []:
+        path.unlink(missing_ok=True)
+        fsync_dir(root)
+        remove_under(root, parity_dir(root, ckpt))
+        evicted.append(ckpt)
+    return evicted
 
 
 def chunk_checksums(reader: PartReader, chunk: int, k: int, segment: int = COPY_CHUNK

@@ -15,9 +15,11 @@ from pathlib import Path
 
 from .. import layout
 from ..config import Config
+from ..errors import OperationError
 from ..flush.bundle import is_complete, read_manifest
 from ..layout import NodePaths, bundle_path, replica_dir
 from ..manifest import FileEntry, GlobalManifest
+from ..peer.parity import ParityManifest
 from ..peer.store import held_replicas
 from ..safepath import UnsafeInput
 from .plan import Copy
@@ -68,7 +70,37 @@ def local_copies(paths: NodePaths, node: int, manifests: dict[str, GlobalManifes
         copies += _journal_globals(paths, node, manifest, exclude)
     if "replica" not in exclude:
         copies += _replicas(paths, node, manifests)
+    if "parity" not in exclude:
+        copies += parity_holdings(paths, node, manifests)
     return copies
+
+
+def parity_holdings(paths: NodePaths, node: int, manifests: dict[str, GlobalManifest]
+                    ) -> list[Copy]:
+    """This node's share of its erasure group's parity (no files of a part: the parity
+    rebuilds a lost member, recovery/erasure_recover.py), where its manifest loads and
+    every parity chunk it lists is there with its size."""
+    held = []
+    for ckpt in manifests:
+        try:
+            parity = ParityManifest.load(paths.parity, ckpt)
+        except UnsafeInput:
+            raise
+        except (OSError, ValueError, OperationError):   # none, or unreadable: no holding
+            continue
+        chunks = [parity.parity_path(paths.parity, parity.member, slot)
+                  for slot in range(parity.m)]
+        if parity.group[parity.member] == node and all(
+                _size(path) == parity.chunk for path in chunks):
+            held.append(Copy(ckpt, node, "parity", node, ()))
+    return held
+
+
+def _size(path: Path) -> int:
+    try:
+        return path.stat().st_size
+    except OSError:
+        return -1
 
 
 def _journal_globals(paths: NodePaths, node: int, manifest: GlobalManifest,

@@ -23,7 +23,9 @@ PREFERENCE = {"spool": 0, "stage": 1, "replica": 2, "pfs": 3}
 class Copy:
     """A verified copy of `owner`'s part of `ckpt` (or of its global files) on `holder`.
 
-    kind: spool | stage | replica | journal (global files only) | pfs (holder -1)."""
+    kind: spool | stage | replica | journal (global files only) | pfs (holder -1) |
+    parity (no files: the holder's share of its erasure group's parity, which rebuilds
+    a lost member's part into its stage before the plan, recovery/erasure_recover.py)."""
 
     ckpt: str
     owner: int

@@ -12,7 +12,10 @@ process for one node). Call order, every rank:
                  (transfer.py); files that fail come from their next copy in another
                  round, until none fails or one has no copy left
   5. redundancy  every node's restored part is copied to its partners' replica stores
-                 (a replica not read in step 4 is checked first)
+                 (a replica not read in step 4 is checked first); with erasure groups
+                 (`peer.scheme` xor, rs:K+M), lost members' parts are rebuilt from their
+                 group's parity into their stages between steps 2 and 3 instead
+                 (erasure_recover.py), and nothing is re-replicated
 Every step ends with an agreement: a failure anywhere fails every rank with the same
 message. Every name read from a manifest, bundle or replica store is checked where it is
 parsed (safepath.py): an unsafe one fails the recovery before anything is written.
@@ -66,6 +69,7 @@ from ..stage.rules import checkpoint_names, natural_key, tracker_text
 from ..status import human_size
 from ..topology import place_checked
 from . import holdings, transfer
+from .erasure_recover import rebuild_lost
 from .plan import Copy, Move, Plan, choose, next_source, where
 from .restore_handle import open_restore
 
@@ -82,6 +86,7 @@ class Outcome:
     move_seconds: float = 0.0       # bringing the files into the spools, verified
     moved_aside: list[str] = field(default_factory=list)
     fallbacks: list[str] = field(default_factory=list)     # files taken from another copy
+    erasure: list[str] = field(default_factory=list)       # parts rebuilt from parity, or not
 
 
 def recover(config: Config, comm: Any, want: str | None = None,
@@ -102,8 +107,14 @@ def recover(config: Config, comm: Any, want: str | None = None,
         want = pinned_current(config.node_paths(0).pfs)
         if want:
             progress.step(f"{want}: pinned as current by `cachex index --current`")
+    erasure = rebuild_lost(comm, config, node, manifests, copies, want, exclude, dry_run,
+                           _verify_bound(config, manifests))
+    for note in erasure.notes:
+        progress.step(note)
+    if erasure.groups and not dry_run:      # the rebuilt parts are staged copies now
+        copies = _all_copies(comm, config, paths, node, manifests, exclude)
     plan = _plan(comm, config, manifests, copies, placement.nodes, want, exclude)
-    outcome = Outcome(plan, plan_seconds=time.monotonic() - start)
+    outcome = Outcome(plan, plan_seconds=time.monotonic() - start, erasure=erasure.notes)
     if dry_run:
         return outcome
     _arrive(comm, config, "rank exchange")
@@ -402,7 +413,7 @@ def _rereplicate(comm: Any, config: Config, placement: Any, rank_of: dict[int, i
                  plan: Plan, copies: list[Copy], verified: set[Copy]) -> int:
     """Each node's part goes to its partners again, unless they hold it intact."""
     pmap = replication_map(config, list(placement.hosts))
-    if pmap is None:
+    if pmap is None or config.peer.scheme != "copy":     # erasure: no partner copies
         return 0
     work = _work_bound(config, plan)
     held = set(agree(comm, "re-replication", lambda: _intact_replicas(

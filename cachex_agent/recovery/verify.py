@@ -9,10 +9,11 @@ from pathlib import Path
 
 from ..checksum import file_checksum
 from ..config import Config
-from ..errors import OperationError
+from ..errors import OperationError, describe
 from ..flush.bundle import verify_bundle
-from ..layout import bundle_path, replica_dir, replica_manifest_path
+from ..layout import bundle_path, parity_dir, replica_dir, replica_manifest_path
 from ..manifest import FileEntry
+from ..peer.parity import ParityManifest, check_member
 from ..peer.partners import replication_map
 from ..progress import Done, Progress, quiet
 from .catalog import global_manifest, local_manifests, node_count
@@ -20,7 +21,7 @@ from .catalog import global_manifest, local_manifests, node_count
 
 @dataclass
 class Finding:
-    level: str              # stage | replica | pfs
+    level: str              # stage | replica | parity | pfs
     node: int               # whose data
     where: str
     checked: bool           # False: not visible from this machine, or not kept
@@ -49,6 +50,8 @@ def verify(config: Config, ckpt: str, progress: Progress | None = None) -> list[
     findings = [_stage(config, ckpt, node, hosts.get(node), files)
                 for node, files in sorted(expected.items())]
     findings += _replicas(config, ckpt, expected, hosts, nodes)
+    if config.peer.scheme != "copy":
+        findings += [_parity(config, ckpt, node, hosts.get(node)) for node in sorted(expected)]
     if gm:
         findings += [_bundle(config, ckpt, node, files) for node, files in sorted(expected.items())]
     _check_all(ckpt, [f for f in findings if f.checked], progress)
@@ -84,7 +87,7 @@ def _replicas(config: Config, ckpt: str, expected: dict[int, list[FileEntry]],
               hosts: dict[int, str], nodes: int) -> list[Finding]:
     pmap = replication_map(config, [hosts[n] for n in range(nodes)]) \
         if len(hosts) == nodes else None
-    if pmap is None:
+    if pmap is None or config.peer.scheme != "copy":    # erasure groups hold no replicas
         return []
     return [_replica(config, ckpt, owner, partner, hosts[partner], files)
             for owner, files in sorted(expected.items()) for partner in pmap[owner]]
@@ -99,6 +102,31 @@ def _replica(config: Config, ckpt: str, owner: int, partner: int, host: str,
     if here and not replica_manifest_path(root, owner, ckpt).exists():
         finding.checked, finding.note = False, "not held (not replicated, or evicted)"
     return _visible(finding, directory, files)
+
+
+def _parity(config: Config, ckpt: str, node: int, host: str | None) -> Finding:
+    """The node's share of its erasure group's parity (peer.scheme xor, rs:K+M), and its
+    staged part's data chunks as encoded: each chunk against the parity manifest."""
+    paths = config.node_paths(node, host=host)
+    here = host in (None, socket.gethostname())
+    finding = Finding("parity", node, str(parity_dir(paths.parity, ckpt)), here)
+    if not here:
+        return finding
+    try:
+        manifest = ParityManifest.load(paths.parity, ckpt)
+    except (OSError, ValueError, OperationError) as exc:
+        finding.checked, finding.note = False, f"not held ({describe(exc)})"
+        return finding
+    source = paths.stage_dir(ckpt)
+    source = source if source.is_dir() else None
+    finding.bytes = manifest.m * manifest.chunk + (manifest.k * manifest.chunk if source else 0)
+
+    def check(done: Done) -> list[str]:
+        problems = check_member(paths.parity, ckpt, source)
+        done(finding.bytes)
+        return [f"{what}: {why}" for what, why in problems.items()]
+    finding.check = check
+    return finding
 
 
 def _bundle(config: Config, ckpt: str, node: int, files: list[FileEntry]) -> Finding:
