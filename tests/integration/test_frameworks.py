@@ -119,3 +119,34 @@ def test_lightning_drill(cluster, tmp_path):
     reference = train("lightning_trainer.py", tmp_path / "reference", "--epochs", "4",
                       "--every", "2")
     assert resumed == reference
+
+
+def test_orbax_drill(cluster, tmp_path):
+    """Orbax `CheckpointManager` on JAX CPU: 2 processes of one `jax.distributed` job in
+    2 virtual nodes, each host writing its own replica into its node's spool
+    (`primary_host=None`, Orbax's setting for node-local storage)."""
+    c = cluster(nodes=2, rule="auto", commit=COMMIT)
+    c.start_agents()
+    train("orbax_trainer.py", c.root, "--steps", "8", "--save-steps", "2", "--stop-at", "4")
+    c.wait_level("4", "flushed", timeout=120)
+    rules = rules_shown(c)
+    assert "4" in rules and set(rules.values()) == {"orbax"}, rules
+    ckpt = "4"
+    before = {n: files_of(c.spool(n) / ckpt) for n in range(2)}
+    for node in range(2):                    # every host's own part, under the final name
+        assert {"commit_success.txt", "_CHECKPOINT_METADATA", "default/_METADATA",
+                f"default/ocdbt.process_{node}/manifest.ocdbt"} <= set(before[node])
+        assert not [p for p in c.spool(node).iterdir() if "orbax-checkpoint-tmp" in p.name]
+    # each host's files are its own (every host writes every one): none is mirrored
+    merged = [{f for f in before[n] if f.startswith("default/d/")} for n in range(2)]
+    assert merged[0] and merged[1] and merged[0].isdisjoint(merged[1]), merged
+
+    lose_node0_and_recover(c, ckpt)
+    for node in range(2):
+        assert files_of(c.spool(node) / ckpt) == before[node]
+
+    resumed = train("orbax_trainer.py", c.root, "--steps", "8", "--save-steps", "2",
+                    "--resume")
+    reference = train("orbax_trainer.py", tmp_path / "reference", "--steps", "8",
+                      "--save-steps", "2")
+    assert resumed == reference
