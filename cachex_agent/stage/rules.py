@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import abc
 import fnmatch
+import json
 import os
 import re
 import time
@@ -343,31 +344,48 @@ class HfRule(CommitRule):
 
 
 class OrbaxRule(CommitRule):
-    """Orbax (JAX) `CheckpointManager`: each step is written into
-    `<step>.orbax-checkpoint-tmp-<n>/` and renamed to `<step>/` by the primary host once
-    every host finished (orbax/checkpoint/_src/path/atomicity.py,
-    `AtomicRenameTemporaryPath.finalize`, after a barrier in
-    `CheckpointManager._finalize`); where a rename is not atomic (object stores) the
-    directory is written in place and `commit_success.txt` is written last
-    (`CommitFileTemporaryPath`). So a step directory under its final name is committed
-    (the temporary names are never captured); with `commit_success.txt` only once it
-    is there. `_CHECKPOINT_METADATA` and the items' `_METADATA`/`manifest.ocdbt` are
-    written by the primary host and read by every host.
+    """Orbax (JAX) `CheckpointManager`: one directory per step.
+
+    Read in orbax-checkpoint 0.12.8, orbax/checkpoint/_src/path/atomicity.py. On POSIX
+    (`AtomicRenameTemporaryPath`) the step is written into
+    `<step>.orbax-checkpoint-tmp/`, whose creation writes `_CHECKPOINT_METADATA`;
+    `finalize` (after every host's writes and a barrier) rewrites `_CHECKPOINT_METADATA`
+    with `commit_timestamp_nsecs`, writes `commit_success.txt` and renames the directory
+    to `<step>/`. Where a rename is not atomic (`CommitFileTemporaryPath`, object stores)
+    the directory is created under its final name with `_CHECKPOINT_METADATA` at once,
+    and `finalize` writes the same two things last. So a step directory under its final
+    name is committed once it holds `commit_success.txt`, or a `_CHECKPOINT_METADATA`
+    with a `commit_timestamp_nsecs` (Orbax versions that rename without the commit
+    file); temporary names are never captured.
+
+    Which host writes what (`MultiprocessingOptions.primary_host`): with the default
+    (host 0) the primary host alone creates, finalizes and renames the directory and
+    writes the metadata, for a file system every host shares: on node-local spools the
+    other hosts' spools get no step (seen with orbax 0.12.8 and replicated arrays: host
+    1's spool stayed empty). Node-local storage takes
+    `primary_host=None` (Orbax's own local checkpoints do so,
+    orbax/checkpoint/experimental/emergency/checkpoint_manager.py,
+    `_local_checkpoint_handler`): every host writes, finalizes and renames its own full
+    step, metadata and merged OCDBT data (`*/d/<hash>`, a name of its own) included.
+    Nothing is written by one host for the others, so nothing is mirrored.
     """
 
     name = "orbax"
-    marker_implies_complete = True
+    marker_implies_complete = True      # finalize runs after a barrier of every host
     commit_file = "commit_success.txt"
-    _GLOBAL = ("_CHECKPOINT_METADATA", "commit_success.txt", "*/_METADATA",
-               "*/_sharding", "*/manifest.ocdbt", "*/d/*")
+    step_metadata = "_CHECKPOINT_METADATA"
 
     def _select(self, spool: Path, names: list[str]) -> Iterable[str]:
-        # an in-place save (no rename) has neither file until it is finalized
-        return [n for n in names
-                if {self.commit_file, "_CHECKPOINT_METADATA"} & set(_listdir(spool / n))]
+        return [n for n in names if self._finalized(spool / n)]
 
-    def global_files(self, ckpt_dir: Path) -> list[str]:
-        return _present(ckpt_dir, self._GLOBAL)
+    def _finalized(self, step_dir: Path) -> bool:
+        if (step_dir / self.commit_file).is_file():
+            return True
+        try:
+            meta = json.loads((step_dir / self.step_metadata).read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            return False    # missing, or rewritten right now: its next change comes back
+        return isinstance(meta, dict) and meta.get("commit_timestamp_nsecs") is not None
 
 
 class TorchFileRule(CommitRule):
@@ -744,7 +762,7 @@ def detect_kind(ckpt_dir: Path, trackers: frozenset[str] | bool = frozenset()) -
         return "deepspeed"
     if HfRule.marker in top or _HF_DIR.fullmatch(name):
         return "hf"
-    if ({OrbaxRule.commit_file, "_CHECKPOINT_METADATA"} & top
+    if ({OrbaxRule.commit_file, OrbaxRule.step_metadata} & top
             or _STEP_DIR.fullmatch(name) and any(_is_orbax_item(ckpt_dir / n) for n in top)):
         return "orbax"
     return "quiescence"

@@ -1,6 +1,7 @@
 """The failure drill on the frameworks' own trainers, unchanged (the `[frameworks]`
-extra): Hugging Face `transformers.Trainer` and Lightning `Trainer` + `ModelCheckpoint`,
-CPU, gloo, 2 processes in 2 virtual nodes, each saving into its own node's spool.
+extra): Hugging Face `transformers.Trainer`, Lightning `Trainer` + `ModelCheckpoint`,
+Orbax `CheckpointManager` on JAX CPU and Megatron-Core `dist_checkpointing`; CPU, 2
+processes in 2 virtual nodes, each saving into its own node's spool.
 Agents run beside them with `commit.rule = "auto"`; then node 0 is lost (its spool,
 stage and NVMe wiped, the PFS moved away), `cachex recover` rebuilds it from node 1's
 replicas, the framework's own resume reads each node's spool, and the final weights equal
@@ -32,12 +33,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def train(example: str, root, *args: str) -> str:
-    """Run examples/<example> on 2 processes; the sha256 of its final weights."""
-    result = subprocess.run(
+def run_example(example: str, root, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [str(MPIEXEC), "-n", "2", sys.executable, str(ROOT / "examples" / example),
          "--spool", f"{root}/node{{node}}/spool", "--port", str(free_port()), *args],
         capture_output=True, text=True, timeout=300)
+
+
+def train(example: str, root, *args: str) -> str:
+    """Run examples/<example> on 2 processes; the sha256 of its final weights."""
+    result = run_example(example, root, *args)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     # rank 0's report; mpiexec interleaves the ranks' output, so the other rank's text
     # may come before it on the same line, or after it
@@ -118,4 +123,77 @@ def test_lightning_drill(cluster, tmp_path):
                     "--resume")
     reference = train("lightning_trainer.py", tmp_path / "reference", "--epochs", "4",
                       "--every", "2")
+    assert resumed == reference
+
+
+def test_orbax_drill(cluster, tmp_path):
+    """Orbax `CheckpointManager` on JAX CPU: 2 processes of one `jax.distributed` job in
+    2 virtual nodes, each host writing its own replica into its node's spool
+    (`primary_host=None`, Orbax's setting for node-local storage)."""
+    c = cluster(nodes=2, rule="auto", commit=COMMIT)
+    c.start_agents()
+    train("orbax_trainer.py", c.root, "--steps", "8", "--save-steps", "2", "--stop-at", "4")
+    c.wait_level("4", "flushed", timeout=120)
+    rules = rules_shown(c)
+    assert "4" in rules and set(rules.values()) == {"orbax"}, rules
+    ckpt = "4"
+    before = {n: files_of(c.spool(n) / ckpt) for n in range(2)}
+    for node in range(2):                    # every host's own part, under the final name
+        assert {"commit_success.txt", "_CHECKPOINT_METADATA", "default/_METADATA",
+                f"default/ocdbt.process_{node}/manifest.ocdbt"} <= set(before[node])
+        assert not [p for p in c.spool(node).iterdir() if "orbax-checkpoint-tmp" in p.name]
+    # each host's files are its own (every host writes every one): none is mirrored
+    merged = [{f for f in before[n] if f.startswith("default/d/")} for n in range(2)]
+    assert merged[0] and merged[1] and merged[0].isdisjoint(merged[1]), merged
+
+    lose_node0_and_recover(c, ckpt)
+    for node in range(2):
+        assert files_of(c.spool(node) / ckpt) == before[node]
+
+    resumed = train("orbax_trainer.py", c.root, "--steps", "8", "--save-steps", "2",
+                    "--resume")
+    reference = train("orbax_trainer.py", tmp_path / "reference", "--steps", "8",
+                      "--save-steps", "2")
+    assert resumed == reference
+
+
+NO_CUDA = "Torch not compiled with CUDA enabled"
+
+
+@pytest.mark.parametrize("cuda_calls", ["unchanged", "on-cpu"])
+def test_megatron_core_drill(cluster, tmp_path, cuda_calls):
+    """Megatron-Core `dist_checkpointing.save/load` (torch_dist) of a tensor-parallel
+    model, gloo, 2 processes in 2 virtual nodes, with Megatron-LM's tracker. Unchanged,
+    megatron-core 0.16.1 cannot save on a CPU-only torch (the test then skips, saying
+    where it failed); `on-cpu` redirects its two CUDA calls (examples/megatron_trainer.py)
+    and runs the drill on the layout its own save writes."""
+    c = cluster(nodes=2, rule="auto", commit=COMMIT)
+    c.start_agents()
+    extra = ("--cuda-calls-on-cpu",) if cuda_calls == "on-cpu" else ()
+    args = ("--iters", "8", "--save-interval", "2", *extra)
+    first = run_example("megatron_trainer.py", c.root, *args, "--stop-at", "4")
+    if first.returncode and NO_CUDA in first.stderr:
+        frames = re.findall(r'megatron/core/([\w/]+\.py)", line (\d+), in (\w+)', first.stderr)
+        where = ", ".join(f"{f}:{n} {fn}" for f, n, fn in frames[-2:])
+        pytest.skip(f"megatron-core dist_checkpointing.save on a CPU-only torch: {NO_CUDA}"
+                    f" (torch.cuda called from {where})")
+    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+    ckpt, tracker = "iter_0000004", "latest_checkpointed_iteration.txt"
+    c.wait_level(ckpt, "flushed", timeout=120)
+    assert rules_shown(c) == {"iter_0000002": "megatron", ckpt: "megatron"}
+    # rank 0 alone wrote these; every rank's load reads them: mirrored to node 1
+    for name in ("common.pt", "metadata.json", ".metadata"):
+        assert (c.spool(1) / ckpt / name).read_bytes() == (c.spool(0) / ckpt / name).read_bytes()
+    assert (c.spool(1) / tracker).read_text() == "4"
+    before = {n: files_of(c.spool(n) / ckpt) for n in range(2)}
+    assert any(f.startswith("__1_") for f in before[1])
+    assert not any(f.startswith("__1_") for f in before[0])
+
+    lose_node0_and_recover(c, ckpt)
+    for node in range(2):
+        assert files_of(c.spool(node) / ckpt) == before[node]
+        assert (c.spool(node) / tracker).read_text().strip() == "4"
+
+    resumed = train("megatron_trainer.py", c.root, *args, "--resume")
+    reference = train("megatron_trainer.py", tmp_path / "reference", *args)
     assert resumed == reference

@@ -66,12 +66,33 @@ def test_megatron_tracker_and_torch_dist(tmp_path):
 
 def test_orbax_tmp_dirs_never_commit(tmp_path):
     rule = OrbaxRule()
-    tmp = write(tmp_path / "3.orbax-checkpoint-tmp-1234" / "default" / "_METADATA").parent
-    write(tmp.parent / "_CHECKPOINT_METADATA")
+    tmp = write(tmp_path / "3.orbax-checkpoint-tmp" / "default" / "_METADATA").parent
+    write(tmp.parent / "_CHECKPOINT_METADATA", b'{"init_timestamp_nsecs": 1}')
+    write(tmp.parent / "commit_success.txt")                 # finalize, before the rename
     assert rule.committed(tmp_path) == []
-    os.rename(tmp.parent, tmp_path / "3")                   # the primary host's finalize
+    os.rename(tmp.parent, tmp_path / "3")                   # each host's own finalize
     assert rule.committed(tmp_path) == ["3"] and detect_kind(tmp_path / "3") == "orbax"
-    assert "_CHECKPOINT_METADATA" in rule.global_files(tmp_path / "3")
+    # primary_host=None: every host writes all of its step, merged data of its own name
+    write(tmp_path / "3" / "default" / "d" / "9f80a5e9")
+    assert rule.global_files(tmp_path / "3") == []
+
+
+def test_orbax_in_place_save_commits_at_finalize(tmp_path):
+    """CommitFileTemporaryPath: the step is created under its final name with
+    `_CHECKPOINT_METADATA` at once; finalize adds the commit time, then the commit file."""
+    rule, step = OrbaxRule(), tmp_path / "7"
+    write(step / "_CHECKPOINT_METADATA", b'{"init_timestamp_nsecs": 1, '
+                                         b'"commit_timestamp_nsecs": null}')
+    write(step / "default" / "_METADATA")
+    assert rule.committed(tmp_path) == [] and detect_kind(step) == "orbax"
+    write(step / "_CHECKPOINT_METADATA", b'{"init_timestamp_nsecs": 1, "commit_ti')  # torn
+    assert rule.committed(tmp_path) == []
+    write(step / "_CHECKPOINT_METADATA", b'{"init_timestamp_nsecs": 1, '
+                                         b'"commit_timestamp_nsecs": 2}')
+    assert rule.committed(tmp_path) == ["7"]
+    os.unlink(step / "_CHECKPOINT_METADATA")
+    write(step / "commit_success.txt")
+    assert rule.committed(tmp_path) == ["7"]
 
 
 def test_single_files_settle_links_and_dirs_are_not_single(tmp_path):
