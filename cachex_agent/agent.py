@@ -46,7 +46,13 @@ from .handles import ENDED, Stage, StageLog, State, is_done, is_failed, stage_st
 from .inbox import Inbox, exit_watchdog
 from .index import read_index
 from .journal import Journal
-from .layout import bundle_path, events_path, journal_stop_file, pfs_stop_file
+from .layout import (
+    bundle_path,
+    events_path,
+    journal_status_path,
+    journal_stop_file,
+    pfs_stop_file,
+)
 from .manifest import LocalManifest
 from .messages import (
     PEER,
@@ -97,6 +103,10 @@ class Agent:
         self.run_lock = agree(comm, "run lock", lambda: RunLock.acquire(
             self.paths.pfs, stale_after(config.agent.timeout))
             if self.rank == 0 else None)
+        if self.rank != 0:
+            # a status in this journal says this host is the coordinator (`cachex status`
+            # run here reads it): not true for this job, whatever an earlier one left
+            journal_status_path(self.paths.journal).unlink(missing_ok=True)
         self._remove_stale()
         self.inbox = Inbox()
         self.announced: dict[str, dict[str, Any]] = {}

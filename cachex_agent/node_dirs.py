@@ -4,6 +4,7 @@ so a bad path is a one-line configuration error naming its key (exit 2)."""
 from __future__ import annotations
 
 import os
+import socket
 import threading
 from pathlib import Path
 
@@ -15,8 +16,11 @@ from .topology import Placement
 
 
 def probe_writable(directory: Path, key: str) -> None:
-    """Root passes every permission check, so try a real write."""
-    probe = directory / f".cachex-probe-{threading.get_native_id()}"
+    """Root passes every permission check, so try a real write. The name is unique across
+    nodes: on the shared PFS, thread ids alone collide between hosts (another node's
+    agent would remove this one's probe between its creation and its removal)."""
+    probe = directory / (f".cachex-probe-{socket.gethostname()}-{os.getpid()}"
+                         f"-{threading.get_native_id()}")
     try:
         os.close(create_file(probe))
         probe.unlink()
