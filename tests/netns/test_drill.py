@@ -152,3 +152,6 @@ def test_node_1_stops_the_agents_without_the_pfs_and_verifies_its_own_part(ns_cl
     verify = c.cachex("verify", "step_00004", node=1)
     assert re.search(r"stage +node 1 +ok", verify.stdout), verify.stdout + verify.stderr
     assert not re.search(r"stage +node 0", verify.stdout), verify.stdout
+    status = c.cachex("status", node=1)         # node 0's status is on node 0 only
+    assert status.returncode == 1 and "not visible from another node" in status.stderr, \
+        status.stdout + status.stderr
