@@ -19,6 +19,12 @@ hits all of them, each after os.sync() and a Barrier:
              slot, slot/credit messages, the partner's writer thread (xxh3-128 per file,
              pwrite, fsync per file, checksum check, directory fsyncs, rename, manifest).
 
+  tcp        (--tcp) raw TCP bandwidth between the two ranks' hosts: one connection, opened
+             at set-up over --iface (default: UCX_NET_DEVICES, else lo); rank 0 sends `size`
+             bytes in slot-size sendall() calls, rank 1 recv_into()s and discards them,
+             then answers one byte that stops rank 0's clock. The limit of MPI over TCP
+             (benchmarks/replicate_tcp.py runs the ranks on two namespaced nodes).
+
 The replica of each repeat is removed afterwards, outside the timing, so keep.replica never
 evicts inside a timed run.
 
@@ -28,7 +34,8 @@ fit, then the remainder as one last file. At 1 GiB: 16, 32, 64, 128, 256, 512 Mi
 ~11.9 MiB; 13 files in all, none but the doubling ones a multiple of the slot.
 
     mpiexec -n 2 python benchmarks/replicate.py [--size 1GiB] [--slot 16MiB] [--slots 4]
-                                                [--dir DIR] [--repeat 3] [--profile]
+                                                [--dir DIR] [--cache DIR] [--repeat 3]
+                                                [--tcp [--iface IF]] [--profile]
                                                 [--json FILE]
 
 --dir is where the partner's replicas go: a disk by default (/tmp); `--dir /dev/shm` is
@@ -47,6 +54,7 @@ import argparse
 import json
 import os
 import shutil
+import socket
 import statistics
 import sys
 import tempfile
@@ -56,6 +64,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -100,13 +109,14 @@ def make_sources(root: Path, sizes: list[int]) -> list[FileEntry]:
                                  else f"meta/{i:03d}.dat", size) for i, size in enumerate(sizes)])
 
 
-def write_config(root: Path, stage: Path, slot: int, slots: int) -> Path:
+def write_config(root: Path, stage: Path, slot: int, slots: int, cache: str | None = None
+                 ) -> Path:
     path = root / "bench.toml"
     path.write_text(f'''run = "bench"
 [paths]
 spool = "{root}/node{{node}}/spool"
 stage = "{stage}/node{{node}}"
-cache = "{root}/node{{node}}/cache"
+cache = "{cache or root}/node{{node}}/cache"
 pfs = "{root}/pfs"
 [topology]
 domain = "rank"
@@ -254,7 +264,7 @@ def profile_report(owner: Trace, partner: Trace, start: float, end: float,
     return lines
 
 
-# ---------------------------------------------------------------------- the three kinds
+# ---------------------------------------------------------------------- the kinds
 def idle_until_stopped(comm: Any) -> None:
     """The partner during `put`: an idle agent-like loop that keeps calling into MPI."""
     from mpi4py import MPI
@@ -280,6 +290,50 @@ def raw_put(comm: Any, win: Any, data: np.ndarray, size: int, slot: int, slots: 
     elapsed = time.perf_counter() - start
     comm.send("stop", dest=1, tag=CTRL)
     return elapsed
+
+
+def interface_address(iface: str) -> str:
+    for address in psutil.net_if_addrs().get(iface, []):
+        if address.family == socket.AF_INET:
+            return address.address
+    raise RuntimeError(f"--iface {iface}: no IPv4 address on this host")
+
+
+def tcp_connection(comm: Any, iface: str) -> socket.socket:
+    """Rank 0's connection to rank 1, over rank 1's address on `iface` (untimed)."""
+    if comm.rank == 1:
+        with socket.create_server((interface_address(iface), 0)) as server:
+            comm.send(server.getsockname()[:2], dest=0)
+            server.settimeout(60)
+            connection = server.accept()[0]
+    else:
+        connection = socket.create_connection(comm.recv(source=1), timeout=60)
+    connection.settimeout(300)
+    return connection
+
+
+def raw_tcp(comm: Any, connection: socket.socket, data: np.ndarray, size: int, slot: int
+            ) -> float | None:
+    comm.Barrier()
+    if comm.rank == 1:
+        buffer, received = bytearray(slot), 0
+        while received < size:
+            n = connection.recv_into(buffer)
+            if not n:
+                raise RuntimeError("tcp: connection closed")
+            received += n
+        connection.sendall(b"k")
+        return None
+    view = memoryview(data)
+    start = time.perf_counter()
+    done = 0
+    while done < size:
+        n = min(slot, size - done)
+        connection.sendall(view[:n])
+        done += n
+    if connection.recv(1) != b"k":
+        raise RuntimeError("tcp: no answer from rank 1")
+    return time.perf_counter() - start
 
 
 def raw_write(comm: Any, directory: Path, sizes: list[int], pool: np.ndarray, slot: int,
@@ -430,6 +484,13 @@ class Driver:
 
 
 # ---------------------------------------------------------------------- main
+def tcp_ratios(rate: dict[str, float]) -> dict[str, float]:
+    """Replication against what the network and the partner's disk allow; MPI's own
+    Put against the same network."""
+    return {"tcp_ratio": rate["replicate"] / min(rate["tcp"], rate["write"]),
+            "put_vs_tcp": rate["put"] / rate["tcp"]}
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="1GiB")
@@ -437,6 +498,11 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--slots", type=int, default=4)
     parser.add_argument("--dir", help="where the partner's cache (replicas) lives"
                                       " (default: a new directory under /tmp)")
+    parser.add_argument("--cache", help="where each rank's cache lives, when not under --dir"
+                                        " (a node-local directory: benchmarks/replicate_tcp.py)")
+    parser.add_argument("--tcp", action="store_true", help="also measure a raw TCP stream")
+    parser.add_argument("--iface", default=os.environ.get("UCX_NET_DEVICES", "lo").split(",")[0],
+                        help="the interface of the TCP stream (default: UCX_NET_DEVICES, else lo)")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1,
                         help="untimed rounds of all three first")
@@ -468,7 +534,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         entries: list[FileEntry] = []
         if comm.rank == 0:
-            write_config(root, stage, slot, slots)
+            write_config(root, stage, slot, slots, args.cache)
             source = stage / "src"
             entries = make_sources(source, sizes)
         comm.Barrier()
@@ -480,6 +546,7 @@ def main(argv: list[str] | None = None) -> int:
         rng = np.random.default_rng(2)
         pool = (np.frombuffer(rng.bytes(min(size, GiB)), dtype=np.uint8) if comm.rank == 1
                 else np.frombuffer(rng.bytes(slot), dtype=np.uint8))
+        connection = tcp_connection(comm, args.iface) if args.tcp else None
         raw_dir = driver.paths.replicas / "raw-write"
         raw_dir.mkdir(exist_ok=True)
         if comm.rank == 0:
@@ -496,6 +563,9 @@ def main(argv: list[str] | None = None) -> int:
             os.sync()
             if kind == "put":
                 return raw_put(comm, win, pool, size, slot, slots)
+            if kind == "tcp":
+                assert connection is not None
+                return raw_tcp(comm, connection, pool, size, slot)
             if kind == "write":
                 if trace is not None:
                     trace.spans.pop("raw_pwrite", None)
@@ -508,14 +578,14 @@ def main(argv: list[str] | None = None) -> int:
                 trace.spans.update(raw)
             return driver.replicate(entries, stage / "src", seq)
 
-        kinds = ["put", "write", "replicate"]
+        kinds = ["put", "write", "replicate", *(["tcp"] if args.tcp else [])]
         for _ in range(args.warmup):
             for kind in kinds:
                 run(kind)
         times: dict[str, list[float]] = {kind: [] for kind in kinds}
         for r in range(args.repeat):
             split: dict[str, str] = {}
-            for kind in kinds[r % 3:] + kinds[:r % 3]:
+            for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
                 elapsed = comm.bcast(run(kind), root=0 if kind != "write" else 1)
                 times[kind].append(elapsed)
                 if trace is not None and kind != "put":
@@ -535,16 +605,22 @@ def main(argv: list[str] | None = None) -> int:
                                            owner.marks["end"][-1], size):
                     print(line)
             limit = min(rate["put"], rate["write"])
+            tcp = tcp_ratios(rate) if args.tcp else {}
             if args.json:
                 Path(args.json).write_text(json.dumps({
                     "date": time.strftime("%Y-%m-%d"), "load": os.getloadavg()[0],
                     "bytes": size, "slot": slot, "slots": slots, "dir": str(root),
                     "nolocal": os.environ.get("MPIR_CVAR_NOLOCAL", ""), "seconds": times,
-                    "median_mib_s": rate, "ratio": rate["replicate"] / limit}, indent=1) + "\n")
+                    "median_mib_s": rate, "ratio": rate["replicate"] / limit, **tcp},
+                    indent=1) + "\n")
             print(f"replicate ratio: {rate['replicate'] / limit:.2f}  (replication"
                   f" {rate['replicate']:.1f} MiB/s vs min(raw Put {rate['put']:.1f} MiB/s,"
                   f" raw write {rate['write']:.1f} MiB/s) = {limit:.1f} MiB/s,"
                   f" {size / GiB:.2f} GiB, slot {human(slot)} x {slots})")
+            if tcp:
+                print(f"tcp ratio: {tcp['tcp_ratio']:.2f}  (replication vs min(raw TCP"
+                      f" {rate['tcp']:.1f} MiB/s over {args.iface}, raw write); raw Put/raw"
+                      f" TCP {tcp['put_vs_tcp']:.2f}")
         comm.Barrier()
     except BaseException:
         traceback.print_exc()

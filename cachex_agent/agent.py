@@ -51,6 +51,7 @@ from .journal import Journal
 from .layout import (
     bundle_path,
     events_path,
+    journal_status_path,
     journal_stop_file,
     pfs_events_path,
     pfs_stop_file,
@@ -108,6 +109,10 @@ class Agent:
         self.run_lock = agree(comm, "run lock", lambda: RunLock.acquire(
             self.paths.pfs, stale_after(config.agent.timeout))
             if self.rank == 0 else None)
+        if self.rank != 0:
+            # a status in this journal says this host is the coordinator (`cachex status`
+            # run here reads it): not true for this job, whatever an earlier one left
+            journal_status_path(self.paths.journal).unlink(missing_ok=True)
         self._remove_stale()
         self.inbox = Inbox()
         self.announced: dict[str, dict[str, Any]] = {}

@@ -521,27 +521,35 @@ def _recovery_summary(outcome: Any) -> str:
 @click.option("--json", "as_json", is_flag=True, help="one JSON object at the end")
 def stop_command(cfg: configuration.Config, wait: bool, timeout: float | None,
                  as_json: bool) -> None:
-    """Ask the agents of this run to drain and exit."""
-    node0 = cfg.node_paths(0)
-    targets = [pfs_stop_file(node0.pfs)]
-    if node0.journal.is_dir():
-        targets.append(journal_stop_file(node0.journal))
+    """Ask the agents of this run to drain and exit.
+
+    Two requests: on the PFS, read by the coordinator, and in the journal of the agent
+    on this machine (node 0's on a shared host; this node's own with `topology.domain =
+    "node"`), which passes it on to the coordinator over MPI: a stop run on any node
+    reaches the agents while the PFS is down."""
+    here = cfg.node_paths(0)
+    targets = {pfs_stop_file(here.pfs): "on the PFS, for the coordinator"}
+    if here.journal.is_dir():
+        targets[journal_stop_file(here.journal)] = "in this node's journal, for its agent"
     written = []
-    for target in targets:
+    for target, what in targets.items():
         try:
             makedirs(target.parent)
             write_json(target, {"requested": time.time()})
-            written.append(target)
+            written.append((target, what))
         except OSError:
             continue
     if not written:
-        raise OperationError(f"could not write a stop request to {', '.join(map(str, targets))}")
+        raise OperationError(f"could not write a stop request to {', '.join(map(str, targets))}"
+                             + ("" if here.journal.is_dir() else
+                                f" (no agent journal at {here.journal} on this node)"))
     say = (lambda _line: None) if as_json else click.echo
-    say(f"stop requested ({', '.join(map(str, written))})")
+    say(f"stop requested ({'; '.join(f'{what}: {path}' for path, what in written)})")
     state = _wait_stopped(cfg, timeout or cfg.flush.drain_timeout + cfg.agent.timeout,
                           say) if wait else "requested"
     if as_json:
-        _echo_json({"run": cfg.run, "requested": [str(p) for p in written], "state": state})
+        _echo_json({"run": cfg.run, "requested": [str(path) for path, _ in written],
+                    "state": state})
 
 
 def _wait_stopped(cfg: configuration.Config, timeout: float,

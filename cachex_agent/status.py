@@ -27,21 +27,33 @@ DEFAULT_PERIOD = 2.0        # status files written before the heartbeat existed
 ACTIVE = ("running", "draining")
 
 
-def load_status(config: Config) -> dict[str, Any]:
-    node0 = config.node_paths(0)
+def coordinator_statuses(config: Config) -> list[dict[str, Any]]:
+    """The coordinator's status files visible here. With `topology.domain = "node"` node
+    0's journal path renders to this machine's own journal; only the coordinator keeps a
+    status there (an agent that is not removes one an earlier job left, agent.py), so
+    one found is node 0's: on another node there is none, node 0's is not visible."""
     found = []
-    for path in status_paths(node0):
+    for path in status_paths(config.node_paths(0)):
         try:
             found.append(read_json(path))
         except (OSError, json.JSONDecodeError):
             continue
+    return found
+
+
+def load_status(config: Config) -> dict[str, Any]:
+    node0 = config.node_paths(0)
+    found = coordinator_statuses(config)
     if found:
         return with_liveness(max(found, key=lambda s: s.get("updated", 0)))
     try:
         index = read_index(node0.pfs)
     except (OSError, ValueError):       # none, or not an index: an unsafe one raises
         places = ", ".join(str(p) for p in [*status_paths(node0), index_path(node0.pfs)])
-        raise OperationError(f"run {config.run}: no status found (looked in {places})") from None
+        unseen = ("; node 0's journal is on node 0 only, not visible from another node"
+                  if config.topology.domain != "rank" else "")
+        raise OperationError(f"run {config.run}: no status found (looked in {places}"
+                             f"{unseen})") from None
     rows = [{"id": r.id, "seq": r.seq, "level": r.level, "bytes": r.bytes}
             for r in index.checkpoints]
     return {"run": config.run, "state": "unknown (from the PFS index)", "checkpoints": rows,

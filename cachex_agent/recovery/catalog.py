@@ -3,6 +3,11 @@
 Used by `cachex verify` and `cachex export` without MPI: node paths are rendered from
 the configuration for every node the manifests name, and a copy that is not visible
 from this machine is reported as such, never as good.
+
+With `topology.domain = "node"` the journal path of every node renders to this machine's
+own journal: a journal is read only for what it holds of its own node (a local manifest
+counts for the node it records) and for what reached it over MPI (every agent keeps the
+global manifests the coordinator sent it). Other nodes' parts come from the PFS.
 """
 
 from __future__ import annotations
@@ -11,18 +16,18 @@ import json
 
 from ..config import Config
 from ..errors import OperationError
-from ..fsutil import read_json
 from ..layout import (
     journal_global_manifest_path,
     local_manifest_path,
     pfs_manifest_path,
-    status_paths,
 )
 from ..manifest import GlobalManifest, LocalManifest
+from ..status import coordinator_statuses
 
 
 def global_manifest(config: Config, ckpt: str) -> GlobalManifest | None:
-    """From the PFS, else from the coordinator's journal."""
+    """From the PFS, else from the journal visible here: node 0's (shared host), or this
+    node's own, which holds the copy the coordinator sent to every agent."""
     node0 = config.node_paths(0)
     for path in (pfs_manifest_path(node0.pfs, ckpt),
                  journal_global_manifest_path(node0.journal, ckpt)):
@@ -34,21 +39,24 @@ def global_manifest(config: Config, ckpt: str) -> GlobalManifest | None:
 
 
 def local_manifests(config: Config, ckpt: str, nodes: int) -> dict[int, LocalManifest]:
-    found = {}
-    for node in range(nodes):
-        path = local_manifest_path(config.node_paths(node).journal, ckpt)
+    """The local manifests of the journals visible here, each for the node it records:
+    rendered for node k, a path may be this machine's own journal (no `{node}` in it),
+    which holds this node's manifest, not node k's."""
+    found: dict[int, LocalManifest] = {}
+    for journal in dict.fromkeys(config.node_paths(node).journal for node in range(nodes)):
         try:
-            found[node] = LocalManifest.load(path, ckpt)
+            manifest = LocalManifest.load(local_manifest_path(journal, ckpt), ckpt)
         except (OSError, json.JSONDecodeError):
             continue
+        found.setdefault(manifest.node, manifest)
     return found
 
 
 def node_count(config: Config) -> int:
-    for path in status_paths(config.node_paths(0)):
+    for status in coordinator_statuses(config):
         try:
-            return int(read_json(path)["nodes"])
-        except (OSError, KeyError, ValueError, json.JSONDecodeError):
+            return int(status["nodes"])
+        except (KeyError, TypeError, ValueError):
             continue
     return 1
 

@@ -58,15 +58,16 @@ def _manifests(listing: Callable[[], list[Path]], stored_at: Callable[[str], Pat
 
 
 def local_copies(paths: NodePaths, node: int, manifests: dict[str, GlobalManifest],
-                 exclude: frozenset[str]) -> list[Copy]:
+                 exclude: frozenset[str], host: str = "") -> list[Copy]:
     """The node's own parts (spool, stage), global files (journal), partners' replicas."""
     copies = []
     for ckpt, manifest in manifests.items():
-        own = manifest.node_files(node) if node < len(manifest.nodes) else []
+        owner = written_by(manifest, node, host)
+        own = manifest.node_files(owner) if owner < len(manifest.nodes) else []
         for kind, directory in (("spool", paths.spool_dir(ckpt)),
                                 ("stage", paths.stage_dir(ckpt))):
             if kind not in exclude and own and _intact(directory, own):
-                copies.append(Copy(ckpt, node, kind, node, _paths(own)))
+                copies.append(Copy(ckpt, owner, kind, node, _paths(own)))
         copies += _journal_globals(paths, node, manifest, exclude)
     if "replica" not in exclude:
         copies += _replicas(paths, node, manifests)
@@ -101,6 +102,17 @@ def _size(path: Path) -> int:
         return path.stat().st_size
     except OSError:
         return -1
+
+
+def written_by(manifest: GlobalManifest, node: int, host: str) -> int:
+    """Whose part this node's spool and stage hold: the node the manifest names this
+    host for. With `topology.domain = "node"` the index is the host's place among the
+    sorted hostnames of the job, so a replacement whose name sorts elsewhere than the lost
+    node's shifts the survivors' indices: each still holds the part it wrote, which
+    recovery then moves to the host now at that index. On one host (`domain = "rank"`)
+    every node has the same name: its part is its own index's."""
+    named = [entry["node"] for entry in manifest.nodes if entry.get("host") == host]
+    return named[0] if len(named) == 1 else node
 
 
 def _journal_globals(paths: NodePaths, node: int, manifest: GlobalManifest,

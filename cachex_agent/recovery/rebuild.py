@@ -67,7 +67,7 @@ from ..peer.store import commit_replica, partial_dir
 from ..progress import Done, Progress, quiet
 from ..stage.rules import checkpoint_names, natural_key, tracker_text
 from ..status import human_size
-from ..topology import place_checked
+from ..topology import Placement, place_checked
 from . import holdings, transfer
 from .erasure_recover import rebuild_lost
 from .plan import Copy, Move, Plan, choose, next_source, where
@@ -102,7 +102,7 @@ def recover(config: Config, comm: Any, want: str | None = None,
     progress.step(f"listing the copies held by {placement.nodes}"
                   f" node{'s' if placement.nodes > 1 else ''} and the PFS")
     manifests = _shared_manifests(comm, config, paths, exclude)
-    copies = _all_copies(comm, config, paths, node, manifests, exclude)
+    copies = _all_copies(comm, config, paths, placement, manifests, exclude)
     if want is None and comm.Get_rank() == 0:      # only rank 0 plans
         want = pinned_current(config.node_paths(0).pfs)
         if want:
@@ -181,11 +181,11 @@ def _shared_manifests(comm: Any, config: Config, paths: Any, exclude: frozenset[
     return merged
 
 
-def _all_copies(comm: Any, config: Config, paths: Any, node: int,
+def _all_copies(comm: Any, config: Config, paths: Any, placement: Placement,
                 manifests: dict[str, GlobalManifest], exclude: frozenset[str]) -> list[Copy]:
     bound = _verify_bound(config, manifests)
-    mine = agree(comm, "holdings", lambda: holdings.local_copies(paths, node, manifests,
-                                                                 exclude), bound)
+    mine = agree(comm, "holdings", lambda: holdings.local_copies(
+        paths, placement.node, manifests, exclude, placement.host), bound)
     copies = [c for part in comm.allgather(mine) for c in part]
     if "pfs" not in exclude:
         copies += agree(comm, "PFS holdings", lambda: holdings.pfs_copies(

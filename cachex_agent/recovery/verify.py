@@ -70,7 +70,8 @@ def _check_all(ckpt: str, findings: list[Finding], progress: Progress) -> None:
 def _stage(config: Config, ckpt: str, node: int, host: str | None,
            files: list[FileEntry]) -> Finding:
     directory = config.node_paths(node, host=host).stage_dir(ckpt)
-    here = host in (None, socket.gethostname())     # another host's stage is not visible
+    # another host's stage is not visible, and one of an unknown host may be anyone's
+    here = host == socket.gethostname()
     return _visible(Finding("stage", node, str(directory), here and directory.is_dir()),
                     directory, files)
 
@@ -86,7 +87,7 @@ def _visible(finding: Finding, directory: Path, files: list[FileEntry]) -> Findi
 def _replicas(config: Config, ckpt: str, expected: dict[int, list[FileEntry]],
               hosts: dict[int, str], nodes: int) -> list[Finding]:
     pmap = replication_map(config, [hosts[n] for n in range(nodes)]) \
-        if len(hosts) == nodes else None
+        if sorted(hosts) == list(range(nodes)) else None
     if pmap is None or config.peer.scheme != "copy":    # erasure groups hold no replicas
         return []
     return [_replica(config, ckpt, owner, partner, hosts[partner], files)

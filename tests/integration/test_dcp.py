@@ -8,6 +8,8 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from harness import BIN, MPIEXEC, ROOT, files_of, kill_tree
@@ -30,9 +32,34 @@ def final_hash(out: str) -> str:
 
 
 def test_dcp_drill(cluster, tmp_path):
-    c = cluster(nodes=2, commit='globals = ["__0_0.distcp"]')
+    c = cluster(nodes=2, commit=DCP_COMMIT)
     c.start_agents()
-    dcp_train(c.root, tmp_path / "rdv-1", "--steps", "8", "--every", "4")
+
+    def lose_node_0() -> None:
+        shutil.rmtree(c.root / "node0")
+        c.spool(0).mkdir(parents=True)
+
+    def recover() -> str:
+        result = subprocess.run([str(MPIEXEC), "-n", "2", str(BIN / "cachex"), "recover",
+                                 "--config", str(c.config)], capture_output=True, text=True,
+                                timeout=180)
+        assert result.returncode == 0, result.stdout + result.stderr
+        return result.stdout
+
+    run_dcp_drill(c, lambda rdv, *args: dcp_train(c.root, tmp_path / rdv, *args),
+                  lose_node_0, recover, tmp_path)
+
+
+DCP_COMMIT = 'globals = ["__0_0.distcp"]'
+
+
+def run_dcp_drill(c, train: Callable[..., str], lose_node_0: Callable[[], None],
+                  recover: Callable[[], str], tmp_path: Path) -> None:
+    """The drill on running agents, whatever the nodes are: `train(rendezvous, *args)`
+    runs the DCP trainer on every node, `lose_node_0` takes node 0 and its files away
+    (a node with an empty spool in its place), `recover` runs `cachex recover` on every
+    node and returns its output."""
+    train("rdv-1", "--steps", "8", "--every", "4")
     c.wait_level("step_00008", "flushed", timeout=120)
     # DCP's load on node 1 needs node 0's .metadata and __0_0.distcp: mirrored
     for name in (".metadata", "__0_0.distcp"):
@@ -40,21 +67,16 @@ def test_dcp_drill(cluster, tmp_path):
             c.spool(0) / "step_00008" / name).read_bytes()
     before = {n: files_of(c.spool(n) / "step_00008") for n in range(2)}
     kill_tree(c.agents)                                 # node 0 is lost ...
-    shutil.rmtree(c.root / "node0")
-    c.spool(0).mkdir(parents=True)
+    lose_node_0()
     os.rename(c.pfs, c.root / "pfs-gone")               # ... and the PFS is down
     c.pfs.write_text("down")
 
-    result = subprocess.run([str(MPIEXEC), "-n", "2", str(BIN / "cachex"), "recover",
-                             "--config", str(c.config)], capture_output=True, text=True,
-                            timeout=180)
-    assert result.returncode == 0, result.stdout + result.stderr
-    assert "from replica on node 1" in result.stdout, result.stdout
+    out = recover()
+    assert "from replica on node 1" in out, out
     for node in range(2):
         assert files_of(c.spool(node) / "step_00008") == before[node]
 
-    resumed = dcp_train(c.root, tmp_path / "rdv-2", "--steps", "12", "--every", "4",
-                        "--resume")
+    resumed = train("rdv-2", "--steps", "12", "--every", "4", "--resume")
     assert "resumed from step_00008 with dcp.load" in resumed
     reference = dcp_train(tmp_path / "reference", tmp_path / "rdv-3", "--steps", "12",
                           "--every", "4")

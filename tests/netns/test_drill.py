@@ -18,6 +18,11 @@ from test_recover import (
     unreadable_pfs,
 )
 
+from cachex_agent.config import load
+from cachex_agent.events import read_events
+from cachex_agent.layout import events_path, journal_global_manifest_path
+from cachex_agent.peer.partners import replication_map
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 TRAIN = ["--shard-size", "256KiB", "--chunk-size", "64KiB", "--step-time", "0.02",
          "--files-per-rank", "2"]
@@ -77,7 +82,10 @@ def test_capture_replicate_flush_across_namespaces(ns_cluster, tmp_path):
 
 def test_drill_node_0_namespace_destroyed_pfs_gone_recovered_on_a_spare(ns_cluster, tmp_path):
     """8 ranks on 4 nodes, 32 shards + `.metadata`; node 0's namespace is destroyed, the
-    PFS moved away; `cachex recover` on a spare with another hostname and the 3 others."""
+    PFS moved away; `cachex recover` on a spare with another hostname and the 3 others.
+    The spare's name sorts after the survivors': node k is now the host that was node
+    k + 1 (the node index is the place in the sorted hostnames, as the trainer's ranks
+    are), so every part moves to the host now at its index."""
     c = ns_cluster(nodes=4)
     c.start_agents()
     trainer = c.trainer("--steps", "200", *RECOVER_TRAIN, ranks=8)
@@ -93,8 +101,9 @@ def test_drill_node_0_namespace_destroyed_pfs_gone_recovered_on_a_spare(ns_clust
     c.lose(lost)
     assert not lost.path("/").exists()
     unreadable_pfs(c)
-    spare = c.add_node("cx-node0-spare")     # sorts where cx-node0 was: node 0
-    assert c.live[0] is spare and spare.run("mkdir", "-p", str(c.local / "spool")).returncode == 0
+    spare = c.add_node("cx-node9")
+    assert c.live[-1] is spare and spare.run("mkdir", "-p", str(c.local / "spool")).returncode == 0
+    assert [n.hostname for n in c.live] == ["cx-node1", "cx-node2", "cx-node3", "cx-node9"]
 
     proc = c.mpiexec(str(c.bin / "cachex"), "recover", "--config", str(c.config))
     out = proc.communicate(timeout=180)[0].decode()
@@ -102,14 +111,47 @@ def test_drill_node_0_namespace_destroyed_pfs_gone_recovered_on_a_spare(ns_clust
     recovered = re.search(r"recovered (step_\d+)", out)
     assert recovered and recovered.group(1) in candidates, out
     newest = recovered.group(1)
-    assert "replica on node 1" in out, out
+    assert re.search(r"from replica on node \d", out), out
     for node, files in expected_after(candidates[newest]).items():
         assert files_of(c.spool(node) / newest) == files
-    # redundancy is back: the spare's part is again on its partner, with a manifest
-    replica = c.replicas(1) / "node-00000"
-    assert (replica / f"{newest}.manifest.json").exists()
-    assert files_of(replica / newest) == candidates[newest][0]
+    # redundancy is back: every part on its partners of the new numbering, with a manifest
+    pmap = replication_map(load(c.config), [n.hostname for n in c.live])
+    assert pmap is not None
+    for part, partners in enumerate(pmap):
+        for partner in partners:
+            replica = c.replicas(partner) / f"node-{part:05d}"
+            assert (replica / f"{newest}.manifest.json").exists(), (part, partner)
+            assert files_of(replica / newest) == candidates[newest][part]
 
     out = finish(c.trainer("--steps", "16", "--resume", *RECOVER_TRAIN, ranks=8))
     assert f"resumed from {newest}" in out
     assert out.strip().splitlines()[-1].split()[-1] == reference_hash(tmp_path, 16)
+
+
+def test_node_1_stops_the_agents_without_the_pfs_and_verifies_its_own_part(ns_cluster):
+    """`cachex stop` on node 1, which cannot write to the PFS, reaches the agents through
+    node 1's agent. Then, with the PFS down and no global manifest: node 0's journal path
+    is node 1's own journal, whose manifest is node 1's, never node 0's."""
+    c = ns_cluster(nodes=2)
+    c.start_agents()
+    finish(c.trainer("--steps", "4", "--every", "4", *TRAIN))
+    c.wait_level("step_00004", "flushed")
+
+    unreachable = c.root / "pfs-unreachable"          # a file: no stop request goes there
+    unreachable.write_text("not the PFS")
+    stop = c.cachex("stop", "--no-wait", "--set", f"paths.pfs={unreachable}", node=1)
+    assert stop.returncode == 0, stop.stderr
+    assert "in this node's journal, for its agent" in stop.stdout, stop.stdout
+    assert "on the PFS" not in stop.stdout, stop.stdout
+    assert c.agents is not None and c.agents.wait(timeout=90) == 0
+    assert [e["requested_by"] for e in read_events(events_path(c.journal(0)))
+            if e["event"] == "drain"] == [1]
+
+    unreadable_pfs(c)
+    journal_global_manifest_path(c.journal(1), "step_00004").unlink()
+    verify = c.cachex("verify", "step_00004", node=1)
+    assert re.search(r"stage +node 1 +ok", verify.stdout), verify.stdout + verify.stderr
+    assert not re.search(r"stage +node 0", verify.stdout), verify.stdout
+    status = c.cachex("status", node=1)         # node 0's status is on node 0 only
+    assert status.returncode == 1 and "not visible from another node" in status.stderr, \
+        status.stdout + status.stderr
