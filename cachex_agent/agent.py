@@ -417,13 +417,25 @@ class Agent:
         manifest = LocalManifest.from_json(msg["manifest"])
         self._share_globals(manifest, entry)
         peer = self.announced.get(ckpt, {}).get("path", "peer") == "peer"
-        if self.replicator is not None and peer and not is_done(entry, Stage.REPLICATE):
+        if peer and is_done(entry, Stage.REPLICATE):
+            self._replicated_again(ckpt)
+        elif self.replicator is not None and peer:
             self.replicator.captured(manifest, Path(entry["source"]),
                                      mapped=entry.get("mode") == "copy")
         if self.journal.global_manifest(ckpt) is not None:
             self._encode_if_wanted(ckpt)    # resumed after ManifestReady was heard
         self._flush_if_wanted(ckpt)
         self._retain_stage()
+
+    def _replicated_again(self, ckpt: str) -> None:
+        """A restart: this node's replication of `ckpt` is done (its journal says so),
+        but the coordinator's state may predate the report, and it records `flushed`
+        only after `replicated`: report it again (not a sample for the model)."""
+        redundancy = self.replicator or self.encoder
+        if redundancy is not None:
+            self.inbox.put({"type": "replicated", "ckpt": ckpt, "ok": True, "errors": {},
+                            "partners": redundancy.partners, "duration": 0.0,
+                            "adopted": True})
 
     def _stream_file(self, msg: FileCaptured) -> None:
         """A file copied while its part is still being captured: its replication starts

@@ -190,6 +190,7 @@ class Replicated:
     errors: dict[str, str] = field(default_factory=dict)
     dead: list[int] = field(default_factory=list)
     duration: float = 0.0
+    adopted: bool = False       # a restart's report of a replication done before it
 
 
 @dataclass(frozen=True, slots=True)
@@ -461,8 +462,9 @@ def _on_replicated(s: CoordinatorState, e: Replicated, out: Effects) -> None:
         return
     if e.ok:
         record.replicated[str(e.node)] = e.partners
-        out.append(Observe("replicate", e.ckpt, e.node, record.node_bytes(e.node),
-                           e.duration))
+        if not e.adopted:
+            out.append(Observe("replicate", e.ckpt, e.node, record.node_bytes(e.node),
+                               e.duration))
     else:
         record.replication_failed = True
         record.errors[str(e.node)] = "; ".join(e.errors.values())
