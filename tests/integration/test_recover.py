@@ -73,20 +73,24 @@ def committed_since(c: Cluster, oldest: str) -> list[str]:
                   and int(d.name[5:]) >= int(oldest[5:]))
 
 
-def test_drill_coordinator_node_lost_and_pfs_down(cluster, tmp_path):
-    c = cluster()
-    c.start_agents()
-    trainer = c.trainer("--steps", "200", *TRAIN)
+def killed_after_a_replica(c, trainer) -> dict[str, dict[int, dict[str, bytes]]]:
+    """Trainer and agents SIGKILLed once step_00008 is replicated; every checkpoint a
+    recovery may then pick, with each node's files. status.json lags the replicas by up
+    to one write: a newer checkpoint replicated everywhere just before the kill may be the
+    one recovered, never an older one."""
     c.wait_level("step_00008", "replicated", "flushed", timeout=90)
     kill_tree(trainer)                       # node 0's loss ends the trainer and the agents
     kill_tree(c.agents)
-    levels = c.levels()
-    newest = max((ckpt for ckpt, level in levels.items()
+    newest = max((ckpt for ckpt, level in c.levels().items()
                   if level in ("replicated", "flushed")), key=lambda k: int(k[5:]))
     assert sum(len(files) for files in snapshot(c, newest).values()) == 33
-    # status.json lags the replicas by up to one write: a newer checkpoint replicated
-    # everywhere just before the kill may be the one recovered, never an older one
-    candidates = {ckpt: snapshot(c, ckpt) for ckpt in committed_since(c, newest)}
+    return {ckpt: snapshot(c, ckpt) for ckpt in committed_since(c, newest)}
+
+
+def test_drill_coordinator_node_lost_and_pfs_down(cluster, tmp_path):
+    c = cluster()
+    c.start_agents()
+    candidates = killed_after_a_replica(c, c.trainer("--steps", "200", *TRAIN))
     lose_node(c, 0)
     unreadable_pfs(c)
 

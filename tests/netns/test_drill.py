@@ -8,13 +8,12 @@ import json
 import re
 
 import pytest
-from harness import files_of, finish, kill_tree
+from harness import files_of, finish
 from test_recover import TRAIN as RECOVER_TRAIN
 from test_recover import (
-    committed_since,
     expected_after,
+    killed_after_a_replica,
     reference_hash,
-    snapshot,
     unreadable_pfs,
 )
 
@@ -88,15 +87,8 @@ def test_drill_node_0_namespace_destroyed_pfs_gone_recovered_on_a_spare(ns_clust
     are), so every part moves to the host now at its index."""
     c = ns_cluster(nodes=4)
     c.start_agents()
-    trainer = c.trainer("--steps", "200", *RECOVER_TRAIN, ranks=8)
-    c.wait_level("step_00008", "replicated", "flushed", timeout=90)
-    kill_tree(trainer)                       # node 0's loss ends the trainer and the agents
-    kill_tree(c.agents)
-    levels = c.levels()
-    newest = max((ckpt for ckpt, level in levels.items()
-                  if level in ("replicated", "flushed")), key=lambda k: int(k[5:]))
-    assert sum(len(files) for files in snapshot(c, newest).values()) == 33
-    candidates = {ckpt: snapshot(c, ckpt) for ckpt in committed_since(c, newest)}
+    candidates = killed_after_a_replica(c, c.trainer("--steps", "200", *RECOVER_TRAIN,
+                                                     ranks=8))
     lost = c.live[0]
     c.lose(lost)
     assert not lost.path("/").exists()
