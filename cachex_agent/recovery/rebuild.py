@@ -112,7 +112,7 @@ def recover(config: Config, comm: Any, want: str | None = None,
     for note in erasure.notes:
         progress.step(note)
     if erasure.groups and not dry_run:      # the rebuilt parts are staged copies now
-        copies = _all_copies(comm, config, paths, node, manifests, exclude)
+        copies = _all_copies(comm, config, paths, placement, manifests, exclude)
     plan = _plan(comm, config, manifests, copies, placement.nodes, want, exclude)
     outcome = Outcome(plan, plan_seconds=time.monotonic() - start, erasure=erasure.notes)
     if dry_run:
