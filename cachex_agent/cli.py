@@ -745,5 +745,30 @@ def demo_command(**options: Any) -> None:
     run_demo(**options)
 
 
+@main_group.command("templates")
+@click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--force", is_flag=True, help="overwrite files that exist")
+def templates_command(dest: Path, force: bool) -> None:
+    """Write the Slurm and PBS job templates to DEST/slurm, DEST/pbs and DEST/lib."""
+    from .shipped import write_templates
+    for written in write_templates(dest, force):
+        click.echo(str(written))
+    click.echo(_templates_next(dest))
+
+
+def _templates_next(dest: Path) -> str:
+    """The next command: the templates source $CX_ROOT/scripts/lib/cachex-job.sh and run
+    $CX_BIN/cachex-agent, so both are named for where they are now."""
+    local = dest / "slurm" / "local.sbatch"
+    bin_dir = Path(sys.executable).parent
+    if dest.resolve().name == "scripts":
+        return (f"next: edit the values at the top of a template, then e.g."
+                f" CX_ROOT={dest.resolve().parent} CX_BIN={bin_dir} sbatch {local}"
+                f" (docs/jobs.md)")
+    return (f"next: the templates source $CX_ROOT/scripts/lib/cachex-job.sh: move {dest}"
+            f" to a directory named scripts, or write them to one (cachex templates"
+            f" ./scripts), then sbatch with CX_ROOT and CX_BIN={bin_dir} (docs/jobs.md)")
+
+
 def main() -> None:
     _run_guarded(lambda: _click_main(main_group))
