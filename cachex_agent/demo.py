@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+import psutil
 
 from . import config as configuration
 from .errors import OperationError
@@ -90,13 +91,30 @@ class Children:
         return out
 
     def end(self, proc: subprocess.Popen[Any]) -> None:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+        """SIGKILL `proc` and its descendants. Hydra starts each proxy and rank in a
+        session of its own, so mpiexec's group alone would leave the ranks running; the
+        tree is stopped first so that no rank forked meanwhile escapes the second look."""
+        if proc.poll() is not None:
+            return
+        for action in (psutil.Process.suspend, psutil.Process.kill):
+            for process in _tree(proc.pid):
+                try:
+                    action(process)
+                except psutil.NoSuchProcess:
+                    pass
+        proc.wait()
 
     def end_all(self) -> None:
         for proc in self.started:
             self.end(proc)
+
+
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
 
 
 def _ended_by(signum: int, frame: Any) -> None:
