@@ -138,8 +138,9 @@ def wait_for(predicate: Any, timeout: float, what: str,
         if predicate():
             return
         if watched is not None and watched.poll() is not None:
-            raise OperationError(f"{' '.join(map(str, watched.args[:4]))}... exited with"
-                                 f" {watched.returncode} while waiting for {what}")
+            command = " ".join(Path(str(arg)).name for arg in watched.args[:5])
+            raise OperationError(f"{command} exited with {watched.returncode} while waiting"
+                                 f" for {what}")
         time.sleep(0.2)
     raise OperationError(f"timed out after {timeout:.0f}s waiting for {what}")
 
