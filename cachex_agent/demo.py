@@ -187,7 +187,9 @@ def run_demo(workdir: str, nodes: int, ranks_per_node: int, steps: int, every: i
         _demo(children, Path(workdir).resolve(), nodes, ranks_per_node, steps, every,
               shard_size)
     finally:
-        for s in signals:           # a second signal must not cut the clean-up short
+        # a second signal (or ^C) must not cut the clean-up short
+        previous[signal.SIGINT] = signal.getsignal(signal.SIGINT)
+        for s in previous:
             signal.signal(s, signal.SIG_IGN)
         children.end_all()
         for s, handler in previous.items():
