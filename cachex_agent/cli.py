@@ -745,5 +745,32 @@ def demo_command(**options: Any) -> None:
     run_demo(**options)
 
 
+@main_group.command("templates")
+@click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
+@click.option("--force", is_flag=True, help="overwrite files that exist")
+def templates_command(dest: Path, force: bool) -> None:
+    """Write the Slurm and PBS job templates to DEST/slurm, DEST/pbs and DEST/lib."""
+    from .shipped import shipped_root, write_templates
+    for written in write_templates(dest, force):
+        click.echo(str(written))
+    for line in _templates_next(dest.resolve(), shipped_root()):
+        click.echo(line)
+
+
+def _templates_next(dest: Path, shipped: Path) -> list[str]:
+    """The next commands. The templates source $CX_ROOT/scripts/lib/cachex-job.sh and run
+    $CX_BIN/cachex-agent, and local.sbatch's trainer is $CX_ROOT/examples/trainer.py:
+    the shipped root has both, DEST's parent has the lib when DEST is named scripts."""
+    bin_dir = Path(sys.executable).parent
+    root = (f"CX_ROOT={dest.parent}" if dest.name == "scripts" else
+            f"CX_ROOT=<the directory holding scripts/lib/cachex-job.sh: {dest} must be"
+            f" named scripts, or give {shipped}>")
+    return [f"next: edit the values at the top of {dest}/slurm/<site>.sbatch (TRAIN_CMD:"
+            f" your trainer), then {root} CX_BIN={bin_dir} sbatch"
+            f" {dest}/slurm/<site>.sbatch (docs/jobs.md)",
+            f"or try it on a one-host Slurm with the example trainer: CX_ROOT={shipped}"
+            f" CX_BIN={bin_dir} sbatch {dest}/slurm/local.sbatch"]
+
+
 def main() -> None:
     _run_guarded(lambda: _click_main(main_group))

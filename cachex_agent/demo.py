@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import click
+import psutil
 
 from . import config as configuration
 from .errors import OperationError
@@ -32,11 +33,11 @@ from .model.summary import fit_text
 from .recovery.catalog import require_global
 from .recovery.export import export
 from .recovery.verify import verify
+from .shipped import trainer as shipped_trainer
 from .stage.rules import natural_key
 from .status import format_ls, load_status
 
 BIN = Path(sys.executable).parent
-TRAINER = Path(__file__).resolve().parents[1] / "examples" / "trainer.py"
 MARK = ".cachex-demo"
 STAGE = "/dev/shm/cachex-demo"
 
@@ -67,17 +68,79 @@ path = "peer"   # the drill rebuilds node 0 from its replica; here, where the "P
     return path
 
 
-def start_agents(config: Path, nodes: int, log: Path) -> subprocess.Popen[bytes]:
-    return subprocess.Popen(
-        [str(BIN / "mpiexec"), "-n", str(nodes), str(BIN / "cachex-agent"), "--config",
-         str(config)], stdout=log.open("ab"), stderr=subprocess.STDOUT, start_new_session=True)
+class Children:
+    """Every process the demo starts, each the leader of a process group of its own that
+    its MPI ranks share: whatever ends the demo (an error, SIGTERM, SIGHUP, ^C) ends
+    them with it, not only the ones a `finally` next to them knows of."""
+
+    def __init__(self) -> None:
+        self.started: list[subprocess.Popen[Any]] = []
+
+    def start(self, command: list[str], **options: Any) -> subprocess.Popen[Any]:
+        proc = subprocess.Popen(command, stdin=subprocess.DEVNULL, start_new_session=True,
+                                **options)
+        self.started.append(proc)
+        return proc
+
+    def run(self, command: list[str]) -> str:
+        proc = self.start(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = proc.communicate(timeout=600)
+        if proc.returncode:
+            raise OperationError(f"{' '.join(command[:6])}...: exit {proc.returncode}:"
+                                 f" {out[-500:]}{err[-500:]}")
+        return out
+
+    def end(self, proc: subprocess.Popen[Any]) -> None:
+        """SIGKILL `proc` and its descendants. Hydra starts each proxy and rank in a
+        session of its own, so mpiexec's group alone would leave the ranks running; the
+        tree is stopped first so that no rank forked meanwhile escapes the second look."""
+        if proc.poll() is not None:
+            return
+        for action in (psutil.Process.suspend, psutil.Process.kill):
+            for process in _tree(proc.pid):
+                try:
+                    action(process)
+                except psutil.NoSuchProcess:
+                    pass
+        proc.wait()
+
+    def end_all(self) -> None:
+        for proc in self.started:
+            self.end(proc)
 
 
-def wait_for(predicate: Any, timeout: float, what: str) -> None:
+def _tree(pid: int) -> list[psutil.Process]:
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def _ended_by(signum: int, frame: Any) -> None:
+    raise OperationError(f"demo ended by {signal.Signals(signum).name}; its agents and"
+                         " trainers are ended too")
+
+
+def start_agents(children: Children, config: Path, nodes: int,
+                 log: Path) -> subprocess.Popen[bytes]:
+    with log.open("ab") as out:
+        return children.start([str(BIN / "mpiexec"), "-n", str(nodes), str(BIN / "cachex-agent"),
+                               "--config", str(config)], stdout=out, stderr=subprocess.STDOUT)
+
+
+def wait_for(predicate: Any, timeout: float, what: str,
+             watched: subprocess.Popen[Any] | None = None) -> None:
+    """Until `predicate()`; an error at once if `watched`, which should bring it about,
+    has exited."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():
             return
+        if watched is not None and watched.poll() is not None:
+            command = " ".join(Path(str(arg)).name for arg in watched.args[:5])
+            raise OperationError(f"{command} exited with {watched.returncode} while waiting"
+                                 f" for {what}")
         time.sleep(0.2)
     raise OperationError(f"timed out after {timeout:.0f}s waiting for {what}")
 
@@ -100,13 +163,12 @@ def stop_agents(cfg: configuration.Config, agents: subprocess.Popen[bytes],
     try:
         return agents.wait(timeout)
     except subprocess.TimeoutExpired:
-        os.killpg(agents.pid, signal.SIGKILL)
         raise OperationError(f"agents did not drain within {timeout:.0f}s") from None
 
 
 def trainer_command(workdir: Path, ranks: int, ranks_per_node: int, steps: int, every: int,
                     shard_size: str, *extra: str) -> list[str]:
-    return [str(BIN / "mpiexec"), "-n", str(ranks), sys.executable, str(TRAINER),
+    return [str(BIN / "mpiexec"), "-n", str(ranks), sys.executable, str(shipped_trainer()),
             "--spool", f"{workdir}/node{{node}}/spool", "--ranks-per-node", str(ranks_per_node),
             "--steps", str(steps), "--every", str(every), "--shard-size", shard_size,
             "--files-per-rank", "4", *extra]
@@ -118,7 +180,24 @@ def final_hash(output: str) -> str:
 
 def run_demo(workdir: str, nodes: int, ranks_per_node: int, steps: int, every: int,
              shard_size: str) -> None:
-    root = Path(workdir).resolve()
+    children = Children()
+    signals = (signal.SIGTERM, signal.SIGHUP)
+    previous = {s: signal.signal(s, _ended_by) for s in signals}
+    try:
+        _demo(children, Path(workdir).resolve(), nodes, ranks_per_node, steps, every,
+              shard_size)
+    finally:
+        # a second signal (or ^C) must not cut the clean-up short
+        previous[signal.SIGINT] = signal.getsignal(signal.SIGINT)
+        for s in previous:
+            signal.signal(s, signal.SIG_IGN)
+        children.end_all()
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _demo(children: Children, root: Path, nodes: int, ranks_per_node: int, steps: int,
+          every: int, shard_size: str) -> None:
     _fresh(root)
     config_path = write_config(root, nodes)
     cfg = configuration.load(config_path)
@@ -127,21 +206,17 @@ def run_demo(workdir: str, nodes: int, ranks_per_node: int, steps: int, every: i
     click.echo(f"demo: {nodes} agents (virtual nodes) + trainer on {ranks} ranks"
                f" ({ranks * 4} shard files per checkpoint); files under {root}")
     since = time.time()
-    agents = start_agents(config_path, nodes, root / "agents.log")
-    try:
-        wait_for(lambda: agents_up(cfg, since), 60, "the agents to start")
-        lost = _lose_node_zero(cfg, root, agents, train)
-        _drill(cfg, config_path, root, lost, nodes)
-        since = time.time()
-        agents = start_agents(config_path, nodes, root / "agents.log")
-        wait_for(lambda: agents_up(cfg, since), 60, "the agents to restart")
-        out = _run(trainer_command(root, *train, "--resume"))
-        click.echo(f"demo: the trainer resumed from {lost} and finished step {steps}")
-        code = stop_agents(cfg, agents, cfg.flush.drain_timeout + 60)
-    finally:
-        if agents.poll() is None:
-            os.killpg(agents.pid, signal.SIGKILL)
-    reference = final_hash(_run(trainer_command(root / "reference", *train)))
+    agents = start_agents(children, config_path, nodes, root / "agents.log")
+    wait_for(lambda: agents_up(cfg, since), 60, "the agents to start", agents)
+    lost = _lose_node_zero(children, cfg, root, agents, train)
+    _drill(children, cfg, config_path, root, lost, nodes)
+    since = time.time()
+    agents = start_agents(children, config_path, nodes, root / "agents.log")
+    wait_for(lambda: agents_up(cfg, since), 60, "the agents to restart", agents)
+    out = children.run(trainer_command(root, *train, "--resume"))
+    click.echo(f"demo: the trainer resumed from {lost} and finished step {steps}")
+    code = stop_agents(cfg, agents, cfg.flush.drain_timeout + 60)
+    reference = final_hash(children.run(trainer_command(root / "reference", *train)))
     if final_hash(out) != reference:
         raise OperationError("the resumed run ends in another state than an uninterrupted one")
     click.echo(f"demo: final state equals an uninterrupted run's (sha256 {reference[:16]}...)")
@@ -150,26 +225,17 @@ def run_demo(workdir: str, nodes: int, ranks_per_node: int, steps: int, every: i
     _model(root)
 
 
-def _run(command: list[str]) -> str:
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600)
-    if result.returncode:
-        raise OperationError(f"{' '.join(command[:6])}...: exit {result.returncode}:"
-                             f" {result.stdout[-500:]}{result.stderr[-500:]}")
-    return result.stdout
-
-
-def _lose_node_zero(cfg: configuration.Config, root: Path, agents: subprocess.Popen[bytes],
-                    train: tuple[Any, ...]) -> str:
+def _lose_node_zero(children: Children, cfg: configuration.Config, root: Path,
+                    agents: subprocess.Popen[bytes], train: tuple[Any, ...]) -> str:
     """Train until a checkpoint is replicated, then node 0 dies: trainer and agents."""
-    trainer = subprocess.Popen(trainer_command(root, *train[:2], 10**6, *train[3:]),
-                               stdout=subprocess.DEVNULL, start_new_session=True)
+    trainer = children.start(trainer_command(root, *train[:2], 10**6, *train[3:]),
+                             stdout=subprocess.DEVNULL)
     every = train[3]
     target = f"step_{3 * every:05d}"
     wait_for(lambda: _level(cfg, target) in ("replicated", "flushed"), 300,
-             f"{target} to be replicated")
+             f"{target} to be replicated", trainer)
     for proc in (trainer, agents):
-        os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait()
+        children.end(proc)
     levels = {r["id"]: r["level"] for r in load_status(cfg)["checkpoints"]}
     safe = [c for c, level in levels.items() if level in ("replicated", "flushed")]
     newest = max(safe, key=natural_key)
@@ -177,8 +243,8 @@ def _lose_node_zero(cfg: configuration.Config, root: Path, agents: subprocess.Po
     return newest
 
 
-def _drill(cfg: configuration.Config, config_path: Path, root: Path, ckpt: str,
-           nodes: int) -> None:
+def _drill(children: Children, cfg: configuration.Config, config_path: Path, root: Path,
+           ckpt: str, nodes: int) -> None:
     before = {n: _files(cfg.node_paths(n).spool_dir(ckpt)) for n in range(nodes)}
     shutil.rmtree(root / "node0")
     shutil.rmtree(f"{STAGE}/node0", ignore_errors=True)
@@ -188,7 +254,7 @@ def _drill(cfg: configuration.Config, config_path: Path, root: Path, ckpt: str,
     click.echo("demo: node 0's spool, stage and NVMe deleted; the PFS made unreachable;"
                f" cachex recover on {nodes} nodes (node 0 a fresh replacement):")
     try:
-        out = _run([str(BIN / "mpiexec"), "-n", str(nodes), str(BIN / "cachex"), "recover",
+        out = children.run([str(BIN / "mpiexec"), "-n", str(nodes), str(BIN / "cachex"), "recover",
                     "--config", str(config_path)])
     finally:
         os.rename(pfs.with_name("pfs-unreachable"), pfs)
