@@ -371,6 +371,7 @@ class Agent:
                 self.replicator.cancel(msg["ckpt"], f"capture failed: {msg['error']}")
             elif kind == "replicated":
                 self._retain_stage()
+                self.flusher.copy_events_soon()
                 msg = {**msg, "dead": sorted(self.replicator.dead) if self.replicator else []}
             self._to_coordinator(msg)
         return count

@@ -275,7 +275,10 @@ def status_command(cfg: configuration.Config, as_json: bool) -> None:
     """Every checkpoint, the highest level that holds, and work in flight."""
     from .status import format_status, load_status
     status = load_status(cfg)
-    click.echo(json.dumps(status, indent=1) if as_json else format_status(status))
+    if as_json:
+        _echo_json(status)
+    else:
+        click.echo(format_status(status))
 
 
 @main_group.command("ls")
@@ -285,7 +288,10 @@ def ls_command(cfg: configuration.Config, as_json: bool) -> None:
     """List checkpoints and their levels."""
     from .status import format_ls, listing, load_status
     status = listing(load_status(cfg))
-    click.echo(json.dumps(status, indent=1) if as_json else format_ls(status))
+    if as_json:
+        _echo_json(status)
+    else:
+        click.echo(format_ls(status))
 
 
 @main_group.command("verify")
@@ -660,8 +666,10 @@ def model_fit_command(cfg: configuration.Config, history: Any, model_path: Path 
     model = fit_system(history, criterion)
     if save:
         model.save(save)
-    click.echo(json.dumps(model.to_json(), indent=1) if as_json
-               else fit_text(model, history, criterion))
+    if as_json:
+        _echo_json(model.to_json())
+    else:
+        click.echo(fit_text(model, history, criterion))
 
 
 @model_group.command("predict")
@@ -681,8 +689,10 @@ def model_predict_command(cfg: configuration.Config, history: Any, model_path: P
     from .model.summary import predict_json, predict_text
     model = _system(history, model_path)
     prediction = model.predict(level, write_path, *_size_and_nodes(model, size, nodes))
-    click.echo(json.dumps(predict_json(prediction, quantile)) if as_json
-               else predict_text(prediction, quantile))
+    if as_json:
+        _echo_json(predict_json(prediction, quantile))
+    else:
+        click.echo(predict_text(prediction, quantile))
 
 
 @model_group.command("plan")
@@ -712,7 +722,10 @@ def model_plan_command(cfg: configuration.Config, history: Any, model_path: Path
                 if write else 0.0)
     plan = make_plan(model, size_value, count, every_t, blocking, Rates.of(cfg.model), every,
                      cfg.flush.concurrency)
-    click.echo(json.dumps(plan_json(plan), indent=1) if as_json else plan_text(plan))
+    if as_json:
+        _echo_json(plan_json(plan))
+    else:
+        click.echo(plan_text(plan))
 
 
 @main_group.command("report")

@@ -164,6 +164,13 @@ class Flusher:
             self.report(flushed_report(manifest.ckpt, manifest.node, target.name, duration,
                                        adopted))
 
+    def copy_events_soon(self) -> None:
+        """The node's new events to the PFS on a flush worker (never the MPI thread): a
+        stage that ends after the bundle (the replication beside the flush) gets there
+        too, not only at the next flush."""
+        if self.events_copy is not None and not self._stop.is_set():
+            self.pool.submit(self._copy_events)
+
     def _copy_events(self) -> None:
         """The bundle is durable already: a PFS that refuses the events now only delays
         them to the next flush."""

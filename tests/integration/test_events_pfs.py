@@ -4,6 +4,7 @@ is gone. Real agents under mpiexec, SIGKILL, real directories removed."""
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 
@@ -34,20 +35,36 @@ def counts(c: Cluster) -> tuple[str, str]:
     return samples.group(0), levels
 
 
+def model_json_outputs_carry_their_schema(c: Cluster) -> None:
+    """`--json` of the model commands: one object with `"schema": 1` (docs/commands.md)."""
+    fitted = json.loads(c.cachex("model", "fit", "--json").stdout)
+    assert fitted["schema"] == 1 and fitted["format"] == "cachex-model"
+    assert {"capture", "flush"} <= set(fitted["stages"])
+    predicted = json.loads(c.cachex("model", "predict", "--json").stdout)
+    assert predicted["schema"] == 1 and predicted["level"] == "flushed"
+    assert 0 < predicted["median"] <= predicted["at_quantile"]
+    planned = c.cachex("model", "plan", "--json", "--period", "10s")
+    assert planned.returncode == 0, planned.stderr
+    plan = json.loads(planned.stdout)
+    assert plan["schema"] == 1 and plan["recommended"] in {p["name"] for p in plan["paths"]}
+
+
 def test_model_fit_sees_node_0_and_the_coordinator_after_node_0_is_lost(cluster):
     c = cluster(nodes=2)
     c.start_agents()
     finish(c.trainer("--steps", "12", "--every", "4", *TRAIN, ranks=4))
     for step in STEPS:
         c.wait_level(step, "flushed")
-    for node in range(2):
-        wait_for(lambda n=node: copied(c, n, "flushed", STEPS[-1]), 60,
-                 f"node {node}'s flushed event on the PFS")
+    for node in range(2):       # the replication runs beside the flush: either ends last
+        for event in ("flushed", "replicated"):
+            wait_for(lambda n=node, e=event: copied(c, n, e, STEPS[-1]), 60,
+                     f"node {node}'s {event} event on the PFS")
     wait_for(lambda: copied(c, 0, "level_flushed", STEPS[-1]), 60,
              "the coordinator's level_flushed on the PFS")
     kill_tree(c.agents)
     before = counts(c)
     assert "level flushed       3 checkpoints" in before[1], before
+    model_json_outputs_carry_their_schema(c)
 
     shutil.rmtree(c.root / "node0" / "nvme")        # node 0's journal, events included
     shutil.rmtree(c.root / "node0" / "shm")
