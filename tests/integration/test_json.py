@@ -42,7 +42,7 @@ def test_json_outputs_carry_their_schema_and_keys(cluster, tmp_path):
                           capture_output=True, text=True, timeout=120)
     planned = _json(plan)
     assert planned["ckpt"] == "step_00004" and planned["dry_run"] is True
-    assert set(planned) == {"ckpt", "seq", "dry_run", "nodes", "moves"}
+    assert set(planned) == {"ckpt", "seq", "dry_run", "nodes", "moves", "erasure"}
     assert {m["kind"] for m in planned["moves"]} <= {"spool", "journal"}  # all in place
 
     listed = _json(c.cachex("index", "--json"))
