@@ -229,9 +229,16 @@ class Agent:
 
     def _busy(self) -> bool:
         """Work in flight that messages from other agents move on."""
-        return bool(self._requests or self.capture.busy() or self.draining or self.globals.busy()
-                    or (self.replicator is not None and self.replicator.busy())
-                    or (self.encoder is not None and self.encoder.busy()))
+        return bool(self._requests or self.capture.busy() or self.draining
+                    or self._replicating())
+
+    def _redundancy(self) -> list[Any]:
+        """What makes the node-local copies elsewhere: the replicator (`copy`) or the
+        encoder (`xor`, `rs:K+M`); neither when the run is flush-only."""
+        return [r for r in (self.replicator, self.encoder) if r is not None]
+
+    def _replicating(self) -> bool:
+        return self.globals.busy() or any(r.busy() for r in self._redundancy())
 
     def _step(self) -> bool:
         """One turn of the main loop; True if it had anything to do."""
@@ -417,7 +424,7 @@ class Agent:
         entry = self.journal.get(ckpt) or {}
         manifest = LocalManifest.from_json(msg["manifest"])
         self._share_globals(manifest, entry)
-        peer = self.announced.get(ckpt, {}).get("path", "peer") == "peer"
+        peer = self._path(ckpt) == "peer"
         if peer and is_done(entry, Stage.REPLICATE):
             self._replicated_again(ckpt)
         elif self.replicator is not None and peer:
@@ -432,8 +439,7 @@ class Agent:
         """A restart: this node's replication of `ckpt` is done (its journal says so),
         but the coordinator's state may predate the report, and it records `flushed`
         only after `replicated`: report it again (not a sample for the model)."""
-        redundancy = self.replicator or self.encoder
-        if redundancy is not None:
+        for redundancy in self._redundancy():
             self.inbox.put({"type": "replicated", "ckpt": ckpt, "ok": True, "errors": {},
                             "partners": redundancy.partners, "duration": 0.0,
                             "adopted": True})
@@ -442,18 +448,20 @@ class Agent:
         """A file copied while its part is still being captured: its replication starts
         now (the replicator keeps it only if the final manifest agrees)."""
         ckpt = msg.header.ckpt
-        peer = self.announced.get(ckpt, {}).get("path", "peer") == "peer"
         replicate = stage_state(self.journal.get(ckpt), Stage.REPLICATE)
-        if self.replicator is not None and peer and replicate not in ENDED:
+        if self.replicator is not None and self._path(ckpt) == "peer" and replicate not in ENDED:
             self.replicator.file_captured(msg)
 
     def _encode_if_wanted(self, ckpt: str) -> None:
         entry = self.journal.get(ckpt)
-        path = self.announced.get(ckpt, {}).get("path", "peer")
         manifest = self.journal.manifest(ckpt)
-        if self.encoder is not None and self.encoder.wanted(entry, manifest, path):
+        if self.encoder is not None and self.encoder.wanted(entry, manifest, self._path(ckpt)):
             assert entry is not None and manifest is not None
             self.encoder.encode(manifest, Path(entry["source"]))
+
+    def _path(self, ckpt: str) -> str:
+        """The write path the coordinator announced for `ckpt` (`peer` until it has)."""
+        return self.announced.get(ckpt, {}).get("path", "peer")
 
     def _share_globals(self, manifest: LocalManifest, entry: dict[str, Any]) -> None:
         """This node wrote the checkpoint's global files: every journal gets a copy."""
@@ -512,11 +520,8 @@ class Agent:
         self.watcher.stop()
 
     def _check_drained(self) -> None:
-        replicating = self.replicator is not None and self.replicator.busy()
-        replicating = replicating or self.globals.busy()
-        replicating = replicating or (self.encoder is not None and self.encoder.busy())
         busy = (self.capture.busy() or self.flusher.pending() or not self.inbox.empty()
-                or replicating)
+                or self._replicating())
         if busy and time.monotonic() < self.drain_deadline:
             return
         if not self._drained_sent:
@@ -525,10 +530,8 @@ class Agent:
 
     def _retain_stage(self) -> None:
         in_use = set(self.flusher.pending())
-        if self.replicator is not None:
-            in_use |= self.replicator.pending()
-        if self.encoder is not None:
-            in_use |= self.encoder.pending()
+        for redundancy in self._redundancy():
+            in_use |= redundancy.pending()
         for ckpt in retain_stage(self.config.keep.stage, self.journal, self.paths, in_use,
                                  lambda c: self.announced.get(c, {}).get("flush", False),
                                  self.events):
