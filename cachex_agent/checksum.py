@@ -41,6 +41,18 @@ def file_checksum(path: str | os.PathLike[str], chunk: int = COPY_CHUNK) -> str:
     return digest.hexdigest()
 
 
+def file_problem(path: str | os.PathLike[str], size: int, checksum: str) -> str | None:
+    """Why the file at `path` is not the one of `size` bytes and `checksum`; None when it
+    is (checked in place: the size first, then one read for the checksum)."""
+    try:
+        found = os.stat(path).st_size
+        if found != size:
+            return f"size {found}, expected {size}"
+        return None if file_checksum(path) == checksum else "checksum mismatch"
+    except OSError as exc:
+        return f"unreadable ({exc.strerror or exc})"
+
+
 def copy_with_checksum(src: str | os.PathLike[str], dst: str | os.PathLike[str],
                        chunk: int = COPY_CHUNK,
                        on_bytes: Callable[[int], None] | None = None,

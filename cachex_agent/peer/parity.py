@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from ..checksum import ALGORITHM, COPY_CHUNK, file_checksum, hasher
+from ..checksum import ALGORITHM, COPY_CHUNK, file_problem, hasher
 from ..errors import OperationError, describe
 from ..fsutil import fsync_dir, read_json, remove_under, write_json
 from ..layout import parity_chunk_path, parity_dir, parity_manifest_path, parity_manifest_paths
@@ -126,7 +126,7 @@ def check_member(root: Path, ckpt: str, source: Path | None) -> dict[str, str]:
     problems: dict[str, str] = {}
     for slot, want in enumerate(manifest.parity[me]):
         path = manifest.parity_path(root, me, slot)
-        why = _file_problem(path, manifest.chunk, want)
+        why = file_problem(path, manifest.chunk, want)
         if why:
             problems[str(path)] = why
     if source is not None:
@@ -141,11 +141,3 @@ def check_member(root: Path, ckpt: str, source: Path | None) -> dict[str, str]:
     return problems
 
 
-def _file_problem(path: Path, size: int, checksum: str) -> str | None:
-    try:
-        found = path.stat().st_size
-        if found != size:
-            return f"size {found}, expected {size}"
-        return None if file_checksum(path) == checksum else "checksum mismatch"
-    except OSError as exc:
-        return f"unreadable ({exc.strerror or exc})"

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from ..checksum import CHUNK, copy_with_checksum, file_checksum, hasher
+from ..checksum import CHUNK, copy_with_checksum, file_problem, hasher
 from ..errors import OperationError
 from ..fsutil import makedirs, open_private, temp_name, trainer_mode
 from ..manifest import FileEntry
@@ -51,7 +51,7 @@ def copy_local(directory: Path, files: list[FileEntry], dest: Path,
 def check_in_place(directory: Path, files: list[FileEntry], done: Done | None = None
                    ) -> Problems:
     """The node's own spool copy, kept where it is: read once, hashed."""
-    return _each(files, lambda e: _check_one(directory / e.path, e), done)
+    return _each(files, lambda e: file_problem(directory / e.path, e.size, e.checksum), done)
 
 
 def _each(files: list[FileEntry], action: Callable[[FileEntry], str | None],
@@ -75,15 +75,6 @@ def _copy_one(source: Path, target: Path, entry: FileEntry, trainer_modes: bool
         return _finish(temp, target, entry, size, checksum, trainer_modes)
     except OSError as exc:
         temp.unlink(missing_ok=True)
-        return f"unreadable ({exc.strerror or exc})"
-
-
-def _check_one(path: Path, entry: FileEntry) -> str | None:
-    try:
-        if path.stat().st_size != entry.size:
-            return f"size {path.stat().st_size}, expected {entry.size}"
-        return None if file_checksum(path) == entry.checksum else "checksum mismatch"
-    except OSError as exc:
         return f"unreadable ({exc.strerror or exc})"
 
 
