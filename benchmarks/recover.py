@@ -12,6 +12,9 @@ then, alternating every repeat:
   replica   `cachex recover`: node 0's part moved from node 1's replica over MPI
   cp-pfs    `cp` of node 0's bundle (its part plus HDF5 metadata) into node 0's spool
   pfs       `cachex recover --exclude replica`: node 0's part extracted from its bundle
+  raw-mpi   the MPI floor: the replica's files sent by node 1 in 8 MiB messages, two in
+            flight, and written by node 0 into plain files (no checksum, no rename): what
+            any MPI recovery between two ranks on this host costs before it checks a byte
 
 The recovered spool is removed between repeats (and the re-replicated part of node 1 on
 node 0). Spool, stage, cache and replicas are on --dir (/dev/shm); the PFS directory is
@@ -147,6 +150,49 @@ def cp(source: Path, dest_dir: Path) -> float:
     return elapsed
 
 
+def raw_move(source: Path, dest: Path) -> float:
+    """Wall time of `mpiexec -n 2` moving `source`'s files into `dest` (this script's
+    --raw-move mode), start-up excluded: the ranks time themselves after a barrier."""
+    result = subprocess.run([str(BIN / "mpiexec"), "-n", "2", sys.executable, __file__,
+                             "--raw-move", str(source), str(dest)],
+                            capture_output=True, text=True, timeout=600, check=True)
+    shutil.rmtree(dest)
+    return float(result.stdout.split()[-1])
+
+
+def raw_move_ranks(source: Path, dest: Path) -> None:
+    """Rank 1 sends every file of `source` in CHUNK messages; rank 0 writes them."""
+    import numpy as np
+    from mpi4py import MPI
+    comm, chunk = MPI.COMM_WORLD, 8 * MiB
+    names = sorted(p.name for p in source.iterdir())
+    buffers = [np.empty(chunk, np.uint8) for _ in range(2)]
+    comm.Barrier()
+    start = time.perf_counter()
+    requests: list[Any] = []
+    if comm.Get_rank() == 1:
+        for name in names:
+            with open(source / name, "rb") as handle:
+                while n := handle.readinto(buffers[len(requests) % 2]):
+                    if len(requests) >= 2:
+                        requests[-2].Wait()
+                    requests.append(comm.Isend([buffers[len(requests) % 2][:n], MPI.BYTE], 0))
+        MPI.Request.Waitall(requests)
+    else:
+        dest.mkdir()
+        for name in names:
+            size = (source / name).stat().st_size
+            with open(dest / name, "wb", buffering=0) as out:
+                for offset in range(0, size, chunk):
+                    n = min(chunk, size - offset)
+                    comm.Recv([buffers[0][:n], MPI.BYTE], 1)
+                    out.write(memoryview(buffers[0])[:n])
+                os.fsync(out.fileno())
+    comm.Barrier()
+    if comm.Get_rank() == 0:
+        print(f"{time.perf_counter() - start:.4f}")
+
+
 def recover(config: Path, *args: str, profile: Path | None = None
             ) -> tuple[float, float, float, str]:
     """(wall seconds, the command's own seconds, until the spools were complete, its
@@ -177,7 +223,8 @@ def _seconds(pattern: str, text: str) -> float:
 def bench(config: Path, state: dict[str, Any], repeat: int) -> dict[str, Any]:
     times: dict[str, list[float]] = {k: [] for k in
                                      ("cp", "replica", "replica_own", "replica_spools",
-                                      "cp-pfs", "pfs", "pfs_own", "pfs_spools")}
+                                      "cp-pfs", "pfs", "pfs_own", "pfs_spools",
+                                      "raw-mpi")}
     outputs = {}
     for i in range(repeat):
         print(f"  repeat {i + 1}/{repeat}", flush=True)
@@ -190,6 +237,7 @@ def bench(config: Path, state: dict[str, Any], repeat: int) -> dict[str, Any]:
             times[f"{kind}_own"].append(own)
             times[f"{kind}_spools"].append(spools)
             reset(state)
+        times["raw-mpi"].append(raw_move(state["replica"], state["spool0"] / "raw-move"))
     return {"times": times, "median": {k: statistics.median(v) for k, v in times.items()},
             "output": outputs}
 
@@ -220,7 +268,12 @@ def main() -> int:
     parser.add_argument("--pfs", default=None, help="the PFS directory (default: --dir)")
     parser.add_argument("--profile", action="store_true")
     parser.add_argument("--json", metavar="FILE")
+    parser.add_argument("--raw-move", nargs=2, metavar=("SRC", "DEST"),
+                        help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.raw_move:
+        raw_move_ranks(Path(args.raw_move[0]), Path(args.raw_move[1]))
+        return 0
     root = Path(tempfile.mkdtemp(prefix="cachex-bench-recover-", dir=args.dir))
     pfs = Path(tempfile.mkdtemp(prefix="cachex-bench-recover-pfs-", dir=args.pfs or args.dir))
     results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(),
@@ -270,6 +323,11 @@ def report(results: dict[str, Any]) -> None:
         print(f"  cp / recover from {kind}: {ratios[kind]:.2f} until the spools are complete"
               f" (target >= {TARGET}); {ratios[kind + '_all']:.2f} with re-replication;"
               f" {ratios[kind + '_wall']:.2f} with mpiexec and start-up")
+    ratios["raw_mpi"] = median["cp"] / median["raw-mpi"]
+    ratios["replica_of_raw_mpi"] = median["raw-mpi"] / median["replica_spools"]
+    print(f"  cp / raw MPI move: {ratios['raw_mpi']:.2f} (the ceiling of the replica ratio"
+          " on this host); raw MPI move / recover from replica:"
+          f" {ratios['replica_of_raw_mpi']:.2f}")
 
 
 if __name__ == "__main__":
