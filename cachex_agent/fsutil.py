@@ -18,6 +18,7 @@ import hashlib
 import json
 import os
 import re
+import secrets
 import shutil
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -30,8 +31,10 @@ FILE_MODE = 0o600
 DIR_MODE = 0o700
 NAME_MAX = 255                  # bytes in one path component (Linux file systems)
 TEMP_MARK = ".tmp-cachex-"      # also matched by the spool rules' temporary-name pattern
-_SUFFIX_ROOM = len(TEMP_MARK) + 10      # a pid (at most 10 digits) or "partial"
-_TEMPORARY = re.compile(r"\..+" + re.escape(TEMP_MARK) + r"(?:\d+|partial)", re.DOTALL)
+_SUFFIX_ROOM = len(TEMP_MARK) + 19      # pid (at most 10 digits)-token, or "partial"
+# a bare pid is an older version's name, still recognised (and cleaned up)
+_TEMPORARY = re.compile(r"\..+" + re.escape(TEMP_MARK) + r"(?:\d+(?:-[0-9a-f]{8})?|partial)",
+                        re.DOTALL)
 
 
 def fsync_dir(path: str | os.PathLike[str]) -> None:
@@ -113,8 +116,10 @@ def _digest(name: str) -> str:
 
 
 def temp_name(path: Path) -> Path:
-    """A sibling name that readers never trust (they only read renamed files)."""
-    return path.with_name(f"{_temp_stem(path.name)}{TEMP_MARK}{os.getpid()}")
+    """A sibling name that readers never trust (they only read renamed files). The pid
+    alone would collide on a shared PFS, where two hosts' processes may have one pid."""
+    token = secrets.token_hex(4)
+    return path.with_name(f"{_temp_stem(path.name)}{TEMP_MARK}{os.getpid()}-{token}")
 
 
 def partial_path(path: Path) -> Path:

@@ -49,7 +49,7 @@ __all__ = [
 RULES = "auto, dcp, deepspeed, hf, megatron, orbax, torch, marker:<glob> or quiescence"
 
 # Temporary names written by the frameworks and by us: DCP's `.metadata.tmp`, our own
-# `.name.tmp-cachex-<pid>` (fsutil.temp_name), editors, partial downloads, NFS
+# `.name.tmp-cachex-<pid>-<token>` (fsutil.temp_name), editors, partial downloads, NFS
 # silly-renames, Orbax tmp dirs.
 _TEMP_FILE = re.compile(
     r"(\.(tmp|temp|part|partial|swp)$|~$|\.tmp[-.]|^\.nfs|\.orbax-checkpoint-tmp)",

@@ -50,6 +50,14 @@ def test_temporary_and_derived_names_fit_and_are_recognised(tmp_path, name):
     assert not is_temporary(f".{name}.tmp-123")       # a trainer's or another tool's
 
 
+def test_temporary_names_differ_within_one_pid_and_older_pid_only_names_are_ours(tmp_path):
+    """Two hosts writing one PFS file may share a pid: the name carries a token too."""
+    names = {temp_name(tmp_path / "index.json").name for _ in range(50)}
+    assert len(names) == 50
+    assert is_temporary(".index.json.tmp-cachex-4242")
+    assert not is_temporary(".index.json.tmp-cachex-4242-xyz")
+
+
 def test_remove_temporaries_only_ours_and_only_of_the_names_given(tmp_path):
     ours = [temp_name(tmp_path / "node-00001.h5"), partial_path(tmp_path / "step_1")]
     others = [temp_name(tmp_path / "node-00002.h5"), tmp_path / "node-00001.h5",
