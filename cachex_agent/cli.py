@@ -24,6 +24,7 @@ from . import config as configuration
 from .errors import CachexError, ConfigError, OperationError
 from .fsutil import makedirs, write_json
 from .layout import journal_stop_file, pfs_stop_file
+from .outputs import SCHEMA
 from .topology import agents_on_host, check_one_job, launch_rank
 
 
@@ -97,11 +98,9 @@ class Duration(click.ParamType):
             self.fail(str(exc), param, ctx)
 
 
-JSON_SCHEMA = 1     # the version of every --json output; bumped on incompatible changes
-
-
 def _echo_json(data: dict[str, Any]) -> None:
-    click.echo(json.dumps({"schema": JSON_SCHEMA, **data}, indent=1))
+    """Every --json output: one object, its shape in outputs.SHAPES."""
+    click.echo(json.dumps({"schema": SCHEMA, **data}, indent=1))
 
 
 def quiet_option(func: Callable[..., Any]) -> Callable[..., Any]:

@@ -13,6 +13,7 @@ from harness import Cluster, finish, kill_tree, wait_for
 
 from cachex_agent.events import read_events
 from cachex_agent.layout import pfs_events_path
+from cachex_agent.outputs import problems
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 TRAIN = ["--shard-size", "256KiB", "--chunk-size", "64KiB", "--step-time", "0.02"]
@@ -36,17 +37,21 @@ def counts(c: Cluster) -> tuple[str, str]:
 
 
 def model_json_outputs_carry_their_schema(c: Cluster) -> None:
-    """`--json` of the model commands: one object with `"schema": 1` (docs/commands.md)."""
-    fitted = json.loads(c.cachex("model", "fit", "--json").stdout)
-    assert fitted["schema"] == 1 and fitted["format"] == "cachex-model"
-    assert {"capture", "flush"} <= set(fitted["stages"])
-    predicted = json.loads(c.cachex("model", "predict", "--json").stdout)
-    assert predicted["schema"] == 1 and predicted["level"] == "flushed"
+    """`--json` of the model commands: their shapes in cachex_agent/outputs.py."""
+    def shaped(command: str, *args: str) -> dict:
+        result = c.cachex(*command.split(), "--json", *args)
+        assert result.returncode == 0, result.stderr
+        doc = json.loads(result.stdout)
+        assert problems(command, doc) == [], doc
+        return doc
+
+    fitted = shaped("model fit")
+    assert fitted["format"] == "cachex-model" and {"capture", "flush"} <= set(fitted["stages"])
+    predicted = shaped("model predict")
+    assert predicted["level"] == "flushed"
     assert 0 < predicted["median"] <= predicted["at_quantile"]
-    planned = c.cachex("model", "plan", "--json", "--period", "10s")
-    assert planned.returncode == 0, planned.stderr
-    plan = json.loads(planned.stdout)
-    assert plan["schema"] == 1 and plan["recommended"] in {p["name"] for p in plan["paths"]}
+    plan = shaped("model plan", "--period", "10s")
+    assert plan["recommended"] in {p["name"] for p in plan["paths"]}
 
 
 def test_model_fit_sees_node_0_and_the_coordinator_after_node_0_is_lost(cluster):
