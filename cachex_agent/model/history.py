@@ -124,7 +124,7 @@ def load_history(files: Iterable[Path]) -> History:
     commits: dict[tuple[str, str], float] = {}
     files = list(files)
     history.sources.extend(files)
-    per_node = _node_streams(files)
+    per_node = node_streams(files)
     for records in per_node:
         for rec in records:
             if rec.get("event") == "committed":
@@ -136,7 +136,7 @@ def load_history(files: Iterable[Path]) -> History:
     return history
 
 
-def _node_streams(files: list[Path]) -> list[list[dict[str, Any]]]:
+def node_streams(files: Iterable[Path]) -> list[list[dict[str, Any]]]:
     """Each (run, node)'s events from every file that has them, a line seen twice (the
     local file and its PFS copy, an agent that copied its file again after a restart)
     kept once, in time order. Records without a node stay a stream of their file."""

@@ -32,8 +32,7 @@ from matplotlib.axes import Axes
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
 
-from ..events import read_events
-from .history import LEVELS
+from .history import LEVELS, node_streams
 
 GAP = 10.0              # seconds: starts / losses this close are one incident
 MAX_CHECKPOINTS = 12    # the latest ones
@@ -85,7 +84,9 @@ class Summary:
 
 # ---------------------------------------------------------------------------- logic
 def summary_from_files(files: Iterable[Path]) -> Summary:
-    return summarize([read_events(path) for path in files])
+    """One log per node: a node's journal and its PFS copy repeat the same lines (and a
+    restarted agent copies its journal again), which would read as restarts."""
+    return summarize(node_streams(files))
 
 
 def summarize(logs: Sequence[list[dict[str, Any]]]) -> Summary:

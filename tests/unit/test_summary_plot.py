@@ -2,7 +2,15 @@
 
 from __future__ import annotations
 
-from cachex_agent.model.summary_plot import layout, shown_rows, summarize, summary_figure
+import json
+
+from cachex_agent.model.summary_plot import (
+    layout,
+    shown_rows,
+    summarize,
+    summary_figure,
+    summary_from_files,
+)
 
 T0 = 1000.0
 
@@ -71,6 +79,19 @@ def test_a_node_without_events_keeps_its_row_and_a_replaced_node_is_named():
     assert [r.node for r in first.rows] == [0, 1] and first.rows[1].missing
     assert {(i.kind, i.nodes) for i in s.incidents} == {("restart", (1,)),
                                                        ("log_lost", (1,))}
+
+
+def test_a_journal_and_its_pfs_copies_read_as_one_log(tmp_path):
+    """The PFS copy repeats the journal's lines, and a restarted agent copies its journal
+    again from the start: one agent run each time, not restarts (seen in the demo)."""
+    first = [ev(0, 0, "agent_start", nodes=1), *levels(0, "step_1", 10, ("flushed", 2.0))]
+    second = [ev(30, 0, "agent_start", nodes=1), *levels(0, "step_2", 40, ("flushed", 2.0))]
+    files = {"journal.jsonl": second, "pfs.jsonl": first + first + second}
+    for name, records in files.items():
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in records))
+    s = summary_from_files(sorted(tmp_path.iterdir()))
+    assert [c.ckpt for c in s.checkpoints] == ["step_1", "step_2"]
+    assert [(i.kind, i.nodes) for i in s.incidents] == [("lost", (0,)), ("restart", (0,))]
 
 
 def test_only_observed_paths_and_levels_and_never_negative_time():
