@@ -68,7 +68,8 @@ bench: venv
 
 # The durability model's figures (docs/model.md), JSON into $(BENCH_OUT): prediction MAPE
 # and calibration idle and with $(LOAD) CPU-burning processes beside it, and the CoV of
-# the trainer's checkpoint writes under the mild and the heavy-tail contention scenarios.
+# the trainer's checkpoint writes under the mild and the heavy-tail contention scenarios,
+# and `model plan`'s lost work against failures replayed on real runs per write path.
 # Needs root: the PFS is a loop-device ext4 with a cgroup v1 blkio write throttle
 # (benchmarks/contention.py). BENCH_FLAGS=--quick makes cov.py a few-minute run.
 BENCH_OUT ?= bench-model
@@ -80,6 +81,7 @@ bench-model: venv
 	$(PY) benchmarks/predict.py $(PREDICT_FLAGS) --json $(BENCH_OUT)/predict-idle.json
 	$(PY) benchmarks/predict.py $(PREDICT_FLAGS) --load $(LOAD) --json $(BENCH_OUT)/predict-loaded.json
 	$(PY) benchmarks/cov.py --scenarios mild,heavy $(BENCH_FLAGS) --json $(BENCH_OUT)/cov.json
+	$(PY) benchmarks/lostwork.py --json $(BENCH_OUT)/lostwork.json
 
 clean:
 	rm -rf $(VENV) demo-run bench-model

@@ -78,7 +78,7 @@ def stop_burning(procs: list[subprocess.Popen]) -> None:
         proc.wait()
 
 
-def write_config(root: Path, pfs: Path, run: str) -> Path:
+def write_config(root: Path, pfs: Path, run: str, write_path: str = "peer") -> Path:
     path = root / f"{run}.toml"
     path.write_text(f'''run = "{run}"
 [paths]
@@ -91,7 +91,7 @@ domain = "rank"
 [commit]
 rule = "dcp"
 [model]
-path = "peer"
+path = "{write_path}"
 [keep]
 replica = 1
 pfs = 2
@@ -139,11 +139,11 @@ def write_checkpoint(cfg: configuration.Config, nodes: int, ckpt: str, size: int
     os.rename(metadata.with_suffix(".tmp"), metadata)
 
 
-def prune_spool(cfg: configuration.Config, nodes: int, keep: str) -> None:
+def prune_spool(cfg: configuration.Config, nodes: int, *keep: str) -> None:
     for node in range(nodes):
         spool = cfg.node_paths(node).spool
         for child in spool.iterdir():
-            if child.name != keep:
+            if child.name not in keep:
                 shutil.rmtree(child, ignore_errors=True)
 
 

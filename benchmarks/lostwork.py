@@ -1,0 +1,197 @@
+"""Lost work: `cachex model plan`'s estimate against failures replayed on real runs, and
+the loss per hour of `model.path = auto` against the fixed `peer` and `direct` paths.
+
+Per scenario (quiet: a loop-device ext4 PFS of its own; contended: the same PFS
+throttled and shared with heavy-tailed background writers, benchmarks/contention.py)
+and per path, real agents on `--nodes` virtual nodes take a checkpoint of `--size`
+every `--period` seconds (one DCP-like shard per node, `.metadata` last; the trainer does
+not wait for the flush). The model is fitted on the first half of the run's events; its
+plan gives E[L_c] per failure class c (crash, node loss, allocation loss) at the run's
+measured period. The second half's observed level times are then hit by failures at
+uniformly random times (model/lostwork.py: each loses the work since the newest
+checkpoint safe from its class), the measured mean lost work per class. Loss per hour
+weighs each class by the configured rates (model.crash_rate, node_rate x nodes,
+job_rate).
+
+Targets (issue 16): estimate within 10% of the measurement; auto within 5% of the
+better fixed path in both scenarios. Needs root (loop device, mount, cgroup blkio).
+
+    python benchmarks/lostwork.py [--scenarios quiet,contended] [--paths peer,direct,auto]
+                                  [--nodes 2] [--size 32MiB] [--period 2s] [--count 24]
+                                  [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from contention import Contention, ThrottledPFS, unavailable  # noqa: E402
+from predict import (  # noqa: E402
+    level_of,
+    load_status_ok,
+    prune_spool,
+    start_agents,
+    wait,
+    write_checkpoint,
+    write_config,
+)
+
+from cachex_agent import config as configuration  # noqa: E402
+from cachex_agent.layout import pfs_stop_file  # noqa: E402
+from cachex_agent.model.history import History, config_event_files, load_history  # noqa: E402
+from cachex_agent.model.lostwork import mean_period, observed, replayed_loss  # noqa: E402
+from cachex_agent.model.plan import CLASSES, HOUR, Rates, make_plan  # noqa: E402
+from cachex_agent.model.predict import fit_system  # noqa: E402
+
+
+def run_periodic(root: Path, pfs: ThrottledPFS, scenario: str, path: str, nodes: int,
+                 size: int, period: float, count: int) -> configuration.Config:
+    """Checkpoints every `period` seconds on running agents; drained at the end."""
+    run = f"{scenario}-{path}"
+    config = write_config(root, pfs.path, run, write_path=path)
+    cfg = configuration.load(config)
+    for node in range(nodes):
+        cfg.node_paths(node).spool.mkdir(parents=True, exist_ok=True)
+    agents = start_agents(config, nodes, pfs, root / f"{run}.log")
+    buffer = np.frombuffer(np.random.default_rng(5).bytes(8 << 20), dtype=np.uint8)
+    try:
+        wait(lambda: load_status_ok(cfg), 60, "the agents to start")
+        start = time.monotonic()
+        for i in range(count):
+            time.sleep(max(0.0, start + i * period - time.monotonic()))
+            ckpt = f"step_{i + 1:05d}"
+            write_checkpoint(cfg, nodes, ckpt, size, buffer)
+            print(f"  {run}: {ckpt}", end="\r", flush=True)
+            # the trainer keeps its newest three (a capture may still read the previous)
+            prune_spool(cfg, nodes, *(f"step_{j:05d}" for j in range(i - 1, i + 2)))
+        last = f"step_{count:05d}"
+        wait(lambda: level_of(cfg, last) in ("flushed", "failed"), 300, f"{run} {last}")
+        stop = pfs_stop_file(cfg.node_paths(0).pfs)
+        stop.parent.mkdir(parents=True, exist_ok=True)
+        stop.write_text("")
+        agents.wait(timeout=120)
+    finally:
+        if agents.poll() is None:
+            os.killpg(agents.pid, 9)
+            agents.wait()
+    print()
+    return cfg
+
+
+def halves(history: History) -> tuple[History, list[str]]:
+    """The first half of the checkpoints to fit, the names of the rest to replay."""
+    order = sorted({(s.seq, s.ckpt) for s in history.levels})
+    fit_names = {ckpt for _, ckpt in order[: len(order) // 2]}
+    fit = History([s for s in history.stages if s.ckpt in fit_names],
+                  [s for s in history.levels if s.ckpt in fit_names], history.sources)
+    return fit, [ckpt for _, ckpt in order[len(order) // 2:]]
+
+
+def evaluate(cfg: configuration.Config, path: str, nodes: int) -> dict[str, Any]:
+    history = load_history(config_event_files(cfg))
+    fit, tested = halves(history)
+    checkpoints = observed(history, tested)
+    period = mean_period(checkpoints)
+    rates = Rates.of(cfg.model)
+    plan = make_plan(fit_system(fit), float(np.median([s.bytes for s in history.levels])),
+                     nodes, period, 0.0, rates, every=None)
+    taken = {s.path for s in history.levels if s.ckpt in tested}
+    fixed = path if path != "auto" else ("peer" if taken == {"peer"} else plan.best.path)
+    estimate = next(p for p in plan.paths if p.path == fixed and p.every == 1)
+    measured = {c: replayed_loss(checkpoints, c) for c in CLASSES}
+    per_hour = rates.per_hour(nodes)
+    return {"period": period, "checkpoints": len(checkpoints), "paths_taken": sorted(taken),
+            "measured": measured, "estimate": estimate.lost,
+            "ratio": {c: estimate.lost[c] / measured[c] for c in CLASSES},
+            "loss_per_hour": sum(per_hour[c] * measured[c] for c in CLASSES),
+            "estimate_per_hour": estimate.loss, "rates_per_hour": per_hour,
+            "recommended": plan.best.name}
+
+
+def print_results(results: dict[str, dict[str, dict[str, Any]]]) -> None:
+    print(f"\n{'scenario':10} {'path':7} {'period':>7} {'n':>3}  "
+          + "  ".join(f"{c + ' meas/est (s)':>22}" for c in CLASSES)
+          + f"  {'lost s/h':>9} {'est s/h':>8}  taken")
+    for scenario, paths in results.items():
+        for path, r in paths.items():
+            cells = "  ".join(f"{r['measured'][c]:>9.2f} / {r['estimate'][c]:>6.2f}"
+                              f" {r['ratio'][c]:>4.2f}" for c in CLASSES)
+            print(f"{scenario:10} {path:7} {r['period']:>6.2f}s {r['checkpoints']:>3}  {cells}"
+                  f"  {r['loss_per_hour']:>9.3f} {r['estimate_per_hour']:>8.3f}"
+                  f"  {','.join(r['paths_taken'])}")
+        fixed = [paths[p]["loss_per_hour"] for p in ("peer", "direct") if p in paths]
+        if "auto" in paths and fixed:
+            ratio = paths["auto"]["loss_per_hour"] / min(fixed)
+            paths["auto"]["vs_best_fixed"] = ratio
+            print(f"{scenario:10} auto / better fixed path, loss per hour: {ratio:.3f}"
+                  " (target <= 1.05)")
+    print("targets: estimate/measured within 0.90-1.10 per class")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--scenarios", default="quiet,contended")
+    parser.add_argument("--paths", default="peer,direct,auto")
+    parser.add_argument("--nodes", type=int, default=2)
+    parser.add_argument("--size", default="32MiB")
+    parser.add_argument("--period", default="2s")
+    parser.add_argument("--count", type=int, default=24)
+    parser.add_argument("--throttle", default="96MiB", help="contended PFS write bandwidth")
+    parser.add_argument("--keep", help="keep the work directory here")
+    parser.add_argument("--json", help="write the figures here")
+    args = parser.parse_args()
+    if (why := unavailable()) is not None:
+        raise SystemExit(f"lostwork.py: {why}")
+    size, period = configuration.parse_size(args.size), configuration.parse_duration(
+        args.period, "--period")
+    root = Path(args.keep or tempfile.mkdtemp(prefix="cachex-lostwork-"))
+    root.mkdir(parents=True, exist_ok=True)
+    results: dict[str, dict[str, dict[str, Any]]] = {}
+    started = time.monotonic()
+    try:
+        for scenario in args.scenarios.split(","):
+            contended = scenario == "contended"
+            throttle = configuration.parse_size(args.throttle) if contended else None
+            results[scenario] = {}
+            for path in args.paths.split(","):
+                with ThrottledPFS(root / f"pfs-{scenario}-{path}", write_bps=throttle) as pfs:
+                    writers = Contention(pfs, writers=2) if contended else None
+                    if writers:
+                        writers.start()
+                    try:
+                        cfg = run_periodic(root, pfs, scenario, path, args.nodes, size,
+                                           period, args.count)
+                    finally:
+                        if writers:
+                            writers.stop()
+                    results[scenario][path] = evaluate(cfg, path, args.nodes)
+    finally:
+        if not args.keep:
+            shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree("/dev/shm/cachex-predict", ignore_errors=True)
+    print(f"\n{args.count} checkpoints of {args.size} on {args.nodes} nodes every {args.period}"
+          f" per run ({time.monotonic() - started:.0f} s; load {os.getloadavg()[0]:.1f} on"
+          f" {os.cpu_count()} cores); failures replayed on the second half, model fitted on"
+          " the first")
+    print_results(results)
+    if args.json:
+        Path(args.json).write_text(json.dumps(
+            {"size": args.size, "nodes": args.nodes, "period": args.period,
+             "count": args.count, "hour": HOUR, "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
