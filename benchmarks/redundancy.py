@@ -21,8 +21,17 @@ parity (recovery/erasure_rebuild.rebuild_parts: the transfer, decoding, checksum
 files written, fsynced, checked and renamed), against the same memcpy. N ranks share the
 machine's cores, so read both as an upper bound on the cost.
 
+Run without mpiexec, it does all of that in one run: the kernels, then the exchange
+under `mpiexec -n 4` of itself (`--only exchange`), then per scheme real agents
+(benchmarks/redundancy_agents.py: `copy`, `xor` groups of 4 and 8 on --nodes virtual
+nodes, `rs:4+2` on 6, each with --agents-part per node): commit to `replicated` against
+the floor of every node copying its part and writing what the scheme stores, and the
+rebuild of one lost node by `cachex recover` against `cp -r` of one part. The table
+comes last; --json writes everything.
+
     [mpiexec -n 4] python benchmarks/redundancy.py [--part 256MiB] [--segment 1MiB]
-                                                   [--repeat 3] [--json FILE]
+                   [--repeat 3] [--nodes 8] [--agents-part 64MiB] [--agents-repeat 3]
+                   [--dir /dev/shm] [--no-agents] [--json FILE]
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import json
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,7 +53,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from cachex_agent.checksum import file_checksum  # noqa: E402
-from cachex_agent.config import parse_size  # noqa: E402
+from cachex_agent.config import parse_size, scheme_shape  # noqa: E402
 from cachex_agent.manifest import FileEntry, LocalManifest  # noqa: E402
 from cachex_agent.peer.erasure import Scheme, chunk_length, segments  # noqa: E402
 
@@ -153,20 +163,76 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--part", default="256MiB", help="bytes of one node's part")
     parser.add_argument("--segment", default="1MiB", help="bytes encoded at once")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--nodes", type=int, default=8, help="virtual nodes of the agents")
+    parser.add_argument("--agents-part", default="64MiB", help="bytes per node (agents)")
+    parser.add_argument("--agents-repeat", type=int, default=3)
+    parser.add_argument("--dir", default="/dev/shm", help="the agents' node directories")
+    parser.add_argument("--no-agents", action="store_true", help="kernels and exchange only")
+    parser.add_argument("--only", choices=["exchange"], help=argparse.SUPPRESS)
     parser.add_argument("--json", default=None, help="write the results here")
     return parser.parse_args(argv)
 
 
+def under_mpiexec() -> bool:
+    return "PMI_RANK" in os.environ or "PMI_SIZE" in os.environ
+
+
+def exchange_child(args: argparse.Namespace) -> dict[str, Any]:
+    """The exchange on 4 ranks, in its own `mpiexec` (this process stays out of MPI)."""
+    with tempfile.NamedTemporaryFile(suffix=".json") as out:
+        subprocess.run([str(Path(sys.executable).parent / "mpiexec"), "-n", "4",
+                        sys.executable, __file__, "--only", "exchange", "--part", args.part,
+                        "--segment", args.segment, "--repeat", str(args.repeat),
+                        "--json", out.name], check=True, timeout=1800)
+        return json.loads(Path(out.name).read_text())["exchange"]
+
+
+def agent_schemes(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from redundancy_agents import bench_scheme
+    total = parse_size(args.agents_part, "--agents-part")
+    runs = [("copy", "copy", 4, args.nodes), ("xor g4", "xor", 4, args.nodes),
+            ("xor g8", "xor", 8, args.nodes), ("rs:4+2", "rs:4+2", 6, 6)]
+    found = []
+    for name, scheme, group, nodes in runs:
+        if nodes < group or (scheme == "copy" and nodes < 2):
+            print(f"  {name}: skipped, {nodes} nodes cannot make a group of {group}")
+            continue
+        shape = scheme_shape(scheme, group)     # these runs have no leftover nodes
+        share = stored_ratio(Scheme(*shape) if shape else None, total)
+        found.append({"name": name, **bench_scheme(name, scheme, group, nodes, share, total,
+                                                   args.agents_repeat, args.dir)})
+    return found
+
+
 def main(argv: list[str] | None = None) -> int:
-    from mpi4py import MPI
-    comm = MPI.COMM_WORLD
     args = parse(argv)
     part, segment = parse_size(args.part, "--part"), parse_size(args.segment, "--segment")
     result: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "load": os.getloadavg()[0],
-                              "part": part, "segment": segment}
-    if comm.rank == 0:
-        print(f"part {part / MiB:.0f} MiB, segment {segment / MiB:g} MiB,"
-              f" load {result['load']:.1f}", flush=True)
+                              "cores": os.cpu_count(), "part": part, "segment": segment}
+    started = time.perf_counter()
+    if under_mpiexec():
+        return ranks(args, result, part, segment)
+    print(f"part {part / MiB:.0f} MiB, segment {segment / MiB:g} MiB,"
+          f" load {result['load']:.1f}", flush=True)
+    result["kernels"] = kernels(args, part, segment)
+    print("exchange and rebuild on 4 ranks", flush=True)
+    result["exchange"] = exchange_child(args)
+    if not args.no_agents:
+        print(f"real agents, {args.agents_part} per node", flush=True)
+        result["agents"] = agent_schemes(args)
+    result["load_end"] = os.getloadavg()[0]
+    result["runtime"] = time.perf_counter() - started
+    report(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+def ranks(args: argparse.Namespace, result: dict[str, Any], part: int, segment: int) -> int:
+    """Under mpiexec: rank 0's kernels (unless --only exchange), then the exchange."""
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    if comm.rank == 0 and args.only is None:
         result["kernels"] = kernels(args, part, segment)
     comm.Barrier()
     if comm.size > 1:
@@ -174,23 +240,49 @@ def main(argv: list[str] | None = None) -> int:
         if comm.rank == 0:
             result["exchange"] = found
     if comm.rank == 0:
-        k = result["kernels"]
+        if args.only is None:
+            report(result)
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+def report(result: dict[str, Any]) -> None:
+    k = result.get("kernels")
+    if k:
         for name in SCHEMES:
             print(f"{name:7s} encode {k['median_mib_s'][name]:8.1f} MiB/s  ratio"
                   f" {k['ratio'][name]:.2f} of memcpy ({k['median_mib_s']['memcpy']:.0f} MiB/s);"
                   f" stored per node {k['stored_per_part'][name]:.3f} x part")
         print(f"copy    stored per node {k['stored_per_part']['copy']:.3f} x part")
-        if "exchange" in result:
-            e = result["exchange"]
-            print(f"exchange (xor over {e['ranks']} ranks, encode_part) ratio {e['ratio']:.2f}"
-                  f" of memcpy ({e['median_mib_s']['exchange']:.1f} vs"
-                  f" {e['median_mib_s']['memcpy']:.1f} MiB/s)")
-            print(f"rebuild of one lost rank (rebuild_parts) ratio {e['rebuild_ratio']:.2f}"
-                  f" of memcpy ({e['median_mib_s']['rebuild']:.1f} MiB/s,"
-                  f" {statistics.median(e['seconds']['rebuild']):.2f}s)")
-        if args.json:
-            Path(args.json).write_text(json.dumps(result, indent=1) + "\n")
-    return 0
+    if "exchange" in result:
+        e = result["exchange"]
+        print(f"exchange (xor over {e['ranks']} ranks, encode_part) ratio {e['ratio']:.2f}"
+              f" of memcpy ({e['median_mib_s']['exchange']:.1f} vs"
+              f" {e['median_mib_s']['memcpy']:.1f} MiB/s)")
+        print(f"rebuild of one lost rank (rebuild_parts) ratio {e['rebuild_ratio']:.2f}"
+              f" of memcpy ({e['median_mib_s']['rebuild']:.1f} MiB/s,"
+              f" {statistics.median(e['seconds']['rebuild']):.2f}s)")
+    if result.get("agents"):
+        agents_table(result["agents"], k)
+    if "runtime" in result:
+        print(f"runtime {result['runtime']:.0f} s; load {result['load']:.1f} at the start,"
+              f" {result['load_end']:.1f} at the end, {result['cores']} cores")
+
+
+def agents_table(rows: list[dict[str, Any]], kernel: dict[str, Any] | None) -> None:
+    """Medians; floor/replicated and cp/rebuild are the ratios (1.0: as fast as the floor)."""
+    print(f"\n{'scheme':8} {'nodes':>5} {'stored':>7} {'enc/memcpy':>10} {'->replicated':>12}"
+          f" {'floor':>7} {'floor/repl':>10} {'rebuild':>8} {'in all':>7} {'cp':>6}"
+          f" {'cp/rebuild':>10}")
+    for row in rows:
+        encode = (f"{kernel['ratio'][row['name']]:.2f}"
+                  if kernel and row["name"] in kernel["ratio"] else "-")
+        print(f"{row['name']:8} {row['nodes']:>5} {row['stored_per_part']:>7.3f} {encode:>10}"
+              f" {statistics.median(row['replicated']):>11.2f}s"
+              f" {statistics.median(row['floor']):>6.2f}s {row['replicated_ratio']:>10.2f}"
+              f" {row['recover']['spools']:>7.2f}s {row['recover']['all']:>6.2f}s"
+              f" {row['cp_part']:>5.2f}s {row['recover_ratio']:>10.2f}")
 
 
 if __name__ == "__main__":

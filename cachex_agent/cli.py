@@ -708,6 +708,7 @@ def model_plan_command(cfg: configuration.Config, history: Any, model_path: Path
                        stall: str | None, every: int | None, as_json: bool) -> None:
     """Expected lost work per path, the recommended path and checkpoint period."""
     from .model.plan import Rates, make_plan
+    from .model.protection import Protection
     from .model.summary import plan_json, plan_text
     model = _system(history, model_path)
     size_value, count = _size_and_nodes(model, size, nodes)
@@ -720,7 +721,7 @@ def model_plan_command(cfg: configuration.Config, history: Any, model_path: Path
                 else float(write.ppf(0.5 ** (1 / count), size_value / count, count))
                 if write else 0.0)
     plan = make_plan(model, size_value, count, every_t, blocking, Rates.of(cfg.model), every,
-                     cfg.flush.concurrency)
+                     cfg.flush.concurrency, Protection.of(cfg.peer, count))
     if as_json:
         _echo_json(plan_json(plan))
     else:

@@ -441,7 +441,9 @@ MEANINGS: dict[str, str] = {
                   " `direct` (flush right after capture, no replica), `auto` (per"
                   " checkpoint, the path the model expects to lose less work).",
     "model.crash_rate": "Trainer crashes per hour, for the whole job.",
-    "model.node_rate": "Node losses per node-hour.",
+    "model.node_rate": ("Node losses per node-hour; with the checkpoint period it gives the"
+                        " chance that a group loses more than `peer.scheme` rebuilds"
+                        " (docs/model.md)."),
     "model.job_rate": "Allocation losses per hour (preemption, system faults).",
     "model.period": "Checkpoint period for `cachex model plan`; 0 takes the observed one.",
     "model.window": "Checkpoints the online path choice learns from.",

@@ -72,8 +72,8 @@ SHAPES: dict[str, Shape] = {
     "model predict": _shape("schema level path size nodes median quantile at_quantile"),
     "model plan": _shape(
         "schema size nodes period stall rates_per_hour recommended paths period_young"
-        " period_daly period_optimum waste_at_optimum",
-        paths=_shape("name path every lag lost loss_per_hour waste")),
+        " period_daly period_optimum waste_at_optimum protection",
+        paths=_shape("name path every lag lost loss_per_hour node_fallback waste")),
 }
 
 

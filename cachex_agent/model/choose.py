@@ -21,6 +21,7 @@ from .distributions import have_scipy
 from .history import StageSample
 from .plan import Rates, evaluate
 from .predict import SystemModel
+from .protection import Protection
 from .stages import MIN_SAMPLES, fit_stage
 
 LEARNED = ("capture", "replicate", "flush")
@@ -52,6 +53,7 @@ class PathChooser:
         self.explore = config.model.explore
         self.nodes = nodes
         self.can_replicate = can_replicate
+        self.protection = Protection.of(config.peer, nodes)     # what `replicated` survives
         depth = config.model.window * nodes
         self.samples: dict[str, deque[StageSample]] = {s: deque(maxlen=depth) for s in LEARNED}
         self.commits: deque[float] = deque(maxlen=config.model.window + 1)
@@ -86,8 +88,8 @@ class PathChooser:
         model = SystemModel({s: fit_stage(list(q), families=("lognormal",))
                              for s, q in self.samples.items()}, {})
         period = self.period()
-        plans = {p: evaluate(model, p, 1, size, self.nodes, period, self.rates, SAMPLES)
-                 for p in ("peer", "direct")}
+        plans = {p: evaluate(model, p, 1, size, self.nodes, period, self.rates, SAMPLES,
+                             self.protection) for p in ("peer", "direct")}
         other = "direct" if self.current == "peer" else "peer"
         better = plans[other].excess < (1 - MARGIN) * plans[self.current].excess
         pick = other if better else self.current

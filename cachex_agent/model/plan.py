@@ -6,6 +6,11 @@ Three failure classes, each survived by the first level that outlives it:
     node   (one node and its memory are lost)    replicated (peer) / flushed (direct)
     job    (the whole allocation is lost)        flushed
 
+A node loss on the peer path is survived at `replicated` only within what the scheme
+rebuilds (protection.py): the fraction f of node losses that leave a group beyond its
+tolerance within a period falls back to `flushed`, so E[L_node] = (1 - f) E[L | replicated]
++ f E[L | flushed].
+
 For a path, D_c is the time from the start of the trainer's write to that level on
 every node, and E[L_c] the expected work lost to a failure of class c at a random time
 (durability.expected_lost_work, with checkpoint period T; a path that flushes only every
@@ -21,8 +26,10 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..config import Model as ModelConfig
+from ..config import Peer
 from .durability import expected_lost_work
 from .predict import SystemModel
+from .protection import Protection
 
 CLASSES = ("crash", "node", "job")
 HOUR = 3600.0
@@ -51,6 +58,7 @@ class PathPlan:
     lost: dict[str, float]      # E[L_c], seconds per failure
     loss: float                 # seconds of work lost per hour
     excess: float               # the part of `loss` beyond T/2 per failure: the path's own
+    fallback: float = 0.0       # node losses beyond the scheme's tolerance (to `flushed`)
 
     def waste(self, stall: float, period: float) -> float:
         return stall / period + self.loss / HOUR
@@ -68,6 +76,8 @@ class Plan:
     daly: float | None
     optimum: float
     optimum_waste: float
+    protection: Protection | None = None
+    beyond: float = 0.0         # P(some group beyond its tolerance within one period)
 
     @property
     def best(self) -> PathPlan:
@@ -84,16 +94,31 @@ def survival(samples: np.ndarray):
 
 
 def evaluate(model: SystemModel, path: str, every: int, size: float, nodes: int,
-             period: float, rates: Rates, samples: int = 20_000) -> PathPlan:
+             period: float, rates: Rates, samples: int = 20_000,
+             protection: Protection | None = None) -> PathPlan:
     lags = durabilities(model, path, size, nodes, samples)
     per_hour = rates.per_hour(nodes)
-    lost = {c: expected_lost_work(survival(lags[c]), period * (every if c == "job" else 1),
-                                  points=800) for c in CLASSES}
+    shield = protection or Protection.of(Peer(), nodes)
+    lost, fallback = class_losses(lags, path, every, period, rates, nodes, shield, 800)
     name = path if every == 1 else f"{path}, flush every {every}"
     half = {c: period * (every if c == "job" else 1) / 2 for c in CLASSES}
     return PathPlan(name, path, every, {c: float(np.median(lags[c])) for c in CLASSES}, lost,
                     sum(per_hour[c] * lost[c] for c in CLASSES),
-                    sum(per_hour[c] * (lost[c] - half[c]) for c in CLASSES))
+                    sum(per_hour[c] * (lost[c] - half[c]) for c in CLASSES), fallback)
+
+
+def class_losses(lags: dict[str, np.ndarray], path: str, every: int, period: float,
+                 rates: Rates, nodes: int, protection: Protection, points: int
+                 ) -> tuple[dict[str, float], float]:
+    """E[L_c] per failure class, and the fraction of node losses falling back to
+    `flushed` (the job class's level, flushed every k-th: period kT)."""
+    lost = {c: expected_lost_work(survival(lags[c]), period * (every if c == "job" else 1),
+                                  points=points) for c in CLASSES}
+    if path != "peer":
+        return lost, 0.0            # direct: a node loss already waits for `flushed`
+    fallback = protection.fallback(rates.node, period, nodes)
+    lost["node"] = (1.0 - fallback) * lost["node"] + fallback * lost["job"]
+    return lost, fallback
 
 
 def durabilities(model: SystemModel, path: str, size: float, nodes: int, samples: int
@@ -106,25 +131,29 @@ def durabilities(model: SystemModel, path: str, size: float, nodes: int, samples
 
 
 def make_plan(model: SystemModel, size: float, nodes: int, period: float, stall: float,
-              rates: Rates, every: int | None = None, concurrency: int = 1) -> Plan:
-    paths = [evaluate(model, p, 1, size, nodes, period, rates) for p in ("peer", "direct")
-             if p != "peer" or "replicate" in model.stages]
+              rates: Rates, every: int | None = None, concurrency: int = 1,
+              protection: Protection | None = None) -> Plan:
+    shield = protection or Protection.of(Peer(), nodes)
+    paths = [evaluate(model, p, 1, size, nodes, period, rates, protection=shield)
+             for p in ("peer", "direct") if p != "peer" or "replicate" in model.stages]
     if "replicate" in model.stages:
         flush_time = paths[0].lag["job"] - paths[0].lag["node"]
         k = every or max(2, math.ceil(flush_time / period))
-        paths.append(evaluate(model, "peer", k, size, nodes, period, rates))
+        paths.append(evaluate(model, "peer", k, size, nodes, period, rates, protection=shield))
     best = min(paths, key=lambda p: p.loss)
     total = sum(rates.per_hour(nodes).values()) / HOUR         # failures per second
     young = math.sqrt(2 * stall / total) if stall > 0 and total > 0 else None
     daly = (math.sqrt(2 * stall / total) - stall
             if young is not None and stall < 2 / total else None)
-    optimum, waste = _optimum(model, best, size, nodes, stall, rates, period, concurrency)
+    optimum, waste = _optimum(model, best, size, nodes, stall, rates, period, concurrency,
+                              shield)
     return Plan(size, nodes, period, stall, rates.per_hour(nodes), paths, young, daly,
-                optimum, waste)
+                optimum, waste, shield, shield.beyond_in_window(rates.node, period))
 
 
 def _optimum(model: SystemModel, best: PathPlan, size: float, nodes: int, stall: float,
-             rates: Rates, period: float, concurrency: int) -> tuple[float, float]:
+             rates: Rates, period: float, concurrency: int, protection: Protection
+             ) -> tuple[float, float]:
     """The period minimizing C/T + loss(T): D enters through E[L_c] exactly. Not shorter
     than the flush can keep up with: E[L] assumes checkpoints do not queue behind each
     other, and flushes `concurrency` at a time would."""
@@ -134,9 +163,9 @@ def _optimum(model: SystemModel, best: PathPlan, size: float, nodes: int, stall:
     low = max(stall, float(np.median(lags["crash"])), keep_up, 1.0)
     best_t, best_w = period, math.inf
     for t in np.geomspace(low, 7 * 24 * HOUR, 120):
-        loss = sum(per_hour[c] * expected_lost_work(
-            survival(lags[c]), t * (best.every if c == "job" else 1), points=400)
-            for c in CLASSES)
+        lost, _ = class_losses(lags, best.path, best.every, float(t), rates, nodes,
+                               protection, 400)
+        loss = sum(per_hour[c] * lost[c] for c in CLASSES)
         waste = stall / t + loss / HOUR
         if waste < best_w:
             best_t, best_w = float(t), waste

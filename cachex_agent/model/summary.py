@@ -65,8 +65,10 @@ def plan_json(plan: Plan) -> dict[str, Any]:
     return {"size": plan.size, "nodes": plan.nodes, "period": plan.period, "stall": plan.stall,
             "rates_per_hour": plan.rates, "recommended": plan.best.name,
             "paths": [{"name": p.name, "path": p.path, "every": p.every, "lag": p.lag,
-                       "lost": p.lost, "loss_per_hour": p.loss,
+                       "lost": p.lost, "loss_per_hour": p.loss, "node_fallback": p.fallback,
                        "waste": p.waste(plan.stall, plan.period)} for p in plan.paths],
+            "protection": {**(plan.protection.to_json() if plan.protection else {}),
+                           "beyond_per_period": plan.beyond},
             "period_young": plan.young, "period_daly": plan.daly,
             "period_optimum": plan.optimum, "waste_at_optimum": plan.optimum_waste}
 
@@ -82,6 +84,11 @@ def plan_text(plan: Plan) -> str:
         lost = "/".join(f"{p.lost[c]:.0f}" for c in ("crash", "node", "job"))
         lines.append(f"{p.name:24} {lag:>36} {lost:>24} {p.loss:>9.3g}"
                      f" {p.waste(plan.stall, plan.period):>7.2%}")
+    if plan.protection is not None:
+        peer = next((p for p in plan.paths if p.path == "peer"), None)
+        share = f"; {peer.fallback:.3g} of node losses fall back to flushed" if peer else ""
+        lines.append(f"node losses: {plan.protection.describe()}; P(some group beyond that"
+                     f" within a period) {plan.beyond:.3g}{share}")
     lines.append(f"recommended path: {plan.best.name}")
     young = f"{plan.young:.0f} s" if plan.young else "n/a (no blocking cost)"
     daly = f"{plan.daly:.0f} s" if plan.daly else "n/a"

@@ -79,6 +79,28 @@ def test_xor_groups_of_four_reach_replicated_and_parity_verifies(cluster):
         in c.shown["status"].stdout, c.shown["status"].stdout
     assert json.loads(c.shown["ls --json"].stdout)["redundancy"] == {
         "scheme": "xor", "group": 4, "survives": 1}
+    model_plan_knows_the_scheme(c)
+
+
+def model_plan_knows_the_scheme(c: Cluster) -> None:
+    """`cachex model plan` on this run's events: node losses survive per group of the
+    configured scheme; a larger group (--set) is less likely to stay within tolerance."""
+    def plan(*extra: str) -> dict:
+        found = c.cachex("model", "plan", "--json", "--period", "600s",
+                         "--set", "model.node_rate=0.1", *extra)
+        assert found.returncode == 0, found.stderr
+        return json.loads(found.stdout)
+    fours, eights = plan(), plan("--set", "peer.group=8")
+    assert fours["protection"]["scheme"] == "xor"
+    assert fours["protection"]["groups"] == [[4, 1], [4, 1]]
+    assert eights["protection"]["groups"] == [[8, 1]]
+    assert 0 < fours["protection"]["beyond_per_period"] < eights["protection"][
+        "beyond_per_period"]
+    fallback = {p["name"]: p["node_fallback"] for p in fours["paths"]}
+    assert fallback["direct"] == 0 and fallback["peer"] > 0, fallback
+    text = c.cachex("model", "plan", "--period", "600s")
+    assert "node losses: xor over 2 group(s) of 4 nodes, each rebuilding 1 lost member" \
+        in text.stdout, text.stdout + text.stderr
 
 
 @pytest.mark.parametrize("extra,env,words", [
@@ -148,29 +170,38 @@ def test_xor_loses_one_node_per_group_and_recovers_byte_for_byte(cluster, lost):
     assert len(re.findall(rf"{ckpt} parity +node \d+ +ok", checked.stdout)) == NODES
 
 
-def test_rs_4_2_loses_any_two_and_recovers(cluster):
-    c = trained(cluster, "rs:4+2", 6, nodes=6)
+@pytest.mark.parametrize("nodes,lost", [(8, (1, 4)), (8, (0, 7)), (8, (2, 3)), (6, (1, 4))],
+                         ids=["8 nodes, 1 and 4", "8 nodes, 0 and 7", "8 nodes, 2 and 3",
+                              "6 nodes, 1 and 4"])
+def test_rs_4_2_loses_any_two_and_recovers(cluster, nodes, lost):
+    """8 nodes make one group of 8 (the 2 left over add to K: K 6, M 2); 6 nodes the
+    plain rs:4+2 group. Any two lost members are rebuilt from the others alone."""
+    c = trained(cluster, "rs:4+2", 6, nodes=nodes)
     ckpt = "step_00008"
-    before = spools(c, 6, ckpt)
-    lose(c, 1, 4)
+    manifest = ParityManifest.load(parity_root(c, 5), ckpt)
+    assert (manifest.scheme, manifest.k, manifest.m) == (f"rs:{nodes - 2}+2", nodes - 2, 2)
+    assert sorted(manifest.group) == list(range(nodes))
+    before = spools(c, nodes, ckpt)
+    lose(c, *lost)
     pfs_down(c)
-    result = recover(c, 6)
+    result = recover(c, nodes)
     assert result.returncode == 0, result.stdout + result.stderr
-    assert "rebuilds nodes 1, 4 from the survivors" in result.stdout, result.stdout
-    assert spools(c, 6, ckpt) == before
+    assert f"rebuilds nodes {lost[0]}, {lost[1]} from the survivors" in result.stdout, \
+        result.stdout
+    assert spools(c, nodes, ckpt) == before
 
 
 def test_rs_4_2_three_losses_fall_back_to_the_pfs(cluster):
-    c = trained(cluster, "rs:4+2", 6, nodes=6)
+    c = trained(cluster, "rs:4+2", 6)
     ckpt = "step_00008"
-    before = spools(c, 6, ckpt)
+    before = spools(c, NODES, ckpt)
     lose(c, 0, 2, 5)
-    result = recover(c, 6)
+    result = recover(c, NODES)
     assert result.returncode == 0, result.stdout + result.stderr
     lines = [line for line in result.stdout.splitlines() if "more than the 2" in line]
     assert len(lines) == 1 and "lost nodes 0, 2, 5" in lines[0], result.stdout
     assert "from the PFS bundle" in result.stdout
-    assert spools(c, 6, ckpt) == before
+    assert spools(c, NODES, ckpt) == before
 
 
 def test_verify_catches_a_corrupted_parity_byte(cluster):
