@@ -6,6 +6,7 @@ ranks, DCP resharding on load."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -15,6 +16,8 @@ from pathlib import Path
 
 import pytest
 from harness import BIN, MPIEXEC, ROOT, files_of, kill_tree
+
+from cachex_agent.layout import pfs_manifest_path
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 TRAINER = ROOT / "examples" / "dcp_trainer.py"
@@ -113,9 +116,14 @@ def test_dcp_drill_onto_fewer_nodes(cluster, tmp_path, onto):
     for node in range(onto):
         assert files_of(c.spool(node) / "step_00008") == whole, node
 
+    c.nodes = onto                  # the agents go on with the job's nodes
+    c.start_agents()
     resumed = dcp_train(c.root, tmp_path / "rdv-2", "--steps", "12", "--every", "4",
                         "--resume", *one_per_node, ranks=onto)
     assert f"resumed from step_00008 with dcp.load on {onto} ranks" in resumed, resumed
+    c.wait_level("step_00012", "flushed", timeout=120)     # protected on the new count
+    manifest = json.loads(pfs_manifest_path(c.pfs, "step_00012").read_text())
+    assert len(manifest["nodes"]) == onto
     # the same world-size change without cachex: every rank saves into one directory
     ref = tmp_path / "reference"
     dcp_train(ref, tmp_path / "rdv-3", "--steps", "8", "--every", "4", "--ranks-per-node",
