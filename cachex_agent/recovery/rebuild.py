@@ -125,7 +125,9 @@ def recover(config: Config, comm: Any, want: str | None = None,
         want = pinned_current(config.node_paths(0).pfs)
         if want:
             progress.step(f"{want}: pinned as current by `cachex index --current`")
-    erasure = rebuild_lost(comm, config, node, manifests, copies, want, exclude, dry_run,
+    # parity rebuilds a lost member's part onto its replacement: same node count only
+    same_count = {k: m for k, m in manifests.items() if len(m.nodes) == placement.nodes}
+    erasure = rebuild_lost(comm, config, node, same_count, copies, want, exclude, dry_run,
                            _verify_bound(config, manifests))
     for note in erasure.notes:
         progress.step(note)
