@@ -48,12 +48,13 @@ from typing import Any
 
 from ..collective import agree, arrive
 from ..config import Config
-from ..errors import OperationError, describe
+from ..errors import ConfigError, OperationError, describe
 from ..flush.bundle import BundleError, extract
 from ..fsutil import (
     atomic_open,
     fsync_dir,
     fsync_tree,
+    is_under,
     makedirs,
     remove_temporaries,
     remove_under,
@@ -117,6 +118,8 @@ def recover(config: Config, comm: Any, want: str | None = None,
     placement = place_checked(comm, config.topology)
     node = placement.node
     paths = config.node_paths(node, placement.rank, placement.host)
+    for other in range(placement.nodes if to is not None else 0):   # alike on every rank
+        _check_to(config.node_paths(other), to)
     progress.step(f"listing the copies held by {placement.nodes}"
                   f" node{'s' if placement.nodes > 1 else ''} and the PFS")
     manifests = _shared_manifests(comm, config, paths, exclude)
@@ -188,6 +191,17 @@ def _gather(comm: Any, config: Config, node: int, rank_of: dict[int, int], plan:
     outcome.move_seconds = time.monotonic() - start - outcome.plan_seconds
     outcome.seconds = time.monotonic() - start
     return outcome
+
+
+def _check_to(paths: Any, to: Path) -> None:
+    """`--to` beside cachex's own directories, never in them: a checkpoint written there
+    would be taken for the trainer's (the spool) or removed as cachex's (stage, cache,
+    the run's PFS directory)."""
+    for key, root in (("paths.spool", paths.spool), ("paths.stage", paths.stage),
+                      ("paths.cache", paths.cache), ("paths.pfs", paths.pfs)):
+        if Path(to).resolve() == Path(root).resolve() or is_under(root, to):
+            raise ConfigError(f"--to {to}: overlaps {key} ({root}); give a directory of"
+                              " its own")
 
 
 def _check_space(comm: Any, config: Config, placement: Placement, plan: Plan,

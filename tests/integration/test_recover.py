@@ -232,6 +232,9 @@ def test_recover_to_a_shared_directory_from_the_survivors(cluster, tmp_path):
     assert files_of(out / "step_00004") == every_file(before)
     assert not list(c.spool(0).iterdir())          # the spools are left as they were
     assert not [p for p in out.iterdir() if p.name != "step_00004"]   # no temporaries
+    inside = recover(c, "--to", str(c.spool(2) / "out"), nodes=3)
+    assert inside.returncode == 2 and inside.stderr.count("error:") == 1, inside.stderr
+    assert f"--to {c.spool(2) / 'out'}: overlaps paths.spool ({c.spool(2)})" in inside.stderr
 
 
 def test_single_process_recovery_of_a_one_node_job(cluster):
