@@ -219,6 +219,18 @@ def test_recovery_onto_fewer_nodes_refused_when_it_does_not_fit_then_done(cluste
     assert status["checkpoints"][-1]["id"] == "step_00004"
 
 
+def test_recovery_onto_more_nodes_fills_the_new_ones(cluster):
+    c = trained(cluster, 4)
+    before = snapshot(c, "step_00004")
+    result = recover(c, "--json", nodes=5)          # scaling up: node 4 is new
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads(result.stdout)
+    assert (summary["nodes"], summary["onto"], summary["replicated_bytes"]) == (4, 5, 0)
+    assert {m["holder"] for m in summary["moves"] if m["target"] == 4} <= {0, 1, 2, 3}
+    for node in range(5):
+        assert files_of(c.spool(node) / "step_00004") == every_file(before), node
+
+
 def test_recover_to_a_shared_directory_from_the_survivors(cluster, tmp_path):
     c = trained(cluster, 4)
     before = snapshot(c, "step_00004")
