@@ -12,6 +12,8 @@ import subprocess
 import pytest
 from harness import BIN, MPIEXEC, Cluster, files_of, finish, kill_tree
 
+from cachex_agent.outputs import problems
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 TRAIN = ["--shard-size", "256KiB", "--chunk-size", "64KiB", "--step-time", "0.02",
          "--files-per-rank", "4", "--every", "4"]        # 8 ranks x 4 = 32 shards + .metadata
@@ -225,6 +227,7 @@ def test_recovery_onto_more_nodes_fills_the_new_ones(cluster):
     result = recover(c, "--json", nodes=5)          # scaling up: node 4 is new
     assert result.returncode == 0, result.stdout + result.stderr
     summary = json.loads(result.stdout)
+    assert problems("recover", summary) == []
     assert (summary["nodes"], summary["onto"], summary["replicated_bytes"]) == (4, 5, 0)
     assert {m["holder"] for m in summary["moves"] if m["target"] == 4} <= {0, 1, 2, 3}
     for node in range(5):
