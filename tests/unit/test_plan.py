@@ -244,3 +244,15 @@ def test_gathered_writes_each_path_once_by_its_holder():
     assert {(m.owner, m.target, m.source.kind) for m in plan.moves} == {
         (0, 1, "replica"), (1, 1, "spool"), (2, 0, "pfs")}
     assert sum(bytes_needed(plan).values()) == plan.manifest.bytes
+
+
+def test_a_large_resize_is_said_in_one_line_per_target():
+    big = manifest("s9", 9, nodes=12)
+    copies = [own("s9", n) for n in range(1, 12)] + [replica("s9", 0, 1)]
+    plan = choose({"s9": big}, copies, nodes=11)
+    assert len(plan.moves) > 64
+    lines = plan.describe()
+    per_target = [line for line in lines if line.startswith("  node ")]
+    assert len(per_target) == 11
+    assert per_target[0] == ("  node 0: 13 files of 12 nodes: 2 from replica on 1 other node,"
+                             " 11 from spool on 11 other nodes")
