@@ -249,8 +249,9 @@ def placement_notes(manifest: GlobalManifest, nodes: int) -> list[str]:
         return [f"{head} PyTorch DCP layout, every node gets all {len(_paths_once(manifest))}"
                 " files (DCP's load reshards onto the new world size)"]
     where = placement(manifest, nodes)
-    moved = ", ".join(f"old node {o} -> node {t}" for t, owners in where.items()
-                      for o in owners if o != t)
+    pairs = [f"old node {o} -> node {t}" for t, owners in where.items()
+             for o in owners if o != t]
+    moved = ", ".join(pairs[:8] + ([f"{len(pairs) - 8} more"] if len(pairs) > 8 else []))
     empty = [t for t, owners in where.items() if not owners]
     notes = [f"{head} old node o goes to node o mod {nodes}"
              + (f" ({moved})" if moved else "") + "; global files to every node"]

@@ -256,3 +256,11 @@ def test_a_large_resize_is_said_in_one_line_per_target():
     assert len(per_target) == 11
     assert per_target[0] == ("  node 0: 13 files of 12 nodes: 2 from replica on 1 other node,"
                              " 11 from spool on 11 other nodes")
+
+
+def test_the_mod_map_names_at_most_eight_moved_parts():
+    manifest = per_rank("s1", 20)
+    copies = [per_rank_copy("s1", n, "pfs", -1) for n in range(20)]
+    note = choose({"s1": manifest}, copies, nodes=5).notes[0]
+    assert "old node 5 -> node 0, old node 10 -> node 0" in note
+    assert note.count("->") == 8 and "7 more)" in note
