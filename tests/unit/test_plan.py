@@ -264,3 +264,18 @@ def test_the_mod_map_names_at_most_eight_moved_parts():
     note = choose({"s1": manifest}, copies, nodes=5).notes[0]
     assert "old node 5 -> node 0, old node 10 -> node 0" in note
     assert note.count("->") == 8 and "7 more)" in note
+
+
+def test_export_shares_the_one_path_once_rule():
+    from cachex_agent.recovery.export import _wanted
+    parts = [LocalManifest(run="r", ckpt="s1", seq=1, node=n, host=f"h{n}", rank=n,
+                           files=[FileEntry("state.pt", 4, 0o600, f"{n:032x}")])
+             for n in range(2)]
+    clash = GlobalManifest.build(parts, [], {}, {0: "b0", 1: "b1"})
+    with pytest.raises(OperationError, match="state.pt: nodes 0 and 1 hold different files"
+                       " under this path; use --per-node"):
+        _wanted(clash, per_node=False)
+    assert _wanted(clash, per_node=True) == {0: {"state.pt"}, 1: {"state.pt"}}
+    # the mirrored .metadata of MANIFESTS comes from node 0 only
+    assert _wanted(MANIFESTS["s2"], per_node=False) == {
+        0: {"__0_0.distcp", ".metadata"}, 1: {"__1_0.distcp"}, 2: {"__2_0.distcp"}}
