@@ -451,14 +451,18 @@ def _format_index(index: Any) -> str:
               type=click.Choice(["spool", "stage", "replica", "journal", "pfs"]),
               help="do not use copies of this kind (repeatable)")
 @click.option("--dry-run", is_flag=True, help="print the plan, change nothing")
+@click.option("--to", "to", metavar="DIR", type=click.Path(path_type=Path),
+              help="assemble the checkpoint in DIR (a directory every rank sees, in the"
+              " spool's layout) instead of the spools")
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
 @quiet_option
 def recover_command(cfg: configuration.Config, ckpt: str | None, exclude: tuple[str, ...],
-                    dry_run: bool, as_json: bool, quiet: bool) -> None:
+                    dry_run: bool, to: Path | None, as_json: bool, quiet: bool) -> None:
     """Rebuild a checkpoint into every node's spool from what survived.
 
     Run with one rank per node (replacement nodes included), e.g.
-    `srun --ntasks-per-node=1 cachex recover`, or as one process for one node. Rank 0
+    `srun --ntasks-per-node=1 cachex recover`, or as one process for one node. The job
+    may have fewer or more nodes than the checkpoint (see docs/levels.md). Rank 0
     shows the steps and its own node's bytes on stderr.
     """
     from mpi4py import MPI
@@ -469,7 +473,8 @@ def recover_command(cfg: configuration.Config, ckpt: str | None, exclude: tuple[
     _setup_logging(cfg.agent.log, f"{comm.Get_rank()}@{socket.gethostname()}")
     try:
         outcome = recover(cfg, comm, ckpt, frozenset(exclude), dry_run,
-                          _progress("cachex recover", quiet or comm.Get_rank() != 0))
+                          _progress("cachex recover", quiet or comm.Get_rank() != 0),
+                          to=None if to is None else to.absolute())
     except CachexError as exc:      # raised alike on every rank
         if comm.Get_rank() == 0:
             click.echo(f"cachex recover: error: {exc}", err=True)
@@ -490,7 +495,9 @@ def _recovery_json(outcome: Any, dry_run: bool) -> dict[str, Any]:
     moves = [{"target": m.target, "owner": m.owner, "kind": m.source.kind,
               "holder": m.source.holder, "files": list(m.paths)} for m in plan.moves]
     data: dict[str, Any] = {"ckpt": plan.ckpt, "seq": plan.seq, "dry_run": dry_run,
-                            "nodes": len(plan.manifest.nodes), "moves": moves,
+                            "nodes": len(plan.manifest.nodes),
+                            "onto": plan.nodes or len(plan.manifest.nodes), "to": plan.to,
+                            "placement": plan.notes, "moves": moves,
                             "erasure": outcome.erasure}
     if not dry_run:
         data.update(bytes_by_kind=outcome.bytes_by_kind,
@@ -507,7 +514,9 @@ def _recovery_summary(outcome: Any) -> str:
     rate = total / outcome.move_seconds if outcome.move_seconds else 0.0
     sources = ", ".join(f"{kind} {human_size(n)}" for kind, n in
                         sorted(outcome.bytes_by_kind.items())) or "all in place"
-    lines = [f"recovered {outcome.plan.ckpt}: {len(outcome.plan.manifest.files)} files;"
+    what = (f"assembled {outcome.plan.ckpt} in {outcome.plan.to}" if outcome.plan.to
+            else f"recovered {outcome.plan.ckpt}")
+    lines = [f"{what}: {len(outcome.plan.manifest.files)} files;"
              f" moved {human_size(total)} ({sources}) in {outcome.move_seconds:.2f}s"
              f" ({human_size(rate)}/s), each file verified as it moved; listed copies and"
              f" planned in {outcome.plan_seconds:.2f}s; re-replicated"

@@ -62,7 +62,7 @@ SHAPES: dict[str, Shape] = {
         "level node where checked ok problems note")),
     "export": _shape("schema ckpt dest files bytes seconds"),
     "recover": _shape(
-        "schema ckpt seq dry_run nodes erasure moves",
+        "schema ckpt seq dry_run nodes onto to placement erasure moves",
         "bytes_by_kind replicated_bytes seconds plan_seconds move_seconds fallbacks"
         " moved_aside", moves=_shape("target owner kind holder files")),
     "index": _shape("schema run current pinned action name checkpoints",

@@ -11,6 +11,7 @@ from ..layout import bundle_path, node_dir_name
 from ..manifest import GlobalManifest
 from ..progress import Progress, quiet
 from ..status import human_size
+from .plan import Collision, paths_once
 
 
 def export(manifest: GlobalManifest, pfs_run: Path, dest: Path, per_node: bool = False,
@@ -21,11 +22,10 @@ def export(manifest: GlobalManifest, pfs_run: Path, dest: Path, per_node: bool =
     (a global file mirrored to every node); different contents are an error.
     """
     progress = progress or quiet()
-    _check_collisions(manifest, per_node)
+    wanted = _wanted(manifest, per_node)
     for node in manifest.nodes:     # every name in every bundle checked before any write
         read_manifest(bundle_path(pfs_run, manifest.ckpt, node["node"]))
     makedirs(dest)
-    wanted = _wanted(manifest, per_node)
     progress.start(f"export {manifest.ckpt}", sum(
         e.size for index, paths in wanted.items() for e in manifest.node_files(index)
         if e.path in paths))
@@ -43,23 +43,13 @@ def export(manifest: GlobalManifest, pfs_run: Path, dest: Path, per_node: bool =
 
 def _wanted(manifest: GlobalManifest, per_node: bool) -> dict[int, set[str]]:
     """The paths taken from each node's bundle: merged, a path held by several nodes
-    (a global file) comes from the first."""
-    seen: set[str] = set()
-    wanted = {}
-    for node in manifest.nodes:
-        index = node["node"]
-        wanted[index] = {e.path for e in manifest.node_files(index)} - (
-            set() if per_node else seen)
-        seen |= wanted[index]
-    return wanted
-
-
-def _check_collisions(manifest: GlobalManifest, per_node: bool) -> None:
+    (a global file) comes from the first (plan.paths_once, as `recover --to` does)."""
     if per_node:
-        return
-    checksums: dict[str, tuple[int, str]] = {}
-    for entry in manifest.files:
-        first = checksums.setdefault(entry["path"], (entry["node"], entry["checksum"]))
-        if first[1] != entry["checksum"]:
-            raise OperationError(f"{entry['path']}: nodes {first[0]} and {entry['node']} hold"
-                                 " different files under this path; use --per-node")
+        return {n["node"]: {e.path for e in manifest.node_files(n["node"])}
+                for n in manifest.nodes}
+    try:
+        first = paths_once(manifest)
+    except Collision as exc:
+        raise OperationError(f"{exc}; use --per-node") from None
+    return {n["node"]: {p for p, node in first.items() if node == n["node"]}
+            for n in manifest.nodes}

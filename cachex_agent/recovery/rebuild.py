@@ -16,6 +16,12 @@ process for one node). Call order, every rank:
                  (`peer.scheme` xor, rs:K+M), lost members' parts are rebuilt from their
                  group's parity into their stages between steps 2 and 3 instead
                  (erasure_recover.py), and nothing is re-replicated
+Between 3 and 4 every target's free space is compared with what the plan writes there
+(plan.check_space). A checkpoint of N nodes recovered onto M is placed by
+plan.placement; its parts are not copied to partners again (the agents on the M nodes
+protect the trainer's next checkpoint). With `to` (`cachex recover --to DIR`) nothing goes
+into the spools: every file is written once into DIR, a directory every rank sees, by
+the rank that holds its copy (a PFS bundle by rank o mod M), in the spool's layout.
 Every step ends with an agreement: a failure anywhere fails every rank with the same
 message. Every name read from a manifest, bundle or replica store is checked where it is
 parsed (safepath.py): an unsafe one fails the recovery before anything is written.
@@ -42,12 +48,13 @@ from typing import Any
 
 from ..collective import agree, arrive
 from ..config import Config
-from ..errors import OperationError, describe
+from ..errors import ConfigError, OperationError, describe
 from ..flush.bundle import BundleError, extract
 from ..fsutil import (
     atomic_open,
     fsync_dir,
     fsync_tree,
+    is_under,
     makedirs,
     remove_temporaries,
     remove_under,
@@ -70,7 +77,18 @@ from ..status import human_size
 from ..topology import Placement, place_checked
 from . import holdings, transfer
 from .erasure_recover import rebuild_lost
-from .plan import Copy, Move, Plan, choose, next_source, where
+from .plan import (
+    Copy,
+    Move,
+    Plan,
+    Space,
+    bytes_needed,
+    check_space,
+    choose,
+    gathered,
+    next_source,
+    where,
+)
 from .restore_handle import open_restore
 
 SLOWEST_RATE = 10 << 20     # bytes/s: a rank moving its part slower than this is stuck
@@ -91,14 +109,17 @@ class Outcome:
 
 def recover(config: Config, comm: Any, want: str | None = None,
             exclude: frozenset[str] = frozenset(), dry_run: bool = False,
-            progress: Progress | None = None) -> Outcome:
+            progress: Progress | None = None, to: Path | None = None) -> Outcome:
     """`progress`: where this rank says its steps and the bytes its node receives (the
-    command gives one to rank 0 only)."""
+    command gives one to rank 0 only). `to`: assemble the checkpoint in that shared
+    directory instead of the spools."""
     progress = progress or quiet()
     start = time.monotonic()
     placement = place_checked(comm, config.topology)
     node = placement.node
     paths = config.node_paths(node, placement.rank, placement.host)
+    for other in range(placement.nodes if to is not None else 0):   # alike on every rank
+        _check_to(config.node_paths(other), to)
     progress.step(f"listing the copies held by {placement.nodes}"
                   f" node{'s' if placement.nodes > 1 else ''} and the PFS")
     manifests = _shared_manifests(comm, config, paths, exclude)
@@ -107,18 +128,23 @@ def recover(config: Config, comm: Any, want: str | None = None,
         want = pinned_current(config.node_paths(0).pfs)
         if want:
             progress.step(f"{want}: pinned as current by `cachex index --current`")
-    erasure = rebuild_lost(comm, config, node, manifests, copies, want, exclude, dry_run,
+    # parity rebuilds a lost member's part onto its replacement: same node count only
+    same_count = {k: m for k, m in manifests.items() if len(m.nodes) == placement.nodes}
+    erasure = rebuild_lost(comm, config, node, same_count, copies, want, exclude, dry_run,
                            _verify_bound(config, manifests))
     for note in erasure.notes:
         progress.step(note)
     if erasure.groups and not dry_run:      # the rebuilt parts are staged copies now
         copies = _all_copies(comm, config, paths, placement, manifests, exclude)
-    plan = _plan(comm, config, manifests, copies, placement.nodes, want, exclude)
+    plan = _plan(comm, config, manifests, copies, placement.nodes, want, exclude, to)
+    _check_space(comm, config, placement, plan, to or paths.spool)
     outcome = Outcome(plan, plan_seconds=time.monotonic() - start, erasure=erasure.notes)
     if dry_run:
         return outcome
     _arrive(comm, config, "rank exchange")
     rank_of = dict(comm.allgather((node, placement.rank)))
+    if to is not None:
+        return _gather(comm, config, node, rank_of, plan, copies, progress, outcome, start)
     handle = open_restore(config, placement, plan.ckpt, plan.seq)
     if handle.interrupted():
         progress.step(f"node {node}: an earlier restore of {plan.ckpt} was cut short;"
@@ -132,9 +158,14 @@ def recover(config: Config, comm: Any, want: str | None = None,
     outcome.moved_aside = agree(comm, "set aside", lambda: _set_aside(paths.spool, plan,
                                                                     manifests),
                                 config.agent.timeout)
-    progress.step("copying each node's restored part to its partners")
-    replicated = _rereplicate(comm, config, placement, rank_of, plan, copies,
-                              restore.verified())
+    replicated = 0
+    if plan.resized:
+        progress.step(f"not copying the parts to partners: they were {len(plan.manifest.nodes)}"
+                      f" nodes' parts, the job now has {placement.nodes} nodes")
+    else:
+        progress.step("copying each node's restored part to its partners")
+        replicated = _rereplicate(comm, config, placement, rank_of, plan, copies,
+                                  restore.verified())
     _arrive(comm, config, "recovery totals")
     for part in comm.allgather(moved):
         for kind, count in part.items():
@@ -143,6 +174,50 @@ def recover(config: Config, comm: Any, want: str | None = None,
     outcome.replicated_bytes = comm.allreduce(replicated)
     outcome.seconds = time.monotonic() - start
     return outcome
+
+
+def _gather(comm: Any, config: Config, node: int, rank_of: dict[int, int], plan: Plan,
+            copies: list[Copy], progress: Progress, outcome: Outcome, start: float
+            ) -> Outcome:
+    """`--to DIR`: every file once into DIR; the spools, journals and replicas stay."""
+    assert plan.to is not None
+    restore = _Restore(comm, config, node, rank_of, plan, copies, progress)
+    moved = restore.run()
+    outcome.fallbacks = restore.notes()
+    _arrive(comm, config, "recovery totals")
+    for part in comm.allgather(moved):
+        for kind, count in part.items():
+            outcome.bytes_by_kind[kind] = outcome.bytes_by_kind.get(kind, 0) + count
+    outcome.move_seconds = time.monotonic() - start - outcome.plan_seconds
+    outcome.seconds = time.monotonic() - start
+    return outcome
+
+
+def _check_to(paths: Any, to: Path) -> None:
+    """`--to` beside cachex's own directories, never in them: a checkpoint written there
+    would be taken for the trainer's (the spool) or removed as cachex's (stage, cache,
+    the run's PFS directory)."""
+    for key, root in (("paths.spool", paths.spool), ("paths.stage", paths.stage),
+                      ("paths.cache", paths.cache), ("paths.pfs", paths.pfs)):
+        if Path(to).resolve() == Path(root).resolve() or is_under(root, to):
+            raise ConfigError(f"--to {to}: overlaps {key} ({root}); give a directory of"
+                              " its own")
+
+
+def _check_space(comm: Any, config: Config, placement: Placement, plan: Plan,
+                 directory: Path) -> None:
+    """Every rank measures where it writes; every rank checks the whole placement, so
+    all refuse alike (one line naming the node and the path) before anything moves."""
+    def measure() -> Space:
+        probe = directory
+        while not probe.exists() and probe != probe.parent:     # made by the restore
+            probe = probe.parent
+        found = os.statvfs(probe)
+        shared = "to" if plan.to is not None else f"{placement.host}:{os.stat(probe).st_dev}"
+        return Space(placement.node, str(directory), found.f_bavail * found.f_frsize, shared)
+    mine = agree(comm, "free space", measure, config.agent.timeout)
+    _arrive(comm, config, "free space")
+    check_space(bytes_needed(plan), comm.allgather(mine))
 
 
 def _arrive(comm: Any, config: Config, step: str) -> None:
@@ -154,6 +229,7 @@ def _work_bound(config: Config, plan: Plan) -> float:
     """How long ranks wait for the slowest one after a phase that moves data: a node's
     part may come from a slow PFS, so the bound grows with the largest part."""
     largest = max((n["bytes"] for n in plan.manifest.nodes), default=0)
+    largest = max(largest, *bytes_needed(plan).values(), 0)    # a resize: several parts
     return config.agent.timeout + largest / SLOWEST_RATE
 
 
@@ -194,12 +270,15 @@ def _all_copies(comm: Any, config: Config, paths: Any, placement: Placement,
 
 
 def _plan(comm: Any, config: Config, manifests: dict[str, GlobalManifest],
-          copies: list[Copy], nodes: int, want: str | None, exclude: frozenset[str]) -> Plan:
+          copies: list[Copy], nodes: int, want: str | None, exclude: frozenset[str],
+          to: Path | None = None) -> Plan:
     """Rank 0 decides; every rank gets the plan, or raises the same error."""
     answer: Plan | str = ""
     if comm.Get_rank() == 0:
         try:
             answer = choose(manifests, copies, nodes, want, exclude)
+            if to is not None:
+                answer = gathered(answer, copies, nodes, str(to))
         except OperationError as exc:
             answer = str(exc)
     _arrive(comm, config, "plan")
@@ -234,10 +313,9 @@ class _Restore:
         self.plan, self.copies, self.progress = plan, copies, progress
         self.check = check
         self.entries = {(e["node"], e["path"]): _entry(e) for e in plan.manifest.files}
-        self.spool = config.node_paths(node).spool
+        self.spool = config.node_paths(node).spool if plan.to is None else Path(plan.to)
         self.final = ckpt_dir(self.spool, plan.ckpt)
-        self.in_place = any(m.target == m.owner == m.source.holder == node
-                            and m.source.kind == "spool" for m in plan.moves)
+        self.in_place = any(m.target == node and plan.kept(m) for m in plan.moves)
         self.directory = self.final if self.in_place else recover_partial_dir(self.spool,
                                                                               plan.ckpt)
         self.used: list[Copy] = []
@@ -247,6 +325,8 @@ class _Restore:
     def run(self) -> dict[str, int]:
         work = _work_bound(self.config, self.plan)
         agree(self.comm, "restore", self._prepare, self.config.agent.timeout)
+        if self.plan.to is not None:
+            agree(self.comm, "restore", self._shared, self.config.agent.timeout)
         moved: dict[str, int] = {}
         moves = self.plan.moves
         total = self._incoming(moves)
@@ -269,8 +349,19 @@ class _Restore:
                    for p in m.paths)
 
     def _prepare(self) -> None:
-        remove_temporaries(self.spool)          # what a recovery killed midway left
-        makedirs(self.directory)
+        if self.plan.to is None:
+            remove_temporaries(self.spool)      # what a recovery killed midway left
+            makedirs(self.directory)
+        elif self.comm.Get_rank() == 0:         # one directory for all: rank 0 makes it
+            makedirs(self.spool)
+            remove_under(self.spool, self.directory)
+            makedirs(self.directory)
+
+    def _shared(self) -> None:
+        """Each rank writes its files into the `--to` directory rank 0 made."""
+        if not self.directory.is_dir():
+            raise OperationError(f"node {self.node}: {self.plan.to} is not shared: no"
+                                 f" {self.directory.name} that node 0 made there")
 
     def _round(self, moves: list[Move], moved: dict[str, int]) -> list[Problem]:
         self.check()
@@ -279,7 +370,7 @@ class _Restore:
             files = [self.entries[(move.owner, p)] for p in move.paths]
             if move.target == self.node:
                 problems = self._receive(move, files)
-                if move.source.holder != self.node or move.source.kind != "spool":
+                if not self.plan.kept(move):
                     moved[move.source.kind] = moved.get(move.source.kind, 0) + sum(
                         e.size for e in files if e.path not in problems)
             elif move.source.holder == self.node:
@@ -295,7 +386,7 @@ class _Restore:
 
     def _receive(self, move: Move, files: list[FileEntry]) -> transfer.Problems:
         source, timeout, done = move.source, self.config.agent.timeout, self.progress.advance
-        if source.kind == "spool" and source.holder == move.target:
+        if self.plan.kept(move):
             return transfer.check_in_place(self.directory, files, done)
         if source.kind == "pfs":
             return _extract(bundle_path(self.config.node_paths(0).pfs, source.ckpt,
@@ -334,8 +425,10 @@ class _Restore:
             fsync_tree(self.final)
             _hoist_root_files(self.spool, self.final, self.plan.ckpt)
             return
+        if self.plan.to is not None and self.comm.Get_rank() != 0:
+            return                              # rank 0 renames the shared directory
         expected = [self.entries[(m.owner, p)] for m in self.plan.moves
-                    if m.target == self.node for p in m.paths]
+                    if m.target == self.node or self.plan.to is not None for p in m.paths]
         _put_in_place(self.spool, self.directory, self.final, expected)
 
     def notes(self) -> list[str]:

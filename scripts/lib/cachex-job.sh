@@ -14,8 +14,9 @@
 #      the variables (RUN_NAME, SPOOL, STAGE, CACHE, PFS, FAILURE_DOMAIN, ...);
 #   3. RESUME=auto and the run has a flushed checkpoint (an earlier job): `cachex recover`;
 #   4. the agent step (one agent per node, in the background), the training step;
-#   5. training fails: the nodes still up are found, lost ones replaced by spares (the
-#      node count never changes: recovery refuses that), the agent step stopped
+#   5. training fails: the nodes still up are found, lost ones replaced by spares; with
+#      too few spares and MIN_NODES > 0 the job goes on with fewer nodes, down to
+#      MIN_NODES (`cachex recover` places the checkpoint onto them), the agent step stopped
 #      (`cachex stop`, a bounded wait, then killed), `cachex recover` on the node set
 #      (one rank per node), the agent step restarted, training relaunched with
 #      RESUME_ARGS; at most MAX_RELAUNCHES times;
@@ -557,7 +558,7 @@ cx_halt_training() {
 }
 
 # ---------------------------------------------------------------- recovery
-cx_replace_lost() {     # keep the node count: lost nodes out, spares in
+cx_replace_lost() {     # lost nodes out, spares in; too few spares: shrink to MIN_NODES
     cx_virtual && return 0
     local -A up=()
     local h
@@ -574,11 +575,24 @@ cx_replace_lost() {     # keep the node count: lost nodes out, spares in
         cx_log "every node of the set is up"
         return 0
     fi
-    ((${#lost[@]} <= ${#spares[@]})) || cx_finish failed \
-        "lost ${#lost[@]} nodes (${lost[*]}), only ${#spares[@]} spares left: recovery needs ${#CX_SET[@]} nodes"
+    if ((${#lost[@]} > ${#spares[@]})); then
+        cx_shrink "${#keep[@]}" "${#spares[@]}" "${lost[*]}"
+        mapfile -t CX_SET < <(printf '%s\n' "${keep[@]}" "${spares[@]}" | LC_ALL=C sort)
+        CX_SPARE=()
+        return 0
+    fi
     mapfile -t CX_SET < <(printf '%s\n' "${keep[@]}" "${spares[@]:0:${#lost[@]}}" | LC_ALL=C sort)
     CX_SPARE=("${spares[@]:${#lost[@]}}")
     cx_log "lost ${lost[*]}; replaced by spares; node set now $(cx_join , "${CX_SET[@]}")"
+}
+
+cx_shrink() {   # KEPT SPARES LOST: go on with fewer nodes, or end the job saying why
+    local nodes=$(($1 + $2)) was=${#CX_SET[@]}
+    local why="lost $((was - $1)) nodes ($3), only $2 spares left"
+    ((MIN_NODES > 0)) || cx_finish failed \
+        "$why: recovery needs $was nodes (MIN_NODES=0; set MIN_NODES to go on with fewer)"
+    ((nodes >= MIN_NODES)) || cx_finish failed "$why: $nodes nodes, below MIN_NODES=$MIN_NODES"
+    cx_log "$why: going on with $nodes of $was nodes (MIN_NODES=$MIN_NODES); cachex recover places the checkpoint onto them"
 }
 
 cx_recover() {

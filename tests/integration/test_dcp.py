@@ -1,9 +1,12 @@
 """The failure drill on a trainer nobody here wrote: PyTorch Distributed Checkpoint
 (torch 2.13, CPU, gloo), 4 ranks in 2 virtual nodes, each node saving to its own spool,
-resumed through DCP's own `load`."""
+resumed through DCP's own `load`; and the drill with no spare left: 4 nodes of one rank,
+node 0 lost, the checkpoint recovered onto 3 nodes and onto 2, resumed with that many
+ranks, DCP resharding on load."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -14,13 +17,15 @@ from pathlib import Path
 import pytest
 from harness import BIN, MPIEXEC, ROOT, files_of, kill_tree
 
+from cachex_agent.layout import pfs_manifest_path
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(400)]
 TRAINER = ROOT / "examples" / "dcp_trainer.py"
 
 
-def dcp_train(root, rendezvous, *args: str) -> str:
+def dcp_train(root, rendezvous, *args: str, ranks: int = 4) -> str:
     result = subprocess.run(
-        [str(MPIEXEC), "-n", "4", sys.executable, str(TRAINER), "--spool",
+        [str(MPIEXEC), "-n", str(ranks), sys.executable, str(TRAINER), "--spool",
          f"{root}/node{{node}}/spool", "--rendezvous", str(rendezvous), *args],
         capture_output=True, text=True, timeout=240)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
@@ -80,4 +85,50 @@ def run_dcp_drill(c, train: Callable[..., str], lose_node_0: Callable[[], None],
     assert "resumed from step_00008 with dcp.load" in resumed
     reference = dcp_train(tmp_path / "reference", tmp_path / "rdv-3", "--steps", "12",
                           "--every", "4")
+    assert final_hash(resumed) == final_hash(reference)
+
+
+@pytest.mark.parametrize("onto", [3, 2])
+def test_dcp_drill_onto_fewer_nodes(cluster, tmp_path, onto):
+    """Node 0 lost and no spare: `cachex recover` on `onto` nodes gives each of them
+    every file (the lost node's part from its replica on node 1, the parts of nodes
+    left out of the job from the PFS), and DCP's load on `onto` ranks reshards."""
+    c = cluster(nodes=4, commit=DCP_COMMIT)
+    c.start_agents()
+    one_per_node = ("--ranks-per-node", "1")
+    dcp_train(c.root, tmp_path / "rdv-1", "--steps", "8", "--every", "4", *one_per_node)
+    c.wait_level("step_00008", "flushed", timeout=120)
+    whole = {}
+    for node in range(4):
+        whole.update(files_of(c.spool(node) / "step_00008"))
+    assert sum(name.endswith(".distcp") for name in whole) == 4
+    kill_tree(c.agents)
+    shutil.rmtree(c.root / "node0")
+    c.spool(0).mkdir(parents=True)
+
+    result = subprocess.run([str(MPIEXEC), "-n", str(onto), str(BIN / "cachex"), "recover",
+                             "--config", str(c.config)], capture_output=True, text=True,
+                            timeout=180)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert f"written by 4 nodes, recovered onto {onto}: PyTorch DCP layout" in result.stdout
+    assert "of node 0 from replica on node 1" in result.stdout, result.stdout
+    assert "of node 3 from the PFS bundle" in result.stdout, result.stdout
+    for node in range(onto):
+        assert files_of(c.spool(node) / "step_00008") == whole, node
+
+    c.nodes = onto                  # the agents go on with the job's nodes
+    c.start_agents()
+    resumed = dcp_train(c.root, tmp_path / "rdv-2", "--steps", "12", "--every", "4",
+                        "--resume", *one_per_node, ranks=onto)
+    assert f"resumed from step_00008 with dcp.load on {onto} ranks" in resumed, resumed
+    c.wait_level("step_00012", "flushed", timeout=120)     # protected on the new count
+    manifest = json.loads(pfs_manifest_path(c.pfs, "step_00012").read_text())
+    assert len(manifest["nodes"]) == onto
+    # the same world-size change without cachex: every rank saves into one directory
+    ref = tmp_path / "reference"
+    dcp_train(ref, tmp_path / "rdv-3", "--steps", "8", "--every", "4", "--ranks-per-node",
+              "4")
+    reference = dcp_train(ref, tmp_path / "rdv-4", "--steps", "12", "--every", "4",
+                          "--resume", "--ranks-per-node", str(onto), ranks=onto)
+    assert f"on {onto} ranks" in reference
     assert final_hash(resumed) == final_hash(reference)

@@ -12,6 +12,8 @@ import subprocess
 import pytest
 from harness import BIN, MPIEXEC, Cluster, files_of, finish, kill_tree
 
+from cachex_agent.outputs import problems
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 TRAIN = ["--shard-size", "256KiB", "--chunk-size", "64KiB", "--step-time", "0.02",
          "--files-per-rank", "4", "--every", "4"]        # 8 ranks x 4 = 32 shards + .metadata
@@ -181,14 +183,73 @@ def test_a_corrupt_file_kept_in_place_comes_from_the_nodes_stage(cluster):
         assert files_of(c.spool(node) / "step_00004") == files
 
 
-def test_recovery_on_another_node_count_is_refused(cluster):
+def every_file(before: dict[int, dict[str, bytes]]) -> dict[str, bytes]:
+    """The whole checkpoint in one directory: every node's files and `.metadata`."""
+    return {**expected_after(before)[0], **{p: d for f in before.values() for p, d in f.items()}}
+
+
+def test_recovery_onto_fewer_nodes_refused_when_it_does_not_fit_then_done(cluster, tmpfs):
     c = trained(cluster, 4)
+    before = snapshot(c, "step_00004")
+    lose_node(c, 0)                 # no spare: the job goes on with 3 nodes
+    tmpfs(c.spool(0), "512k")       # the checkpoint is 2 MiB: node 0's spool cannot hold it
     result = recover(c, nodes=3)
     assert result.returncode == 1
-    assert "written by 4 nodes, this recovery runs on 3" in result.stderr, result.stderr
+    assert re.search(rf"error: node 0: {c.spool(0)} needs 2\.\d MiB \(\d+ bytes\),"
+                     r" 512\.0 KiB \(\d+ bytes\) free: the placement does not fit",
+                     result.stderr), result.stderr
     assert result.stderr.count("error:") == 1 and "Traceback" not in result.stderr
+    assert not list(c.spool(0).iterdir())   # nothing written anywhere
+    assert files_of(c.spool(1) / "step_00004") == expected_after(before)[1]
+    subprocess.run(["mount", "-o", "remount,size=64m", str(c.spool(0))], check=True)
+
+    dry = recover(c, "--dry-run", nodes=3)
+    assert dry.returncode == 0, dry.stdout + dry.stderr
+    assert ("written by 4 nodes, recovered onto 3: PyTorch DCP layout, every node gets all"
+            " 33 files") in dry.stdout, dry.stdout
+    result = recover(c, nodes=3)
+    assert result.returncode == 0, result.stdout + result.stderr
+    # node 3 is not in the job and its replica was on node 0: its part is the PFS's
+    for line in ("node 0: 9 files of node 0 from replica on node 1",
+                 "node 0: 8 files of node 3 from the PFS bundle",
+                 "node 2: 8 files of node 2 from its own spool"):
+        assert line in result.stdout, result.stdout
+    assert "not copying the parts to partners" in result.stderr, result.stderr
+    for node in range(3):           # DCP reshards: every node holds every file
+        assert files_of(c.spool(node) / "step_00004") == every_file(before), node
     status = json.loads(c.cachex("ls", "--json").stdout)
     assert status["checkpoints"][-1]["id"] == "step_00004"
+
+
+def test_recovery_onto_more_nodes_fills_the_new_ones(cluster):
+    c = trained(cluster, 4)
+    before = snapshot(c, "step_00004")
+    result = recover(c, "--json", nodes=5)          # scaling up: node 4 is new
+    assert result.returncode == 0, result.stdout + result.stderr
+    summary = json.loads(result.stdout)
+    assert problems("recover", summary) == []
+    assert (summary["nodes"], summary["onto"], summary["replicated_bytes"]) == (4, 5, 0)
+    assert {m["holder"] for m in summary["moves"] if m["target"] == 4} <= {0, 1, 2, 3}
+    for node in range(5):
+        assert files_of(c.spool(node) / "step_00004") == every_file(before), node
+
+
+def test_recover_to_a_shared_directory_from_the_survivors(cluster, tmp_path):
+    c = trained(cluster, 4)
+    before = snapshot(c, "step_00004")
+    lose_node(c, 0)
+    unreadable_pfs(c)               # `cachex export` cannot: the replicas and spools can
+    out = tmp_path / "gathered"
+    result = recover(c, "--to", str(out))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "node 1: 9 files of node 0 from its own replica" in result.stdout, result.stdout
+    assert f"assembled step_00004 in {out}: 33 files" in result.stdout, result.stdout
+    assert files_of(out / "step_00004") == every_file(before)
+    assert not list(c.spool(0).iterdir())          # the spools are left as they were
+    assert not [p for p in out.iterdir() if p.name != "step_00004"]   # no temporaries
+    inside = recover(c, "--to", str(c.spool(2) / "out"), nodes=3)
+    assert inside.returncode == 2 and inside.stderr.count("error:") == 1, inside.stderr
+    assert f"--to {c.spool(2) / 'out'}: overlaps paths.spool ({c.spool(2)})" in inside.stderr
 
 
 def test_single_process_recovery_of_a_one_node_job(cluster):

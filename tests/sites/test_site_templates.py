@@ -203,3 +203,44 @@ def test_the_staged_copy_is_what_the_node_steps_run(tmp_path):
     with pytest.raises(subprocess.CalledProcessError):
         site.execute(step(steps, "unpack"), CX_FAKE_EXEC="1")
     assert (other / "keep").read_text() == "x"
+
+
+def lost_node_loop(site: FakeSite, down: set[str], spares: list[str], **variables: str
+                   ) -> subprocess.CompletedProcess[str]:
+    """The job library's step after a failed training step, through the Slurm stubs:
+    hosts in `down` read as down in sinfo; then the recovery step it would launch."""
+    states = "".join(f"printf '%s\\n' '{h} {'down*' if h in down else 'allocated'}'\n"
+                     for h in site.hosts)
+    for name, text in (("squeue", f"echo 'n[001-{len(site.hosts):03d}]'\n"),
+                       ("sinfo", states)):
+        (site.bin / name).write_text(f"#!/bin/sh\n{text}")
+    nodes = [h for h in site.hosts if h not in spares]
+    script = (f'CX_SCHEDULER=slurm; source "$CX_ROOT/scripts/lib/cachex-job.sh";'
+              f' CX_SET=({" ".join(nodes)}); CX_SPARE=({" ".join(spares)});'
+              ' cx_replace_lost; cx_step recover 1; echo "recover: ${CX_ARGV[*]}"')
+    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
+                          env={**site.env, "CACHEX_CONFIG": str(site.tmp / "c.toml"),
+                               **variables}, stdin=subprocess.DEVNULL, cwd=site.tmp)
+
+
+def test_a_lost_node_without_a_spare_goes_on_with_fewer_down_to_min_nodes(tmp_path):
+    site = FakeSite(tmp_path, "slurm", hosts=5)
+    # a spare left: it replaces the lost node, the count stays
+    replaced = lost_node_loop(site, {"n002"}, ["n005"])
+    assert "--nodes=4 " in replaced.stdout and "n001,n003,n004,n005" in replaced.stdout
+    # two lost, one spare, MIN_NODES=3: the recovery runs on the 3 nodes left
+    shrunk = lost_node_loop(site, {"n002", "n003"}, ["n005"], MIN_NODES="3")
+    assert shrunk.returncode == 0, shrunk.stderr
+    assert ("lost 2 nodes (n002 n003), only 1 spares left: going on with 3 of 4 nodes"
+            " (MIN_NODES=3)") in shrunk.stdout, shrunk.stdout
+    recover = next(line for line in shrunk.stdout.splitlines() if line.startswith("recover:"))
+    assert flag(recover.split(), "--nodes") == "3"
+    assert flag(recover.split(), "--nodelist") == "n001,n004,n005"
+    # below MIN_NODES, or MIN_NODES=0 (never fewer): the job ends with one line
+    for minimum, why in (("4", "3 nodes, below MIN_NODES=4"),
+                         ("0", "recovery needs 4 nodes (MIN_NODES=0; set MIN_NODES to go"
+                               " on with fewer)")):
+        failed = lost_node_loop(site, {"n002", "n003"}, ["n005"], MIN_NODES=minimum)
+        assert failed.returncode == 1 and "recover:" not in failed.stdout
+        errors = [line for line in failed.stderr.splitlines() if "error:" in line]
+        assert len(errors) == 1 and f"only 1 spares left: {why}" in errors[0], failed.stderr

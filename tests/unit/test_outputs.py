@@ -53,6 +53,6 @@ def test_each_difference_is_named(change, expected):
 
 def test_optional_keys_may_be_absent_or_present():
     base = {"schema": SCHEMA, "ckpt": "s", "seq": 1, "dry_run": True, "nodes": 2,
-            "erasure": [], "moves": []}
+            "onto": 2, "to": None, "placement": [], "erasure": [], "moves": []}
     assert problems("recover", base) == []
     assert problems("recover", {**base, "seconds": 1.0, "fallbacks": []}) == []
