@@ -215,6 +215,7 @@ def test_megatron_core_drill(cluster, tmp_path):
 # gets a new build
 DS_OPS = {"TORCH_EXTENSIONS_DIR": str(Path(sys.prefix) / "torch_extensions"),
           "DS_ACCELERATOR": "cpu"}
+ZERO_STATES = "zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"     # each rank's own
 
 
 @pytest.mark.timeout(1200)      # the first run compiles: measured 1.5 to 4 min here
@@ -240,8 +241,8 @@ def test_deepspeed_drill(cluster, tmp_path, monkeypatch):
     assert (c.spool(1) / "latest").read_text() == ckpt
     assert (c.spool(1) / ckpt / model).read_bytes() == (c.spool(0) / ckpt / model).read_bytes()
     before = {n: files_of(c.spool(n) / ckpt) for n in range(2)}
-    assert set(before[0]) == {model, "zero_pp_rank_0_mp_rank_00_optim_states.pt"}
-    assert set(before[1]) == {model, "zero_pp_rank_1_mp_rank_00_optim_states.pt"}
+    assert set(before[0]) == {model, ZERO_STATES.format(rank=0)}
+    assert set(before[1]) == {model, ZERO_STATES.format(rank=1)}
     # its converters go to the spool root, beside `latest`, not into the tag
     assert (c.spool(0) / "zero_to_fp32.py").is_file()
 
@@ -253,3 +254,35 @@ def test_deepspeed_drill(cluster, tmp_path, monkeypatch):
 
     resumed = train("deepspeed_trainer.py", c.root, *args, "--resume")
     assert resumed == reference
+
+
+@pytest.mark.timeout(900)       # the op's build, when this runs before the drill
+def test_deepspeed_writes_latest_before_the_other_ranks_files(tmp_path, monkeypatch):
+    """Why the `deepspeed` rule has each node check its own part: in DeepSpeed's
+    `save_checkpoint`, rank 0 writes `latest` before the barrier. Rank 1's optimizer
+    states go into a FIFO that nobody reads, so its write cannot finish: `latest` still
+    appears, naming the step, while rank 1 is held in its own save."""
+    for name, value in DS_OPS.items():
+        monkeypatch.setenv(name, value)
+    held = tmp_path / "node1" / "spool" / "global_step2" / ZERO_STATES.format(rank=1)
+    held.parent.mkdir(parents=True)
+    os.mkfifo(held)
+    trainer = subprocess.Popen(
+        [str(MPIEXEC), "-n", "2", sys.executable, str(ROOT / "examples" / "deepspeed_trainer.py"),
+         "--spool", f"{tmp_path}/node{{node}}/spool", "--port", str(free_port()),
+         "--steps", "2", "--save-steps", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        latest = tmp_path / "node0" / "spool" / "latest"
+        wait_for(lambda: latest.is_file() and latest.read_text() == "global_step2"
+                 or trainer.poll() is not None, 840, "rank 0's `latest`")
+        assert trainer.poll() is None, trainer.communicate()[0].decode()[-3000:]
+        # rank 1 has not written a byte yet: its FIFO was never opened for reading
+        with open(held, "rb") as fifo:
+            states = fifo.read()
+        assert states.startswith(b"PK")                 # torch.save's zip, now complete
+        out, _ = trainer.communicate(timeout=120)
+        assert trainer.returncode == 0, out.decode()[-3000:]
+    finally:
+        if trainer.poll() is None:
+            kill_tree(trainer)
