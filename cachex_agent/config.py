@@ -397,7 +397,7 @@ MEANINGS: dict[str, str] = {
                    " nothing changed for `commit.settle`).",
     "commit.settle": "How long a node's files must stay unchanged before they are captured"
                      " when the rule's marker does not vouch for every node (`quiescence`,"
-                     " `marker:<glob>`, `torch`).",
+                     " `marker:<glob>`, `torch`, `hf`, `deepspeed`).",
     "commit.timeout": "How long every node may take to capture its part after a commit (its"
                       " directory may appear late); past it the checkpoint fails.",
     "commit.scan": "Period of the polling rescan of the spool; inotify is the fast path.",

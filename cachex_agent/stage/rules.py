@@ -248,19 +248,35 @@ class TrackerRule(CommitRule):
 
 class DeepSpeedRule(TrackerRule):
     """DeepSpeed: `<spool>/latest` holds the tag (`global_stepN` by default) of the last
-    complete save. deepspeed/runtime/engine.py, `DeepSpeedEngine.save_checkpoint`: every
-    rank writes its `zero_pp_rank_*_optim_states.pt` (`_save_zero_checkpoint`), data-
-    parallel rank 0 `mp_rank_*_model_states.pt` (`_save_checkpoint`), then
-    `dist.barrier()` and rank 0 writes `latest` (`save_latest=True`).
+    complete save. Read in deepspeed 0.19.8, runtime/engine.py,
+    `DeepSpeedEngine.save_checkpoint(save_dir)`: every rank creates `<save_dir>/<tag>/`
+    (`_create_checkpoint_file`); data-parallel rank 0 (`save_non_zero_checkpoint`)
+    writes `<tag>/mp_rank_NN_model_states.pt` (`_save_checkpoint`, `_get_ckpt_name`);
+    every rank writes its own `<tag>/zero_pp_rank_<dp>_mp_rank_NN_optim_states.pt`
+    (`bf16_` before it with bf16; `_save_zero_checkpoint`, `_get_rank_zero_ckpt_name`);
+    then global rank 0 writes `latest` (`save_latest=True`) and only then comes the
+    `dist.barrier()`. Nothing orders the other ranks' writes before `latest` (the
+    default `TorchCheckpointEngine.commit` does nothing): `latest` vouches for rank 0's
+    files alone, so every node checks its own part (`commit.settle`) before capturing.
 
-    Global files: inside the tag, `mp_rank_*_model_states.pt` is written by data-parallel
-    rank 0 only (unless `use_node_local_storage` is on) yet every rank loads it;
-    `latest` itself is read by every rank's `load_checkpoint`.
+    Global files: `mp_rank_*_model_states.pt` is written by data-parallel rank 0 only
+    (unless `checkpoint.use_node_local_storage` is on, then by each node's local rank 0)
+    yet every rank's `load_checkpoint` reads it (`_load_checkpoint`); `latest` itself,
+    read by every rank, is the tracker (mirrored as a spool-root file). ZeRO stage 3's
+    `zero_pp_rank_<dp>_mp_rank_NN_model_states.pt` are each rank's own. Each rank reads
+    only its own optimizer states (`_get_all_zero_checkpoint_state_dicts`), unless
+    `zero_optimization.elastic_checkpoint` is on, which the rule does not mirror.
+
+    `zero_to_fp32.py` and `zero_to_torch.py` (`_copy_recovery_script`) go to
+    `<save_dir>` itself, the spool root, not into the tag, and are overwritten by every
+    save: they are copies of DeepSpeed's own offline converters, which no load reads,
+    and are not captured.
     """
 
     name = "deepspeed"
     tracker = "latest"
-    _GLOBAL = ("mp_rank_*_model_states.pt", "zero_to_fp32.py")
+    marker_implies_complete = False     # the barrier comes after `latest`, see above
+    _GLOBAL = ("mp_rank_*_model_states.pt",)
 
     def global_files(self, ckpt_dir: Path) -> list[str]:
         return _present(ckpt_dir, self._GLOBAL)

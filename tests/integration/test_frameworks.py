@@ -1,7 +1,8 @@
 """The failure drill on the frameworks' own trainers, unchanged (the `[frameworks]`
 extra): Hugging Face `transformers.Trainer`, Lightning `Trainer` + `ModelCheckpoint`,
-Orbax `CheckpointManager` on JAX CPU and Megatron-Core `dist_checkpointing`; CPU, 2
-processes in 2 virtual nodes, each saving into its own node's spool.
+Orbax `CheckpointManager` on JAX CPU, Megatron-Core `dist_checkpointing` and DeepSpeed
+ZeRO stage 2 on its CPU accelerator; CPU, 2 processes in 2 virtual nodes, each saving
+into its own node's spool.
 Agents run beside them with `commit.rule = "auto"`; then node 0 is lost (its spool,
 stage and NVMe wiped, the PFS moved away), `cachex recover` rebuilds it from node 1's
 replicas, the framework's own resume reads each node's spool, and the final weights equal
@@ -16,9 +17,10 @@ import socket
 import stat
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
-from harness import BIN, MPIEXEC, ROOT, files_of, kill_tree
+from harness import BIN, MPIEXEC, ROOT, files_of, kill_tree, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 COMMIT = 'settle = "0.5s"\ntimeout = "60s"'
@@ -33,16 +35,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_example(example: str, root, *args: str) -> subprocess.CompletedProcess[str]:
+def run_example(example: str, root, *args: str, timeout: float = 300
+                ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(MPIEXEC), "-n", "2", sys.executable, str(ROOT / "examples" / example),
          "--spool", f"{root}/node{{node}}/spool", "--port", str(free_port()), *args],
-        capture_output=True, text=True, timeout=300)
+        capture_output=True, text=True, timeout=timeout)
 
 
-def train(example: str, root, *args: str) -> str:
+def train(example: str, root, *args: str, timeout: float = 300) -> str:
     """Run examples/<example> on 2 processes; the sha256 of its final weights."""
-    result = run_example(example, root, *args)
+    result = run_example(example, root, *args, timeout=timeout)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     # rank 0's report; mpiexec interleaves the ranks' output, so the other rank's text
     # may come before it on the same line, or after it
@@ -205,3 +208,81 @@ def test_megatron_core_drill(cluster, tmp_path):
     resumed = train("megatron_trainer.py", c.root, *args, "--resume")
     reference = train("megatron_trainer.py", tmp_path / "reference", *args)
     assert resumed == reference
+
+
+# DeepSpeed's CPU accelerator JIT-compiles its shared-memory comm op on every start
+# (examples/deepspeed_trainer.py): once per venv, under the venv, so a new torch
+# gets a new build
+DS_OPS = {"TORCH_EXTENSIONS_DIR": str(Path(sys.prefix) / "torch_extensions"),
+          "DS_ACCELERATOR": "cpu"}
+ZERO_STATES = "zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"     # each rank's own
+
+
+@pytest.mark.timeout(1200)      # the first run compiles: measured 1.5 to 4 min here
+def test_deepspeed_drill(cluster, tmp_path, monkeypatch):
+    """DeepSpeed 0.19.8, ZeRO stage 2 on its CPU accelerator (gloo), 2 processes in 2
+    virtual nodes, each rank's `engine.save_checkpoint(<its node's spool>)`; resume by
+    DeepSpeed's own `engine.load_checkpoint(<spool>)`."""
+    for name, value in DS_OPS.items():
+        monkeypatch.setenv(name, value)
+    args = ("--steps", "8", "--save-steps", "2")
+    # the uninterrupted run first: it builds the op before any agent waits on it
+    reference = train("deepspeed_trainer.py", tmp_path / "reference", *args, timeout=900)
+
+    c = cluster(nodes=2, rule="auto", commit=COMMIT)
+    c.start_agents()
+    train("deepspeed_trainer.py", c.root, *args, "--stop-at", "4")
+    ckpt = "global_step4"
+    c.wait_level(ckpt, "flushed", timeout=120)
+    assert rules_shown(c) == {"global_step2": "deepspeed", ckpt: "deepspeed"}
+    # rank 0 alone wrote the model states and `latest`; every rank's load reads them
+    model = "mp_rank_00_model_states.pt"
+    wait_for(lambda: (c.spool(1) / "latest").is_file(), 60, "`latest` mirrored to node 1")
+    assert (c.spool(1) / "latest").read_text() == ckpt
+    assert (c.spool(1) / ckpt / model).read_bytes() == (c.spool(0) / ckpt / model).read_bytes()
+    before = {n: files_of(c.spool(n) / ckpt) for n in range(2)}
+    assert set(before[0]) == {model, ZERO_STATES.format(rank=0)}
+    assert set(before[1]) == {model, ZERO_STATES.format(rank=1)}
+    # its converters go to the spool root, beside `latest`, not into the tag
+    assert (c.spool(0) / "zero_to_fp32.py").is_file()
+
+    lose_node0_and_recover(c, ckpt)
+    for node in range(2):
+        assert files_of(c.spool(node) / ckpt) == before[node]
+        assert (c.spool(node) / "latest").read_text().strip() == ckpt
+    assert not (c.spool(0) / "global_step2").exists()    # node 0 lost it: not recovered
+
+    resumed = train("deepspeed_trainer.py", c.root, *args, "--resume")
+    assert resumed == reference
+
+
+@pytest.mark.timeout(900)       # the op's build, when this runs before the drill
+def test_deepspeed_writes_latest_before_the_other_ranks_files(tmp_path, monkeypatch):
+    """Why the `deepspeed` rule has each node check its own part: in DeepSpeed's
+    `save_checkpoint`, rank 0 writes `latest` before the barrier. Rank 1's optimizer
+    states go into a FIFO that nobody reads, so its write cannot finish: `latest` still
+    appears, naming the step, while rank 1 is held in its own save."""
+    for name, value in DS_OPS.items():
+        monkeypatch.setenv(name, value)
+    held = tmp_path / "node1" / "spool" / "global_step2" / ZERO_STATES.format(rank=1)
+    held.parent.mkdir(parents=True)
+    os.mkfifo(held)
+    trainer = subprocess.Popen(
+        [str(MPIEXEC), "-n", "2", sys.executable, str(ROOT / "examples" / "deepspeed_trainer.py"),
+         "--spool", f"{tmp_path}/node{{node}}/spool", "--port", str(free_port()),
+         "--steps", "2", "--save-steps", "2"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        latest = tmp_path / "node0" / "spool" / "latest"
+        wait_for(lambda: latest.is_file() and latest.read_text() == "global_step2"
+                 or trainer.poll() is not None, 840, "rank 0's `latest`")
+        assert trainer.poll() is None, trainer.communicate()[0].decode()[-3000:]
+        # rank 1 has not written a byte yet: its FIFO was never opened for reading
+        with open(held, "rb") as fifo:
+            states = fifo.read()
+        assert states.startswith(b"PK")                 # torch.save's zip, now complete
+        out, _ = trainer.communicate(timeout=120)
+        assert trainer.returncode == 0, out.decode()[-3000:]
+    finally:
+        if trainer.poll() is None:
+            kill_tree(trainer)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from cachex_agent.stage.rules import (
     AutoRule,
+    DeepSpeedRule,
     HfRule,
     MegatronRule,
     OrbaxRule,
@@ -62,6 +63,34 @@ def test_megatron_tracker_and_torch_dist(tmp_path):
     assert rule.global_files(tmp_path / "iter_0000004") == ["common.pt", "metadata.json"]
     assert tracker_text("latest_checkpointed_iteration.txt", "iter_0000004") == "4"
     assert tracker_text("latest", "global_step7") == "global_step7"
+
+
+def test_deepspeed_zero2_layout_of_its_own_save(tmp_path):
+    """What deepspeed 0.19.8's `save_checkpoint(<spool>)` left on 2 nodes (ZeRO stage 2,
+    test_frameworks.py's drill): the tag directory on each, the model states and the
+    tracker on node 0, the recovery scripts at node 0's spool root."""
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    write(node0 / "global_step4" / "mp_rank_00_model_states.pt")
+    write(node0 / "global_step4" / "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    write(node1 / "global_step4" / "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    write(node0 / "zero_to_fp32.py")
+    write(node0 / "zero_to_torch.py")
+    write(node0 / "latest", b"global_step4")
+    for rule in (DeepSpeedRule(), AutoRule(1.0)):
+        assert rule.committed(node0) == ["global_step4"]
+        assert rule.global_files(node0 / "global_step4") == ["mp_rank_00_model_states.pt"]
+        # the scripts are not the checkpoint's: no load reads them
+        assert rule.root_entries(node0, "global_step4") == ["latest"]
+        assert not rule.vouches_for(node0 / "global_step4")
+        assert rule.global_files(node1 / "global_step4") == []
+    auto = AutoRule(1.0)
+    assert auto.committed(node0) == ["global_step4"] and auto.kind("global_step4") == "deepspeed"
+    assert detect_kind(node1 / "global_step4") == "deepspeed"    # before `latest` reaches it
+    # ZeRO stage 3 and bf16: every rank's own model and optimizer states, none global
+    stage3 = tmp_path / "z3" / "global_step2"
+    write(stage3 / "zero_pp_rank_0_mp_rank_00_model_states.pt")
+    write(stage3 / "bf16_zero_pp_rank_0_mp_rank_00_optim_states.pt")
+    assert DeepSpeedRule().global_files(stage3) == [] and detect_kind(stage3) == "deepspeed"
 
 
 def test_orbax_tmp_dirs_never_commit(tmp_path):

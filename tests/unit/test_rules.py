@@ -16,6 +16,7 @@ from cachex_agent.stage.rules import (
     DcpRule,
     DeepSpeedRule,
     MarkerRule,
+    MegatronRule,
     QuiescenceRule,
     checkpoint_names,
     detect_kind,
@@ -412,15 +413,17 @@ def test_make_rule_rejects_unknown_and_negative_settle():
 def test_framework_markers_vouch_for_every_node_others_do_not(tmp_path):
     ckpt = tmp_path / "step_1"
     ckpt.mkdir()
-    # DCP's .metadata follows a gather, DeepSpeed's `latest` a barrier
+    # DCP's .metadata follows a gather, Megatron's tracker a barrier
     assert DcpRule().vouches_for(ckpt) and DcpRule.marker_implies_complete
-    assert DeepSpeedRule().vouches_for(ckpt) and DeepSpeedRule.marker_implies_complete
+    assert MegatronRule().vouches_for(ckpt) and MegatronRule.marker_implies_complete
+    # DeepSpeed's rank 0 writes `latest` before the barrier (engine.py save_checkpoint)
+    assert not DeepSpeedRule().vouches_for(ckpt)
     # a user's glob and a settle measured on another node say nothing about this one
     assert not MarkerRule("*/COMMITTED").vouches_for(ckpt)
     assert not QuiescenceRule(2.0).vouches_for(ckpt)
 
 
-def test_auto_vouches_for_framework_saves_not_for_its_quiescence_fallback(tmp_path):
+def test_auto_vouches_for_dcp_saves_not_deepspeed_nor_its_quiescence_fallback(tmp_path):
     rule = AutoRule(2.0)
     dcp = tmp_path / "step_1"
     dcp.mkdir()
@@ -430,6 +433,7 @@ def test_auto_vouches_for_framework_saves_not_for_its_quiescence_fallback(tmp_pa
     generic = tmp_path / "run_3"
     generic.mkdir()
     (generic / "weights.bin").write_bytes(b"x")
-    assert rule.vouches_for(dcp) and rule.vouches_for(deepspeed)
+    assert rule.vouches_for(dcp)
+    assert not rule.vouches_for(deepspeed)      # `latest` comes before the barrier
     assert not rule.vouches_for(generic)
     assert not rule.vouches_for(tmp_path / "not_there_yet")
