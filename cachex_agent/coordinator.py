@@ -284,7 +284,7 @@ class Coordinator:
                 "updated": now, "state": self.state.phase, "nodes": self.nodes,
                 "heartbeat": {"t": now, "pid": os.getpid(), "host": socket.gethostname(),
                               "period": HEARTBEAT},
-                "redundancy": redundancy(self.config),
+                "redundancy": redundancy(self.config, self.nodes),
                 "notes": notes(self.state), "checkpoints": status_rows(self.state)}
 
     def write_status(self) -> None:

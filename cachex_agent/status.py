@@ -118,8 +118,12 @@ def redundancy_line(redundancy: dict[str, Any] | None) -> str | None:
     if redundancy.get("scheme", "copy") == "copy":
         return (f"replicated: a full copy of each node's part on"
                 f" {redundancy.get('copies', 1)} partner(s); survives {lost}")
-    return (f"replicated: {redundancy['scheme']} parity over groups of"
-            f" {redundancy['group']} nodes; each group survives {lost}")
+    group = redundancy["group"]
+    larger = sorted({n for n in redundancy.get("sizes") or [] if n != group})
+    extra = (f" ({', '.join(map(str, larger))} where the nodes left over joined a group:"
+             " more data members, the same parity)" if larger else "")
+    return (f"replicated: {redundancy['scheme']} parity over groups of {group}"
+            f" nodes{extra}; each group survives {lost}")
 
 
 def format_status(status: dict[str, Any]) -> str:

@@ -60,14 +60,19 @@ def group_map(config: Config, hosts_by_node: list[str]) -> list[list[int]] | Non
     return build_groups(domains, config.peer.group)
 
 
-def redundancy(config: Config) -> dict[str, object]:
+def redundancy(config: Config, nodes: int) -> dict[str, object]:
     """What `replicated` means in this run, for status.json: the scheme, and for erasure
-    schemes the group size and the lost members a group survives."""
+    schemes the group size, the sizes the groups of `nodes` nodes really have (leftovers
+    make some larger: rs:4+2 on 8 nodes is one group of 8, K 6) and the lost members a
+    group survives."""
     if config.peer.scheme == "copy":
         return {"scheme": "copy", "copies": config.peer.copies,
                 "survives": config.peer.copies}
-    _k, m = shape(config.peer.scheme, config.peer.group, config.peer.group)
-    return {"scheme": config.peer.scheme, "group": config.peer.group, "survives": m}
+    size = config.peer.group
+    _k, m = shape(config.peer.scheme, size, size)
+    count = max(1, nodes // size)
+    return {"scheme": config.peer.scheme, "group": size, "survives": m,
+            "sizes": [len(range(g, nodes, count)) for g in range(count)]}
 
 
 def group_of(node: int, groups: list[list[int]]) -> list[int]:

@@ -78,7 +78,7 @@ def test_xor_groups_of_four_reach_replicated_and_parity_verifies(cluster):
     assert "xor parity over groups of 4 nodes; each group survives 1 lost node" \
         in c.shown["status"].stdout, c.shown["status"].stdout
     assert json.loads(c.shown["ls --json"].stdout)["redundancy"] == {
-        "scheme": "xor", "group": 4, "survives": 1}
+        "scheme": "xor", "group": 4, "survives": 1, "sizes": [4, 4]}
     model_plan_knows_the_scheme(c)
 
 

@@ -109,3 +109,22 @@ def test_too_few_domains_is_a_configuration_error():
         build_groups(["r0", "r0", "r0", "r1", "r1", "r2", "r2", "r3"], 4)
     with pytest.raises(ConfigError, match="peer.group: groups of 4 nodes need at least 4"):
         build_groups(["a", "b", "c"], 4)
+
+
+def test_status_says_the_sizes_the_groups_really_have():
+    """rs:4+2 on 8 nodes is one group of 8 (K 6): status says so, not only the setting."""
+    from cachex_agent.config import load
+    from cachex_agent.peer.groups import redundancy
+    from cachex_agent.status import redundancy_line
+
+    base = {"paths.spool": "/x", "paths.pfs": "/y"}
+    rs = redundancy(load(None, {**base, "peer.scheme": "rs:4+2", "peer.group": "6"}), 8)
+    assert rs == {"scheme": "rs:4+2", "group": 6, "survives": 2, "sizes": [8]}
+    assert redundancy_line(rs) == ("replicated: rs:4+2 parity over groups of 6 nodes (8"
+                                   " where the nodes left over joined a group: more data"
+                                   " members, the same parity); each group survives 2"
+                                   " lost nodes")
+    xor = redundancy(load(None, {**base, "peer.scheme": "xor", "peer.group": "4"}), 8)
+    assert redundancy_line(xor) == ("replicated: xor parity over groups of 4 nodes; each"
+                                    " group survives 1 lost node")
+    assert redundancy(load(None, base), 8) == {"scheme": "copy", "copies": 1, "survives": 1}
