@@ -300,6 +300,14 @@ class MegatronRule(TrackerRule):
     `metadata.json`, `.metadata`, the tracker; in the legacy format,
     `mp_rank_*/model_optim_rng.pt` of data-parallel rank 0 (kept as global only where a
     single node holds it, see GlobalManifest.build).
+
+    Data-parallel replicas' `__R_*.distcp` are not mirrored: a plain save has the main
+    replica's rank write them and every replica read them, which node-local spools do
+    not serve; with the fully parallel save and load (strategies/fully_parallel.py,
+    `FullyParallelSaveStrategyWrapper` / `FullyParallelLoadStrategyWrapper`) both sides
+    compute the same split (exchange_utils.py,
+    `determine_main_replica_uniform_distribution`) and each rank reads only the files it
+    wrote, so each node's own part suffices (docs/levels.md, known limits).
     """
 
     name = "megatron"

@@ -179,35 +179,71 @@ def test_megatron_core_unchanged_on_a_cpu_only_torch_stops_in_its_own_save(tmp_p
     assert any(f.startswith("dist_checkpointing/") for f in frames), result.stderr[-3000:]
 
 
-def test_megatron_core_drill(cluster, tmp_path):
-    """Megatron-Core `dist_checkpointing.save/load` (torch_dist) of a tensor-parallel
-    model, gloo, 2 processes in 2 virtual nodes, with Megatron-LM's tracker; its two
-    CUDA calls redirected to the CPU (examples/megatron_trainer.py
-    --cuda-calls-on-cpu), the drill runs on the layout its own save writes."""
+def distcp_files_named(ckpt_dir: Path) -> set[str]:
+    """The `__R_T.distcp` files DCP's `.metadata` says hold a chunk (torch's own reader:
+    torch/distributed/checkpoint/filesystem.py, `FileSystemReader.read_metadata`)."""
+    from torch.distributed.checkpoint import FileSystemReader
+    metadata = FileSystemReader(str(ckpt_dir)).read_metadata()
+    return {item.relative_path for item in metadata.storage_data.values()}
+
+
+MEGATRON_PARALLEL = {
+    # each rank writes and reads its own shards
+    "tensor": ("--parallel", "tensor"),
+    # the same tensors on both nodes (replica_id = data-parallel rank); Megatron-Core's
+    # fully parallel wrappers split the save between the replicas and give each rank
+    # the same share to load, the rest over the process group
+    "data": ("--parallel", "data", "--fully-parallel"),
+}
+
+
+@pytest.mark.parametrize("parallel", list(MEGATRON_PARALLEL))
+def test_megatron_core_drill(cluster, tmp_path, parallel):
+    """Megatron-Core `dist_checkpointing.save/load` (torch_dist), gloo, 2 processes in 2
+    virtual nodes, with Megatron-LM's tracker, tensor-parallel or data-parallel (fully
+    parallel save and load); its two CUDA calls redirected to the CPU
+    (examples/megatron_trainer.py --cuda-calls-on-cpu), the drill runs on the layout its
+    own save writes."""
     c = cluster(nodes=2, rule="auto", commit=COMMIT)
-    c.start_agents()
-    args = ("--iters", "8", "--save-interval", "2", "--cuda-calls-on-cpu")
-    first = run_example("megatron_trainer.py", c.root, *args, "--stop-at", "4")
-    assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
-    ckpt, tracker = "iter_0000004", "latest_checkpointed_iteration.txt"
-    c.wait_level(ckpt, "flushed", timeout=120)
-    assert rules_shown(c) == {"iter_0000002": "megatron", ckpt: "megatron"}
-    # rank 0 alone wrote these; every rank's load reads them: mirrored to node 1
-    for name in ("common.pt", "metadata.json", ".metadata"):
-        assert (c.spool(1) / ckpt / name).read_bytes() == (c.spool(0) / ckpt / name).read_bytes()
-    assert (c.spool(1) / tracker).read_text() == "4"
-    before = {n: files_of(c.spool(n) / ckpt) for n in range(2)}
-    assert any(f.startswith("__1_") for f in before[1])
-    assert not any(f.startswith("__1_") for f in before[0])
+    args = ("--iters", "8", "--save-interval", "2", "--cuda-calls-on-cpu",
+            *MEGATRON_PARALLEL[parallel])
+    # the uninterrupted run shares nothing with the drill: it runs beside it
+    reference = subprocess.Popen(
+        [str(MPIEXEC), "-n", "2", sys.executable, str(ROOT / "examples" / "megatron_trainer.py"),
+         "--spool", f"{tmp_path}/reference/node{{node}}/spool", "--port", str(free_port()),
+         *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)                 # kill_tree signals its group
+    try:
+        c.start_agents()
+        first = run_example("megatron_trainer.py", c.root, *args, "--stop-at", "4")
+        assert first.returncode == 0, first.stdout[-2000:] + first.stderr[-3000:]
+        ckpt, tracker = "iter_0000004", "latest_checkpointed_iteration.txt"
+        c.wait_level(ckpt, "flushed", timeout=120)
+        assert rules_shown(c) == {"iter_0000002": "megatron", ckpt: "megatron"}
+        # rank 0 alone wrote these; every rank's load reads them: mirrored to node 1
+        for name in ("common.pt", "metadata.json", ".metadata"):
+            assert ((c.spool(1) / ckpt / name).read_bytes()
+                    == (c.spool(0) / ckpt / name).read_bytes())
+        assert (c.spool(1) / tracker).read_text() == "4"
+        before = {n: files_of(c.spool(n) / ckpt) for n in range(2)}
+        own = [{f for f in before[n] if f.endswith(".distcp")} for n in range(2)]
+        # each node holds only its own rank's files, and each holds chunks
+        for node in range(2):
+            assert own[node] and all(f.startswith(f"__{node}_") for f in own[node]), own
+        assert distcp_files_named(c.spool(0) / ckpt) == own[0] | own[1]
 
-    lose_node0_and_recover(c, ckpt)
-    for node in range(2):
-        assert files_of(c.spool(node) / ckpt) == before[node]
-        assert (c.spool(node) / tracker).read_text().strip() == "4"
+        lose_node0_and_recover(c, ckpt)
+        for node in range(2):
+            assert files_of(c.spool(node) / ckpt) == before[node]
+            assert (c.spool(node) / tracker).read_text().strip() == "4"
 
-    resumed = train("megatron_trainer.py", c.root, *args, "--resume")
-    reference = train("megatron_trainer.py", tmp_path / "reference", *args)
-    assert resumed == reference
+        resumed = train("megatron_trainer.py", c.root, *args, "--resume")
+        out, err = reference.communicate(timeout=300)
+    finally:
+        if reference.poll() is None:
+            kill_tree(reference)
+    assert reference.returncode == 0, out[-2000:] + err[-3000:]
+    assert DONE.findall(out) == [resumed]
 
 
 # DeepSpeed's CPU accelerator JIT-compiles its shared-memory comm op on every start
