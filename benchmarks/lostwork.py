@@ -40,6 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from contention import Contention, ThrottledPFS, unavailable  # noqa: E402
 from predict import (  # noqa: E402
+    drain,
+    end,
     level_of,
     load_status_ok,
     prune_spool,
@@ -50,7 +52,6 @@ from predict import (  # noqa: E402
 )
 
 from cachex_agent import config as configuration  # noqa: E402
-from cachex_agent.layout import pfs_stop_file  # noqa: E402
 from cachex_agent.model.history import History, config_event_files, load_history  # noqa: E402
 from cachex_agent.model.lostwork import mean_period, observed, replayed_loss  # noqa: E402
 from cachex_agent.model.plan import CLASSES, HOUR, Rates, make_plan  # noqa: E402
@@ -79,14 +80,9 @@ def run_periodic(root: Path, pfs: ThrottledPFS, scenario: str, path: str, nodes:
             prune_spool(cfg, nodes, *(f"step_{j:05d}" for j in range(i - 1, i + 2)))
         last = f"step_{count:05d}"
         wait(lambda: level_of(cfg, last) in ("flushed", "failed"), 300, f"{run} {last}")
-        stop = pfs_stop_file(cfg.node_paths(0).pfs)
-        stop.parent.mkdir(parents=True, exist_ok=True)
-        stop.write_text("")
-        agents.wait(timeout=120)
+        drain(cfg, agents)
     finally:
-        if agents.poll() is None:
-            os.killpg(agents.pid, 9)
-            agents.wait()
+        end(agents)
     print()
     return cfg
 

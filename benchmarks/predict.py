@@ -172,16 +172,26 @@ def run_workloads(root: Path, pfs: ThrottledPFS, scenario: str, nodes: int,
             LOADS.append(os.getloadavg()[0])
             print(f"  {run}: {ckpt} {size // MiB} MiB {level_of(cfg, ckpt)}", flush=True,
                   end="\r")
-        stop = pfs_stop_file(cfg.node_paths(0).pfs)
-        stop.parent.mkdir(parents=True, exist_ok=True)
-        stop.write_text("")
-        agents.wait(timeout=120)
+        drain(cfg, agents)
     finally:
-        if agents.poll() is None:
-            os.killpg(agents.pid, signal.SIGKILL)
-            agents.wait()
+        end(agents)
     print()
     return config
+
+
+def drain(cfg: configuration.Config, agents: subprocess.Popen) -> None:
+    """`cachex stop` by its file on the PFS: the agents flush and exit."""
+    stop = pfs_stop_file(cfg.node_paths(0).pfs)
+    stop.parent.mkdir(parents=True, exist_ok=True)
+    stop.write_text("")
+    agents.wait(timeout=120)
+
+
+def end(agents: subprocess.Popen) -> None:
+    """What a drain did not end (an error on the way): killed with its session."""
+    if agents.poll() is None:
+        os.killpg(agents.pid, signal.SIGKILL)
+        agents.wait()
 
 
 def load_status_ok(cfg: configuration.Config) -> bool:
