@@ -89,6 +89,10 @@ from .topology import place_checked
 log = logging.getLogger(__name__)
 IDLE_AFTER = 2.0    # seconds without a message or work in flight before the loop slows down
 IDLE_TICK = 0.1     # the slowed tick: a first message from another agent waits this long
+# MPICH moves messages only inside MPI calls, and a thread blocked in one spins (it took
+# its full share of a core here), while a 1 ms Iprobe tick costs 2-3% of one
+# (docs/benchmarks.md#replication): poll this fast only while a peer message is due
+PEER_TICK = 0.001
 
 
 class Agent:
@@ -169,7 +173,7 @@ class Agent:
             return None         # flush-only (asked for, or one failure domain), or erasure
         return Replicator(self.comm, self.placement.node, pmap, self.ranks_by_node,
                           self.config, self.paths, self.events, self._send_peer,
-                          self.inbox.put, self.stages)
+                          self.inbox.put, self.stages, wake=self.inbox.wake)
 
     def _ranks_by_node(self) -> list[int]:
         pairs = self.comm.allgather((self.node, self.rank))
@@ -220,8 +224,8 @@ class Agent:
 
     def _tick(self) -> float:
         """How long the main loop sleeps (a worker's message ends the sleep at once)."""
-        if self.replicator is not None and self.replicator.busy():
-            return 0.001        # credits and slots: the partner waits on this loop
+        if self.replicator is not None and self.replicator.waits_on_peer():
+            return PEER_TICK    # a credit, an ack or a slot is due over MPI: poll for it
         if time.monotonic() - self._active < IDLE_AFTER:
             return self.config.agent.poll
         # nothing for a while: fewer wake-ups, each costs as much as a step

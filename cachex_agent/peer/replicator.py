@@ -216,8 +216,10 @@ class ReplicateHandle(Handle):
 class Replicator:
     def __init__(self, comm: Any, node: int, pmap: list[list[int]], ranks_by_node: list[int],
                  config: Config, paths: NodePaths, events: EventLog, send: Send,
-                 post: Post, log_: StageLog | None = None) -> None:
-        """`log_`: where stage states go (journal and events); events only if None."""
+                 post: Post, log_: StageLog | None = None,
+                 wake: Callable[[], None] = lambda: None) -> None:
+        """`log_`: where stage states go (journal and events); events only if None.
+        `wake`: ends the main loop's sleep (the agent's inbox), see `waits_on_peer`."""
         self.node = node
         self.partners = pmap[self.node]
         self.ranks = ranks_by_node
@@ -235,7 +237,8 @@ class Replicator:
                                     config.peer.slot)
         self.store = ReplicaStore(paths.replicas, self.window,
                                   {o: i for i, o in enumerate(incoming(self.node, pmap))},
-                                  config.keep.replica, post, events, config.agent.timeout)
+                                  config.keep.replica, post, events, config.agent.timeout,
+                                  wake)
         self.buffer = np.empty(config.peer.slot, dtype=np.uint8)
         self.queues: dict[int, deque[Sender]] = {p: deque() for p in self.partners}
         self.dead: dict[int, str] = {}
@@ -329,6 +332,19 @@ class Replicator:
 
     def busy(self) -> bool:
         return any(self.queues.values()) or self.store.busy()
+
+    def waits_on_peer(self) -> bool:
+        """What moves replication next is a message from another agent: a credit (every
+        slot of a partner in flight), an ack, or, as a partner, the next slot of an open
+        stream while the writer is dry. Only then must the main loop poll MPI; any other
+        next move (the capture posting a file, the writer finishing a slot) comes from
+        this agent's own threads, which wake the loop through the inbox."""
+        for queue in self.queues.values():
+            head = queue[0] if queue else None
+            if head is not None and (head.state == "ending"
+                                     or head.state == "sending" and not head.free):
+                return True
+        return self.store.expects_slots()
 
     def _pump_one(self, sender: Sender, now: float) -> None:
         if sender.state == "queued":

@@ -122,10 +122,12 @@ class _Incoming:
 
 class ReplicaStore:
     def __init__(self, root: Path, window: ReceiveWindow, regions: dict[int, int], keep: int,
-                 post: Post, events: EventLog, idle: float = 60.0) -> None:
+                 post: Post, events: EventLog, idle: float = 60.0,
+                 wake: Callable[[], None] = lambda: None) -> None:
+        """`wake`: ends the main loop's sleep; called when the writer runs out of work."""
         self.root = makedirs(root)
         self.window, self.regions, self.keep = window, regions, keep
-        self.post, self.events = post, events
+        self.post, self.events, self.wake = post, events, wake
         self.idle = idle
         self._open_streams: dict[int, float] = {}       # owner -> last heard
         self._tasks: queue.Queue[tuple[str, tuple[Any, ...]] | None] = queue.Queue()
@@ -164,6 +166,12 @@ class ReplicaStore:
                               if now - t < self.idle}
         return self._tasks.unfinished_tasks > 0 or bool(self._open_streams)
 
+    def expects_slots(self) -> bool:
+        """A stream is open and the writer has nothing queued: the next move is the
+        owner's next message, over MPI. While the writer has work, its credits (and
+        the wake when it runs dry) end the main loop's sleep instead."""
+        return self._tasks.unfinished_tasks == 0 and self.busy()
+
     def close(self, timeout: float = 10.0) -> None:
         self._tasks.put(None)
         self._thread.join(timeout)
@@ -179,6 +187,8 @@ class ReplicaStore:
                 log.exception("replica writer: %s %s", kind, args[:2])
             finally:
                 self._tasks.task_done()
+            if self._tasks.unfinished_tasks == 0:
+                self.wake()     # dry: the main loop polls for the owner's next slot again
         self._tasks.task_done()
 
     def _do_begin(self, owner: int, manifest: LocalManifest, streamed: bool) -> None:
