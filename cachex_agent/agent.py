@@ -3,8 +3,9 @@
 Threads and who does what:
   main     every MPI call (messages to and from the coordinator), the coordinator's
            decisions on rank 0, stop requests; ticks every `agent.poll` seconds
-           (IDLE_TICK after IDLE_AFTER seconds with nothing to do), and at once
-           when a worker thread puts a message into the inbox
+           (IDLE_TICK after IDLE_AFTER seconds with nothing to do, PEER_TICK while a
+           peer message is due: `Replicator.waits_on_peer`), and at once when a worker
+           thread puts a message into the inbox
   watch    the spool (inotify + rescans): commit markers -> inbox
   capture  one checkpoint at a time: spool -> stage, checksums, local manifest
            (stage/worker.py)

@@ -20,7 +20,9 @@ Each owner has `peer.slots` slots of `peer.slot` bytes in each partner's window,
 memory is bounded by the window whatever the checkpoint size, and several owners can
 send to one partner at once. Bytes go from a mapping of the staged file straight into
 the partner's window (no read into a buffer first). The main thread calls `pump()`
-every tick: it never blocks on a partner. A partner that leaves slots unanswered for
+every tick: it never blocks on a partner. It polls MPI fast only while `waits_on_peer()`
+(a credit, an ack or a slot is due); the partner's writer and the capture wake it through
+the inbox for everything else. A partner that leaves slots unanswered for
 `agent.timeout` is declared dead: reported, never sent to again in this run; the
 owner's data goes on to the PFS.
 """
@@ -321,10 +323,17 @@ class Replicator:
         """Move what can move now; detect partners that stopped answering."""
         now = time.monotonic()
         for queue in self.queues.values():
+            # an ack handled since the last pump ended the head: begin the next one now,
+            # not a tick later (a queued head is no peer message the loop would poll for)
+            self._drop_ended(queue)
             if queue:
                 self._pump_one(queue[0], now)
-            while queue and queue[0].state in ("done", "failed"):
-                queue.popleft()
+            self._drop_ended(queue)
+
+    @staticmethod
+    def _drop_ended(queue: deque[Sender]) -> None:
+        while queue and queue[0].state in ("done", "failed"):
+            queue.popleft()
 
     def pending(self) -> set[str]:
         """Checkpoints whose replication has not finished (their source must stay)."""
