@@ -90,9 +90,9 @@ from .topology import place_checked
 log = logging.getLogger(__name__)
 IDLE_AFTER = 2.0    # seconds without a message or work in flight before the loop slows down
 IDLE_TICK = 0.1     # the slowed tick: a first message from another agent waits this long
-# MPICH moves messages only inside MPI calls, and a thread blocked in one spins (it took
-# its full share of a core here), while a 1 ms Iprobe tick costs 2-3% of one
-# (docs/benchmarks.md#replication): poll this fast only while a peer message is due
+# MPICH moves messages only inside MPI calls, and a thread blocked in one spins (a third
+# to a half of a core here at load 8) where a 1 ms Iprobe tick costs 2-3% of one
+# (docs/benchmarks.md#the-main-loops-wait): poll this fast only while a peer message is due
 PEER_TICK = 0.001
 
 
