@@ -52,6 +52,9 @@ from .window import ReceiveWindow
 
 log = logging.getLogger(__name__)
 Post = Callable[[Any], None]        # into the agent's inbox (main thread sends)
+# after an ack the owner's next part, if one is queued, begins within a tick or two:
+# poll for its `begin` this long instead of hearing it at the next agent.poll tick
+LINGER = 0.05
 
 
 def held_replicas(root: Path) -> dict[int, list[LocalManifest]]:
@@ -130,6 +133,7 @@ class ReplicaStore:
         self.post, self.events, self.wake = post, events, wake
         self.idle = idle
         self._open_streams: dict[int, float] = {}       # owner -> last heard
+        self._linger_until = 0.0    # monotonic: the last ack's LINGER ends
         self._tasks: queue.Queue[tuple[str, tuple[Any, ...]] | None] = queue.Queue()
         self._incoming: dict[tuple[int, str], _Incoming] = {}
         self._hashing = ThreadPoolExecutor(1, thread_name_prefix="replica-hash")
@@ -167,10 +171,12 @@ class ReplicaStore:
         return self._tasks.unfinished_tasks > 0 or bool(self._open_streams)
 
     def expects_slots(self) -> bool:
-        """A stream is open and the writer has nothing queued: the next move is the
-        owner's next message, over MPI. While the writer has work, its credits (and
-        the wake when it runs dry) end the main loop's sleep instead."""
-        return self._tasks.unfinished_tasks == 0 and self.busy()
+        """A stream is open (or an ack went out less than LINGER ago) and the writer has
+        nothing queued: the next move is an owner's next message, over MPI. While the
+        writer has work, its credits (and the wake when it runs dry) end the main loop's
+        sleep instead."""
+        lingering = time.monotonic() < self._linger_until
+        return self._tasks.unfinished_tasks == 0 and (self.busy() or lingering)
 
     def close(self, timeout: float = 10.0) -> None:
         self._tasks.put(None)
@@ -299,6 +305,7 @@ class ReplicaStore:
             self.events.emit("replica_done", ckpt=ckpt, seq=item.manifest.seq, owner=owner,
                              bytes=item.manifest.bytes)
             self._retain(owner)
+        self._linger_until = time.monotonic() + LINGER
         self.post(ToNode(owner, Ack(ckpt, error is None, error)))
 
     def _abandon(self, item: _Incoming) -> None:
