@@ -239,6 +239,10 @@ def profile_report(owner: Trace, partner: Trace, start: float, end: float,
                  f" fsync {raw_fsync:.3f}s")
     writes = partner.spans.get("_do_write", [])
     begin_in, begins = partner.marks.get("begin_in", []), partner.spans.get("_do_begin", [])
+    begin_out, slot_out = owner.marks.get("begin_out", []), owner.marks.get("slot_out", [])
+    if begin_out and slot_out:
+        lines.append(f"  start-up: owner sent begin after {1e3 * (begin_out[0] - start):.1f} ms,"
+                     f" its first slot after {1e3 * (slot_out[0] - start):.1f} ms")
     if begin_in and begins and writes:
         lines.append(f"  start-up: partner received begin after {1e3 * (begin_in[0] - start):.1f}"
                      f" ms, writer ran begin {1e3 * (begins[0][0] - start):.1f}-"
@@ -250,6 +254,14 @@ def profile_report(owner: Trace, partner: Trace, start: float, end: float,
         lines.append(f"  first slot reached the writer after {first - start:.3f}s; writer idle"
                      f" between slots {sum(gaps):.3f}s (max gap {max(gaps, default=0):.4f}s);"
                      f" last write done {end - last:.3f}s before the end")
+    ends = partner.spans.get("_do_end", [])
+    for end in ends[:-1]:       # back to back: the writer's gap from one part to the next
+        before = [w[1] for w in writes if w[1] <= end[0]]
+        after = [w[0] for w in writes if w[0] >= end[1]]
+        if before and after:
+            lines.append(f"  between checkpoints: the writer's last slot of one to the first"
+                         f" of the next {1e3 * (min(after) - max(before)):.1f} ms (the end"
+                         f" and commit {1e3 * (end[1] - end[0]):.1f} ms of it)")
     # credit round trip: writer posts it -> partner main thread sends it -> owner hears it
     posted, sent = partner.marks.get("credit_post", []), partner.marks.get("credit_send", [])
     heard = owner.marks.get("credit_in", [])
@@ -376,8 +388,9 @@ def raw_write(comm: Any, directory: Path, sizes: list[int], pool: np.ndarray, sl
 
 class Driver:
     """Both ranks' Replicator, driven like agent.py's main loop (Agent._step: inbox, then
-    one `while iprobe` pass, then pump; sleep 1 ms while busy, else agent.poll). Keep the
-    two in step, so a change to the agent's cadence shows up here."""
+    one `while probe` pass (two Iprobes, as `Agent._probe`), then pump; then the sleep of
+    `--tick`, on the agent's Inbox). Keep the two in step, so a change to the agent's
+    cadence shows up here."""
 
     def __init__(self, comm: Any, cfg: Config, trace: Trace | None, tick: str = "peer"
                  ) -> None:
@@ -404,11 +417,14 @@ class Driver:
                                      self.send, post, wake=self.posts.wake)
         if trace is not None:
             instrument(self.replicator, trace, comm.rank)
-        self.result: dict[str, Any] | None = None
+        self.results: list[dict[str, Any]] = []
+        self.back_to_back = 1     # checkpoints queued at once per replicate run
         self.finished = 0.0
         self.cpu: list[dict[str, float]] = []     # per replicate run: main thread, process
 
-    def send(self, rank: int, msg: dict[str, Any]) -> None:
+    def send(self, rank: int, msg: Any) -> None:
+        if self.trace is not None:
+            self.trace.mark(f"{msg.TYPE}_out")
         self.requests.append(self.comm.isend(wire(msg), dest=rank, tag=PEER))
 
     def step(self) -> None:
@@ -420,9 +436,9 @@ class Driver:
                     self.trace.mark("credit_send")
                 self.send(msg.node, msg.message)
             elif msg["type"] == "replicated":
-                self.result = msg
+                self.results.append(msg)
         status = MPI.Status()
-        while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=PEER, status=status):
+        while self.probe(status):
             source = status.Get_source()
             msg = decode(self.comm.recv(source=source, tag=PEER), f"rank {source}", PEER)
             if self.trace is not None:
@@ -435,25 +451,33 @@ class Driver:
         self.replicator.pump()
         self.requests = [r for r in self.requests if not r.Test()]
 
+    def probe(self, status: Any) -> bool:
+        """As `Agent._probe`: MPICH's first Iprobe may only drive progress."""
+        from mpi4py import MPI
+        return any(self.comm.iprobe(source=MPI.ANY_SOURCE, tag=PEER, status=status)
+                   for _ in range(2))
+
     def replicate(self, entries: list[FileEntry], source: Path, seq: int) -> float | None:
-        """Collective; the owner's time from replicate() to the `replicated` post."""
+        """Collective; the owner's time from replicate() to the last `replicated` post
+        (`back_to_back` checkpoints of the same files queued at once)."""
         comm = self.comm
-        ckpt = f"step_{seq:05d}"
-        self.result = None
+        ckpts = [f"step_{seq:05d}_{k}" for k in range(self.back_to_back)]
+        self.results = []
         comm.Barrier()
         start = time.perf_counter()
         if self.trace is not None:
             self.trace.mark("start")
         if comm.rank == 0:
-            manifest = LocalManifest(run="bench", ckpt=ckpt, seq=seq, node=0, host="bench",
-                                     rank=0, files=entries)
-            self.replicator.replicate(manifest, source)
+            for k, ckpt in enumerate(ckpts):
+                self.replicator.replicate(LocalManifest(
+                    run="bench", ckpt=ckpt, seq=seq * self.back_to_back + k, node=0,
+                    host="bench", rank=0, files=entries), source)
         barrier = comm.Ibarrier() if comm.rank == 1 else None
         deadline = time.monotonic() + 300
         main_cpu, process_cpu, steps = time.thread_time(), time.process_time(), 0
         while time.monotonic() < deadline:
             self.step()
-            if barrier is None and self.result is not None:
+            if barrier is None and len(self.results) == len(ckpts):
                 barrier = comm.Ibarrier()   # done as the owner; the partner may still be busy
             if (barrier is not None and barrier.Test() and not self.replicator.busy()
                     and not self.requests):
@@ -465,10 +489,11 @@ class Driver:
         self.cpu.append({"main": time.thread_time() - main_cpu,
                          "process": time.process_time() - process_cpu, "steps": steps})
         if comm.rank == 0:
-            if not self.result or not self.result["ok"]:
-                raise RuntimeError(f"replication failed: {self.result}")
+            if not all(r["ok"] for r in self.results):
+                raise RuntimeError(f"replication failed: {self.results}")
             return self.finished - start
-        self._check_and_remove(ckpt, entries)
+        for ckpt in ckpts:
+            self._check_and_remove(ckpt, entries)
         return None
 
     def sleep(self) -> float:
@@ -527,6 +552,9 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--iface", default=os.environ.get("UCX_NET_DEVICES", "lo").split(",")[0],
                         help="the interface of the TCP stream (default: UCX_NET_DEVICES, else lo)")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--back-to-back", type=int, default=1,
+                        help="checkpoints (the same files) queued at once per replicate run;"
+                             " rates count all their bytes")
     parser.add_argument("--tick", default="peer",
                         help="the main loop's sleep while replicating, comma-separated to"
                              f" alternate several in one run: {', '.join(TICKS)}"
@@ -571,6 +599,7 @@ def main(argv: list[str] | None = None) -> int:
         if not set(ticks) <= set(TICKS):
             raise SystemExit(f"--tick: one or more of {', '.join(TICKS)}")
         driver = Driver(comm, cfg, trace)
+        driver.back_to_back = args.back_to_back
         win = MPI.Win.Allocate(slots * slot if comm.rank == 1 else 1, disp_unit=1, comm=comm)
         win.Lock_all()
         rng = np.random.default_rng(2)
@@ -631,14 +660,17 @@ def main(argv: list[str] | None = None) -> int:
                                                       for k in kinds), flush=True)
         traces = comm.gather(trace) if trace is not None else None
         if comm.rank == 0:
-            rate = {k: size / MiB / statistics.median(v) for k, v in times.items()}
-            best = {k: size / MiB / min(v) for k, v in times.items()}
+            moved = {k: size * (args.back_to_back if k.startswith("replicate") else 1)
+                     for k in kinds}
+            rate = {k: moved[k] / MiB / statistics.median(v) for k, v in times.items()}
+            best = {k: moved[k] / MiB / min(v) for k, v in times.items()}
             for kind in kinds:
                 print(f"{kind:10s} median {rate[kind]:8.1f} MiB/s   best {best[kind]:8.1f} MiB/s")
             if traces is not None:
                 owner, partner = traces
                 for line in profile_report(owner, partner, owner.marks["start"][-1],
-                                           owner.marks["end"][-1], size):
+                                           owner.marks["end"][-1],
+                                           size * args.back_to_back):
                     print(line)
             limit = min(rate["put"], rate["write"])
             ratios = {k: rate[k] / limit for k in replicates}
