@@ -36,6 +36,7 @@ fit, then the remainder as one last file. At 1 GiB: 16, 32, 64, 128, 256, 512 Mi
     mpiexec -n 2 python benchmarks/replicate.py [--size 1GiB] [--slot 16MiB] [--slots 4]
                                                 [--dir DIR] [--cache DIR] [--repeat 3]
                                                 [--tcp [--iface IF]] [--profile]
+                                                [--tick peer,busy,spin] [--back-to-back N]
                                                 [--json FILE]
 
 --dir is where the partner's replicas go: a disk by default (/tmp); `--dir /dev/shm` is
