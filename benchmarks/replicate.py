@@ -36,6 +36,7 @@ fit, then the remainder as one last file. At 1 GiB: 16, 32, 64, 128, 256, 512 Mi
     mpiexec -n 2 python benchmarks/replicate.py [--size 1GiB] [--slot 16MiB] [--slots 4]
                                                 [--dir DIR] [--cache DIR] [--repeat 3]
                                                 [--tcp [--iface IF]] [--profile]
+                                                [--tick peer,busy,spin] [--back-to-back N]
                                                 [--json FILE]
 
 --dir is where the partner's replicas go: a disk by default (/tmp); `--dir /dev/shm` is
@@ -81,7 +82,8 @@ MiB = 1024 * 1024
 GiB = 1024 * MiB
 PEER = Tag.PEER
 CTRL = 9            # this benchmark's own "stop idling" message
-BUSY_TICK = 0.001   # agent.py sleeps this long between steps while the replicator is busy
+BUSY_TICK = 0.001   # the partner's Iprobe tick while it idles in the raw Put
+TICKS = ("peer", "busy", "spin")     # Driver.sleep
 SMALL = [0, 100, 4096, 64 * 1024 + 1, MiB, 3 * MiB - 1]
 
 
@@ -238,6 +240,10 @@ def profile_report(owner: Trace, partner: Trace, start: float, end: float,
                  f" fsync {raw_fsync:.3f}s")
     writes = partner.spans.get("_do_write", [])
     begin_in, begins = partner.marks.get("begin_in", []), partner.spans.get("_do_begin", [])
+    begin_out, slot_out = owner.marks.get("begin_out", []), owner.marks.get("slot_out", [])
+    if begin_out and slot_out:
+        lines.append(f"  start-up: owner sent begin after {1e3 * (begin_out[0] - start):.1f} ms,"
+                     f" its first slot after {1e3 * (slot_out[0] - start):.1f} ms")
     if begin_in and begins and writes:
         lines.append(f"  start-up: partner received begin after {1e3 * (begin_in[0] - start):.1f}"
                      f" ms, writer ran begin {1e3 * (begins[0][0] - start):.1f}-"
@@ -249,6 +255,14 @@ def profile_report(owner: Trace, partner: Trace, start: float, end: float,
         lines.append(f"  first slot reached the writer after {first - start:.3f}s; writer idle"
                      f" between slots {sum(gaps):.3f}s (max gap {max(gaps, default=0):.4f}s);"
                      f" last write done {end - last:.3f}s before the end")
+    ends = partner.spans.get("_do_end", [])
+    for end in ends[:-1]:       # back to back: the writer's gap from one part to the next
+        before = [w[1] for w in writes if w[1] <= end[0]]
+        after = [w[0] for w in writes if w[0] >= end[1]]
+        if before and after:
+            lines.append(f"  between checkpoints: the writer's last slot of one to the first"
+                         f" of the next {1e3 * (min(after) - max(before)):.1f} ms (the end"
+                         f" and commit {1e3 * (end[1] - end[0]):.1f} ms of it)")
     # credit round trip: writer posts it -> partner main thread sends it -> owner hears it
     posted, sent = partner.marks.get("credit_post", []), partner.marks.get("credit_send", [])
     heard = owner.marks.get("credit_in", [])
@@ -375,38 +389,43 @@ def raw_write(comm: Any, directory: Path, sizes: list[int], pool: np.ndarray, sl
 
 class Driver:
     """Both ranks' Replicator, driven like agent.py's main loop (Agent._step: inbox, then
-    one `while iprobe` pass, then pump; sleep 1 ms while busy, else agent.poll). Keep the
-    two in step, so a change to the agent's cadence shows up here."""
+    one `while probe` pass (two Iprobes, as `Agent._probe`), then pump; then the sleep of
+    `--tick`, on the agent's Inbox). Keep the two in step, so a change to the agent's
+    cadence shows up here."""
 
-    def __init__(self, comm: Any, cfg: Config, trace: Trace | None) -> None:
-        import queue
-
+    def __init__(self, comm: Any, cfg: Config, trace: Trace | None, tick: str = "peer"
+                 ) -> None:
+        from cachex_agent.inbox import Inbox
         from cachex_agent.peer.partners import replication_map
         from cachex_agent.peer.replicator import Replicator
         from cachex_agent.topology import place_in
-        self.comm, self.cfg, self.trace = comm, cfg, trace
+        self.comm, self.cfg, self.trace, self.tick = comm, cfg, trace, tick
         self.paths = cfg.node_paths(comm.rank)
         self.paths.replicas.mkdir(parents=True, exist_ok=True)
-        self.posts: queue.Queue[dict[str, Any]] = queue.Queue()
+        self.posts = Inbox()    # the agent's: a post ends the loop's sleep at once
         self.requests: list[Any] = []
         self.events = EventLog(events_path(self.paths.journal), node=comm.rank)
         post = self.posts.put
         if trace is not None and comm.rank == 1:
-            def post(msg: dict[str, Any]) -> None:
-                if msg["type"] == "credit":
+            def post(msg: Any) -> None:
+                if isinstance(msg, ToNode) and isinstance(msg.message, Credit):
                     trace.mark("credit_post")
                 self.posts.put(msg)
         placement = place_in(comm, "rank")
         self.replicator = Replicator(comm, placement.node,
                                      replication_map(cfg, list(placement.hosts)),
                                      list(range(comm.size)), cfg, self.paths, self.events,
-                                     self.send, post)
+                                     self.send, post, wake=self.posts.wake)
         if trace is not None:
             instrument(self.replicator, trace, comm.rank)
-        self.result: dict[str, Any] | None = None
+        self.results: list[dict[str, Any]] = []
+        self.back_to_back = 1     # checkpoints queued at once per replicate run
         self.finished = 0.0
+        self.cpu: list[dict[str, float]] = []     # per replicate run: main thread, process
 
-    def send(self, rank: int, msg: dict[str, Any]) -> None:
+    def send(self, rank: int, msg: Any) -> None:
+        if self.trace is not None:
+            self.trace.mark(f"{msg.TYPE}_out")
         self.requests.append(self.comm.isend(wire(msg), dest=rank, tag=PEER))
 
     def step(self) -> None:
@@ -418,9 +437,9 @@ class Driver:
                     self.trace.mark("credit_send")
                 self.send(msg.node, msg.message)
             elif msg["type"] == "replicated":
-                self.result = msg
+                self.results.append(msg)
         status = MPI.Status()
-        while self.comm.iprobe(source=MPI.ANY_SOURCE, tag=PEER, status=status):
+        while self.probe(status):
             source = status.Get_source()
             msg = decode(self.comm.recv(source=source, tag=PEER), f"rank {source}", PEER)
             if self.trace is not None:
@@ -433,37 +452,61 @@ class Driver:
         self.replicator.pump()
         self.requests = [r for r in self.requests if not r.Test()]
 
+    def probe(self, status: Any) -> bool:
+        """As `Agent._probe`: MPICH's first Iprobe may only drive progress."""
+        from mpi4py import MPI
+        return any(self.comm.iprobe(source=MPI.ANY_SOURCE, tag=PEER, status=status)
+                   for _ in range(2))
+
     def replicate(self, entries: list[FileEntry], source: Path, seq: int) -> float | None:
-        """Collective; the owner's time from replicate() to the `replicated` post."""
+        """Collective; the owner's time from replicate() to the last `replicated` post
+        (`back_to_back` checkpoints of the same files queued at once)."""
         comm = self.comm
-        ckpt = f"step_{seq:05d}"
-        self.result = None
+        ckpts = [f"step_{seq:05d}_{k}" for k in range(self.back_to_back)]
+        self.results = []
         comm.Barrier()
         start = time.perf_counter()
         if self.trace is not None:
             self.trace.mark("start")
         if comm.rank == 0:
-            manifest = LocalManifest(run="bench", ckpt=ckpt, seq=seq, node=0, host="bench",
-                                     rank=0, files=entries)
-            self.replicator.replicate(manifest, source)
+            for k, ckpt in enumerate(ckpts):
+                self.replicator.replicate(LocalManifest(
+                    run="bench", ckpt=ckpt, seq=seq * self.back_to_back + k, node=0,
+                    host="bench", rank=0, files=entries), source)
         barrier = comm.Ibarrier() if comm.rank == 1 else None
         deadline = time.monotonic() + 300
+        main_cpu, process_cpu, steps = time.thread_time(), time.process_time(), 0
         while time.monotonic() < deadline:
             self.step()
-            if barrier is None and self.result is not None:
+            if barrier is None and len(self.results) == len(ckpts):
                 barrier = comm.Ibarrier()   # done as the owner; the partner may still be busy
             if (barrier is not None and barrier.Test() and not self.replicator.busy()
                     and not self.requests):
                 break
-            time.sleep(BUSY_TICK if self.replicator.busy() else self.cfg.agent.poll)
+            self.posts.wait(self.sleep())
+            steps += 1
         else:
             raise RuntimeError(f"rank {comm.rank}: replication did not finish in 300 s")
+        self.cpu.append({"main": time.thread_time() - main_cpu,
+                         "process": time.process_time() - process_cpu, "steps": steps})
         if comm.rank == 0:
-            if not self.result or not self.result["ok"]:
-                raise RuntimeError(f"replication failed: {self.result}")
+            if not all(r["ok"] for r in self.results):
+                raise RuntimeError(f"replication failed: {self.results}")
             return self.finished - start
-        self._check_and_remove(ckpt, entries)
+        for ckpt in ckpts:
+            self._check_and_remove(ckpt, entries)
         return None
+
+    def sleep(self) -> float:
+        """The loop's sleep between steps: `peer` is agent.py's (`Agent._tick`: 1 ms only
+        while a peer message is due), `busy` the one before it (1 ms while anything of the
+        replication is in flight), `spin` none while busy."""
+        from cachex_agent.agent import PEER_TICK
+        if self.tick == "peer":
+            return PEER_TICK if self.replicator.waits_on_peer() else self.cfg.agent.poll
+        if not self.replicator.busy():
+            return self.cfg.agent.poll
+        return PEER_TICK if self.tick == "busy" else 0.0
 
     def _check_and_remove(self, ckpt: str, entries: list[FileEntry]) -> None:
         from cachex_agent.layout import replica_dir, replica_manifest_path, replica_owner_dir
@@ -491,6 +534,12 @@ def tcp_ratios(rate: dict[str, float]) -> dict[str, float]:
             "put_vs_tcp": rate["put"] / rate["tcp"]}
 
 
+def cpu_report(runs: list[list[dict[str, float]]]) -> list[dict[str, float]]:
+    """Per rank, the median over repeats of each CPU figure of a replicate run."""
+    return [{key: statistics.median(run[rank][key] for run in runs) for key in runs[0][rank]}
+            for rank in range(len(runs[0]))]
+
+
 def parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="1GiB")
@@ -504,6 +553,13 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--iface", default=os.environ.get("UCX_NET_DEVICES", "lo").split(",")[0],
                         help="the interface of the TCP stream (default: UCX_NET_DEVICES, else lo)")
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--back-to-back", type=int, default=1,
+                        help="checkpoints (the same files) queued at once per replicate run;"
+                             " rates count all their bytes")
+    parser.add_argument("--tick", default="peer",
+                        help="the main loop's sleep while replicating, comma-separated to"
+                             f" alternate several in one run: {', '.join(TICKS)}"
+                             " (Driver.sleep)")
     parser.add_argument("--warmup", type=int, default=1,
                         help="untimed rounds of all three first")
     parser.add_argument("--json", default=None, help="write the results here")
@@ -540,7 +596,11 @@ def main(argv: list[str] | None = None) -> int:
         comm.Barrier()
         cfg = load(root / "bench.toml", environ={})
         trace = Trace() if args.profile else None
+        ticks = args.tick.split(",")
+        if not set(ticks) <= set(TICKS):
+            raise SystemExit(f"--tick: one or more of {', '.join(TICKS)}")
         driver = Driver(comm, cfg, trace)
+        driver.back_to_back = args.back_to_back
         win = MPI.Win.Allocate(slots * slot if comm.rank == 1 else 1, disp_unit=1, comm=comm)
         win.Lock_all()
         rng = np.random.default_rng(2)
@@ -572,13 +632,17 @@ def main(argv: list[str] | None = None) -> int:
                     trace.spans.pop("raw_fsync", None)
                 return raw_write(comm, raw_dir, sizes, pool, slot, trace)
             seq += 1
+            driver.tick = kind.partition(":")[2] or ticks[0]
             if trace is not None:
                 raw = {k: trace.spans.get(k, []) for k in ("raw_pwrite", "raw_fsync")}
                 trace.clear()
                 trace.spans.update(raw)
             return driver.replicate(entries, stage / "src", seq)
 
-        kinds = ["put", "write", "replicate", *(["tcp"] if args.tcp else [])]
+        replicates = (["replicate"] if len(ticks) == 1
+                      else [f"replicate:{tick}" for tick in ticks])
+        kinds = ["put", "write", *replicates, *(["tcp"] if args.tcp else [])]
+        cpu: dict[str, list[list[dict[str, float]]]] = {k: [] for k in replicates}
         for _ in range(args.warmup):
             for kind in kinds:
                 run(kind)
@@ -588,6 +652,8 @@ def main(argv: list[str] | None = None) -> int:
             for kind in kinds[r % len(kinds):] + kinds[:r % len(kinds)]:
                 elapsed = comm.bcast(run(kind), root=0 if kind != "write" else 1)
                 times[kind].append(elapsed)
+                if kind in cpu:
+                    cpu[kind].append(comm.gather(driver.cpu[-1]))
                 if trace is not None and kind != "put":
                     split[kind] = comm.bcast(disk_split(trace, kind), root=1)
             if comm.rank == 0:
@@ -595,28 +661,41 @@ def main(argv: list[str] | None = None) -> int:
                                                       for k in kinds), flush=True)
         traces = comm.gather(trace) if trace is not None else None
         if comm.rank == 0:
-            rate = {k: size / MiB / statistics.median(v) for k, v in times.items()}
-            best = {k: size / MiB / min(v) for k, v in times.items()}
+            moved = {k: size * (args.back_to_back if k.startswith("replicate") else 1)
+                     for k in kinds}
+            rate = {k: moved[k] / MiB / statistics.median(v) for k, v in times.items()}
+            best = {k: moved[k] / MiB / min(v) for k, v in times.items()}
             for kind in kinds:
                 print(f"{kind:10s} median {rate[kind]:8.1f} MiB/s   best {best[kind]:8.1f} MiB/s")
             if traces is not None:
                 owner, partner = traces
                 for line in profile_report(owner, partner, owner.marks["start"][-1],
-                                           owner.marks["end"][-1], size):
+                                           owner.marks["end"][-1],
+                                           size * args.back_to_back):
                     print(line)
             limit = min(rate["put"], rate["write"])
+            ratios = {k: rate[k] / limit for k in replicates}
+            rate["replicate"] = rate[replicates[0]]
             tcp = tcp_ratios(rate) if args.tcp else {}
+            cpu_median = {k: cpu_report(runs) for k, runs in cpu.items()}
             if args.json:
                 Path(args.json).write_text(json.dumps({
                     "date": time.strftime("%Y-%m-%d"), "load": os.getloadavg()[0],
                     "bytes": size, "slot": slot, "slots": slots, "dir": str(root),
                     "nolocal": os.environ.get("MPIR_CVAR_NOLOCAL", ""), "seconds": times,
-                    "median_mib_s": rate, "ratio": rate["replicate"] / limit, **tcp},
-                    indent=1) + "\n")
-            print(f"replicate ratio: {rate['replicate'] / limit:.2f}  (replication"
-                  f" {rate['replicate']:.1f} MiB/s vs min(raw Put {rate['put']:.1f} MiB/s,"
-                  f" raw write {rate['write']:.1f} MiB/s) = {limit:.1f} MiB/s,"
-                  f" {size / GiB:.2f} GiB, slot {human(slot)} x {slots})")
+                    "median_mib_s": rate, "ratio": ratios[replicates[0]], "ratios": ratios,
+                    "cpu": cpu_median, **tcp}, indent=1) + "\n")
+            for kind in replicates:
+                owner, partner = cpu_median[kind]
+                print(f"{kind} CPU per run (median): owner main thread {owner['main']:.3f}s,"
+                      f" process {owner['process']:.3f}s, {owner['steps']:.0f} steps;"
+                      f" partner main thread {partner['main']:.3f}s, process"
+                      f" {partner['process']:.3f}s, {partner['steps']:.0f} steps")
+            for kind in replicates:
+                print(f"{kind} ratio: {ratios[kind]:.2f}  (replication"
+                      f" {rate[kind]:.1f} MiB/s vs min(raw Put {rate['put']:.1f} MiB/s,"
+                      f" raw write {rate['write']:.1f} MiB/s) = {limit:.1f} MiB/s,"
+                      f" {size / GiB:.2f} GiB, slot {human(slot)} x {slots})")
             if tcp:
                 print(f"tcp ratio: {tcp['tcp_ratio']:.2f}  (replication vs min(raw TCP"
                       f" {rate['tcp']:.1f} MiB/s over {args.iface}, raw write); raw Put/raw"

@@ -3,8 +3,9 @@
 Threads and who does what:
   main     every MPI call (messages to and from the coordinator), the coordinator's
            decisions on rank 0, stop requests; ticks every `agent.poll` seconds
-           (IDLE_TICK after IDLE_AFTER seconds with nothing to do), and at once
-           when a worker thread puts a message into the inbox
+           (IDLE_TICK after IDLE_AFTER seconds with nothing to do, PEER_TICK while a
+           peer message is due: `Replicator.waits_on_peer`), and at once when a worker
+           thread puts a message into the inbox
   watch    the spool (inotify + rescans): commit markers -> inbox
   capture  one checkpoint at a time: spool -> stage, checksums, local manifest
            (stage/worker.py)
@@ -89,6 +90,10 @@ from .topology import place_checked
 log = logging.getLogger(__name__)
 IDLE_AFTER = 2.0    # seconds without a message or work in flight before the loop slows down
 IDLE_TICK = 0.1     # the slowed tick: a first message from another agent waits this long
+# MPICH moves messages only inside MPI calls, and a thread blocked in one spins (a third
+# to a half of a core here at load 8) where a 1 ms Iprobe tick costs 2-3% of one
+# (docs/benchmarks.md#the-main-loops-wait): poll this fast only while a peer message is due
+PEER_TICK = 0.001
 
 
 class Agent:
@@ -169,7 +174,7 @@ class Agent:
             return None         # flush-only (asked for, or one failure domain), or erasure
         return Replicator(self.comm, self.placement.node, pmap, self.ranks_by_node,
                           self.config, self.paths, self.events, self._send_peer,
-                          self.inbox.put, self.stages)
+                          self.inbox.put, self.stages, wake=self.inbox.wake)
 
     def _ranks_by_node(self) -> list[int]:
         pairs = self.comm.allgather((self.node, self.rank))
@@ -220,8 +225,8 @@ class Agent:
 
     def _tick(self) -> float:
         """How long the main loop sleeps (a worker's message ends the sleep at once)."""
-        if self.replicator is not None and self.replicator.busy():
-            return 0.001        # credits and slots: the partner waits on this loop
+        if self.replicator is not None and self.replicator.waits_on_peer():
+            return PEER_TICK    # a credit, an ack or a slot is due over MPI: poll for it
         if time.monotonic() - self._active < IDLE_AFTER:
             return self.config.agent.poll
         # nothing for a while: fewer wake-ups, each costs as much as a step

@@ -34,13 +34,16 @@ class Inbox(queue.Queue):  # type: ignore[type-arg]
         except BlockingIOError:
             pass                # full of wake-ups already
 
-    def wait(self, timeout: float) -> None:
-        """Sleep up to `timeout` seconds, less if something is put meanwhile."""
-        if select.select([self._wake_r], [], [], timeout)[0]:
-            try:
-                os.read(self._wake_r, 1 << 16)     # a pipe's worth: every wake-up so far
-            except BlockingIOError:
-                pass
+    def wait(self, timeout: float) -> bool:
+        """Sleep up to `timeout` seconds, less if something is put meanwhile; True if
+        woken (a wake-up that came before the call ends it at once)."""
+        if not select.select([self._wake_r], [], [], timeout)[0]:
+            return False
+        try:
+            os.read(self._wake_r, 1 << 16)     # a pipe's worth: every wake-up so far
+        except BlockingIOError:
+            pass
+        return True
 
 
 def exit_watchdog(bound: float) -> threading.Timer:

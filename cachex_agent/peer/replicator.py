@@ -20,7 +20,9 @@ Each owner has `peer.slots` slots of `peer.slot` bytes in each partner's window,
 memory is bounded by the window whatever the checkpoint size, and several owners can
 send to one partner at once. Bytes go from a mapping of the staged file straight into
 the partner's window (no read into a buffer first). The main thread calls `pump()`
-every tick: it never blocks on a partner. A partner that leaves slots unanswered for
+every tick: it never blocks on a partner. It polls MPI fast only while `waits_on_peer()`
+(a credit, an ack or a slot is due); the partner's writer and the capture wake it through
+the inbox for everything else. A partner that leaves slots unanswered for
 `agent.timeout` is declared dead: reported, never sent to again in this run; the
 owner's data goes on to the PFS.
 """
@@ -216,8 +218,10 @@ class ReplicateHandle(Handle):
 class Replicator:
     def __init__(self, comm: Any, node: int, pmap: list[list[int]], ranks_by_node: list[int],
                  config: Config, paths: NodePaths, events: EventLog, send: Send,
-                 post: Post, log_: StageLog | None = None) -> None:
-        """`log_`: where stage states go (journal and events); events only if None."""
+                 post: Post, log_: StageLog | None = None,
+                 wake: Callable[[], None] = lambda: None) -> None:
+        """`log_`: where stage states go (journal and events); events only if None.
+        `wake`: ends the main loop's sleep (the agent's inbox), see `waits_on_peer`."""
         self.node = node
         self.partners = pmap[self.node]
         self.ranks = ranks_by_node
@@ -235,7 +239,8 @@ class Replicator:
                                     config.peer.slot)
         self.store = ReplicaStore(paths.replicas, self.window,
                                   {o: i for i, o in enumerate(incoming(self.node, pmap))},
-                                  config.keep.replica, post, events, config.agent.timeout)
+                                  config.keep.replica, post, events, config.agent.timeout,
+                                  wake)
         self.buffer = np.empty(config.peer.slot, dtype=np.uint8)
         self.queues: dict[int, deque[Sender]] = {p: deque() for p in self.partners}
         self.dead: dict[int, str] = {}
@@ -318,10 +323,17 @@ class Replicator:
         """Move what can move now; detect partners that stopped answering."""
         now = time.monotonic()
         for queue in self.queues.values():
+            # an ack handled since the last pump ended the head: begin the next one now,
+            # not a tick later (a queued head is no peer message the loop would poll for)
+            self._drop_ended(queue)
             if queue:
                 self._pump_one(queue[0], now)
-            while queue and queue[0].state in ("done", "failed"):
-                queue.popleft()
+            self._drop_ended(queue)
+
+    @staticmethod
+    def _drop_ended(queue: deque[Sender]) -> None:
+        while queue and queue[0].state in ("done", "failed"):
+            queue.popleft()
 
     def pending(self) -> set[str]:
         """Checkpoints whose replication has not finished (their source must stay)."""
@@ -329,6 +341,19 @@ class Replicator:
 
     def busy(self) -> bool:
         return any(self.queues.values()) or self.store.busy()
+
+    def waits_on_peer(self) -> bool:
+        """What moves replication next is a message from another agent: a credit (every
+        slot of a partner in flight), an ack, or, as a partner, the next slot of an open
+        stream while the writer is dry. Only then must the main loop poll MPI; any other
+        next move (the capture posting a file, the writer finishing a slot) comes from
+        this agent's own threads, which wake the loop through the inbox."""
+        for queue in self.queues.values():
+            head = queue[0] if queue else None
+            if head is not None and (head.state == "ending"
+                                     or head.state == "sending" and not head.free):
+                return True
+        return self.store.expects_slots()
 
     def _pump_one(self, sender: Sender, now: float) -> None:
         if sender.state == "queued":

@@ -52,6 +52,9 @@ from .window import ReceiveWindow
 
 log = logging.getLogger(__name__)
 Post = Callable[[Any], None]        # into the agent's inbox (main thread sends)
+# after an ack the owner's next part, if one is queued, begins within a tick or two:
+# poll for its `begin` this long instead of hearing it at the next agent.poll tick
+LINGER = 0.05
 
 
 def held_replicas(root: Path) -> dict[int, list[LocalManifest]]:
@@ -122,12 +125,15 @@ class _Incoming:
 
 class ReplicaStore:
     def __init__(self, root: Path, window: ReceiveWindow, regions: dict[int, int], keep: int,
-                 post: Post, events: EventLog, idle: float = 60.0) -> None:
+                 post: Post, events: EventLog, idle: float = 60.0,
+                 wake: Callable[[], None] = lambda: None) -> None:
+        """`wake`: ends the main loop's sleep; called when the writer runs out of work."""
         self.root = makedirs(root)
         self.window, self.regions, self.keep = window, regions, keep
-        self.post, self.events = post, events
+        self.post, self.events, self.wake = post, events, wake
         self.idle = idle
         self._open_streams: dict[int, float] = {}       # owner -> last heard
+        self._linger_until = 0.0    # monotonic: the last ack's LINGER ends
         self._tasks: queue.Queue[tuple[str, tuple[Any, ...]] | None] = queue.Queue()
         self._incoming: dict[tuple[int, str], _Incoming] = {}
         self._hashing = ThreadPoolExecutor(1, thread_name_prefix="replica-hash")
@@ -164,6 +170,14 @@ class ReplicaStore:
                               if now - t < self.idle}
         return self._tasks.unfinished_tasks > 0 or bool(self._open_streams)
 
+    def expects_slots(self) -> bool:
+        """A stream is open (or an ack went out less than LINGER ago) and the writer has
+        nothing queued: the next move is an owner's next message, over MPI. While the
+        writer has work, its credits (and the wake when it runs dry) end the main loop's
+        sleep instead."""
+        lingering = time.monotonic() < self._linger_until
+        return self._tasks.unfinished_tasks == 0 and (self.busy() or lingering)
+
     def close(self, timeout: float = 10.0) -> None:
         self._tasks.put(None)
         self._thread.join(timeout)
@@ -179,6 +193,8 @@ class ReplicaStore:
                 log.exception("replica writer: %s %s", kind, args[:2])
             finally:
                 self._tasks.task_done()
+            if self._tasks.unfinished_tasks == 0:
+                self.wake()     # dry: the main loop polls for the owner's next slot again
         self._tasks.task_done()
 
     def _do_begin(self, owner: int, manifest: LocalManifest, streamed: bool) -> None:
@@ -289,6 +305,7 @@ class ReplicaStore:
             self.events.emit("replica_done", ckpt=ckpt, seq=item.manifest.seq, owner=owner,
                              bytes=item.manifest.bytes)
             self._retain(owner)
+        self._linger_until = time.monotonic() + LINGER
         self.post(ToNode(owner, Ack(ckpt, error is None, error)))
 
     def _abandon(self, item: _Incoming) -> None:

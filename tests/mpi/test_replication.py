@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import os
-import queue
 import sys
 import time
 from dataclasses import replace
@@ -18,6 +17,7 @@ from support import virtual_nodes_config
 from cachex_agent.checksum import file_checksum
 from cachex_agent.config import load
 from cachex_agent.events import EventLog
+from cachex_agent.inbox import Inbox
 from cachex_agent.layout import replica_dir, replica_manifest_path
 from cachex_agent.manifest import FileEntry, LocalManifest
 from cachex_agent.messages import FileCaptured, Tag, ToNode, decode, wire
@@ -53,11 +53,12 @@ def make_files(directory: Path, sizes: dict[str, int], seed: int) -> list[FileEn
 
 
 def run_replication(root: Path, cfg, sizes_of_rank, ckpts=("c1",), mapped=True,
-                    damage=None, feed=None) -> dict:
+                    damage=None, feed=None, sleep=None) -> dict:
     """Every rank replicates its files to its partners, serving the others meanwhile.
     `damage(source)` runs on each staged checkpoint after its manifest was made.
     `feed(replicator, manifest, source)` starts a replication its own way (a stream) and
-    returns what to do once the loop has run a while (end the capture), or None."""
+    returns what to do once the loop has run a while (end the capture), or None.
+    `sleep(replicator, inbox)` sleeps between turns (default: 0.5 ms)."""
     from mpi4py import MPI
 
     from cachex_agent.peer.replicator import Replicator
@@ -65,7 +66,7 @@ def run_replication(root: Path, cfg, sizes_of_rank, ckpts=("c1",), mapped=True,
     placement = place_in(comm, "rank")
     paths = cfg.node_paths(comm.rank)
     paths.replicas.mkdir(parents=True, exist_ok=True)
-    posts: queue.Queue = queue.Queue()
+    posts = Inbox()
     requests = []
 
     def send(rank, msg):
@@ -73,7 +74,7 @@ def run_replication(root: Path, cfg, sizes_of_rank, ckpts=("c1",), mapped=True,
     events = EventLog(paths.journal / "events.jsonl", node=comm.rank)
     pmap = replication_map(cfg, list(placement.hosts))
     replicator = Replicator(comm, placement.node, pmap, list(range(comm.size)), cfg, paths,
-                            events, send, posts.put)
+                            events, send, posts.put, wake=posts.wake)
     results = {}
     later = []
     for seq, ckpt in enumerate(ckpts, 1):
@@ -111,7 +112,10 @@ def run_replication(root: Path, cfg, sizes_of_rank, ckpts=("c1",), mapped=True,
             barrier = comm.Ibarrier()       # done as an owner; keep serving as a partner
         if barrier is not None and barrier.Test() and not replicator.busy():
             break
-        time.sleep(0.0005)
+        if sleep is None:
+            time.sleep(0.0005)
+        else:
+            sleep(replicator, posts)
     else:
         queued = {p: [(s.manifest.ckpt, s.state, len(s.free)) for s in q]
                   for p, q in replicator.queues.items()}
@@ -168,6 +172,43 @@ def test_replicas_are_byte_identical(mpi_tmp_path, case, mapped):
     assert all_ok(comm, ok), results
     problems = check_replicas(mpi_tmp_path, cfg, ckpts=("c1", "c2"))
     assert all_ok(comm, not problems), problems[:5]
+
+
+FALLBACK = 0.5      # the loop's sleep when no peer message is due; a wake ends it
+
+
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_the_loop_polls_only_while_a_peer_message_is_due(mpi_tmp_path, streamed):
+    """The agent's wait: 1 ms polls only while `waits_on_peer`, else a sleep on the inbox
+    that the writer (credits, acks, running dry) and the capture end. A sleep that ran
+    out while busy with a peer message waiting was a message the policy did not see
+    coming. Checked with a policy that never polls: 15 missed in all for whole parts
+    (each miss costs FALLBACK; other wake-ups hide most), which fails here; streamed,
+    where the owner's capture wakes the loops too, it missed only 2 and the streamed case
+    checks that the stream completes under the policy. The agent's policy missed none."""
+    from mpi4py import MPI
+
+    from cachex_agent.agent import PEER_TICK
+    comm = MPI.COMM_WORLD
+    cfg = config(mpi_tmp_path, '[peer]\nslot = "64KiB"\nslots = 2\n')
+    missed = []
+
+    def sleep(replicator, inbox) -> None:
+        busy = replicator.busy()
+        if replicator.waits_on_peer():
+            inbox.wait(PEER_TICK)
+        elif not inbox.wait(FALLBACK) and busy and comm.iprobe(source=MPI.ANY_SOURCE,
+                                                               tag=PEER):
+            missed.append(time.monotonic())
+    sizes = lambda rank: {"a.bin": 40 * 65536 + rank, "b": 5, "c.bin": 10 * 65536}  # noqa: E731
+    results = run_replication(mpi_tmp_path, cfg, sizes, ckpts=("c1", "c2"), sleep=sleep,
+                              feed=stream if streamed else None)
+    ok = all(r["ok"] for r in results.values()) and len(results) == 2
+    assert all_ok(comm, ok), results
+    assert all_ok(comm, not check_replicas(mpi_tmp_path, cfg, ckpts=("c1", "c2")))
+    counts = comm.allgather(len(missed))
+    print(f"missed per rank: {counts}")
+    assert sum(counts) <= 2, f"peer messages missed per rank: {counts}"
 
 
 @pytest.mark.parametrize("mapped", [True, False], ids=["mapped", "read"])
