@@ -22,11 +22,12 @@ are never idle), started `--load-warmup` seconds (90) before the first checkpoin
 1-minute load average has settled; it is recorded at every checkpoint and printed.
 
 `--fit-nodes 2,4` with `--nodes 2,4,8` fits on the 2- and 4-node runs whole and predicts
-the 8-node runs, which the model never saw (extrapolation in node count).
+the 8-node runs, which the model never saw (extrapolation in node count); `--fit-sizes`
+does the same for checkpoint sizes.
 
     python benchmarks/predict.py [--sizes 24MiB,64MiB,160MiB] [--nodes 2,4] [--count 10]
                                  [--scenarios quiet,contended] [--load N] [--keep DIR]
-                                 [--fit-nodes N,N] [--json FILE]
+                                 [--fit-nodes N,N] [--fit-sizes S,S] [--json FILE]
 """
 
 from __future__ import annotations
@@ -202,19 +203,21 @@ def load_status_ok(cfg: configuration.Config) -> bool:
         return False
 
 
-def split(history: History, fit_nodes: set[int] | None = None) -> tuple[History, list]:
+def split(history: History, fit_nodes: set[int] | None = None,
+          fit_sizes: set[int] | None = None) -> tuple[History, list]:
     """Per (run, size) workload, the first half of the checkpoints fits, the rest tests;
-    with `fit_nodes`, the workloads on those node counts fit whole and the others (node
-    counts the model never saw) are predicted whole."""
+    with `fit_nodes` (`fit_sizes`), the workloads on those node counts (of those sizes)
+    fit whole and the others, which the model never saw, are predicted whole."""
     workloads: dict[tuple[str, int], list] = defaultdict(list)
     for sample in history.level("flushed"):
         workloads[(sample.run, sample.bytes)].append(sample)
     fit_keys = set()
     for samples in workloads.values():
         samples.sort(key=lambda s: s.committed)
-        if fit_nodes is None:
+        if fit_nodes is None and fit_sizes is None:
             samples = samples[: len(samples) // 2]
-        elif samples[0].nodes not in fit_nodes:
+        elif samples[0].nodes not in (fit_nodes or {samples[0].nodes}) or \
+                not _of_size(samples[0].bytes, fit_sizes):
             continue
         fit_keys |= {(s.run, s.ckpt) for s in samples}
     fit = History([s for s in history.stages if (s.run, s.ckpt) in fit_keys],
@@ -223,9 +226,14 @@ def split(history: History, fit_nodes: set[int] | None = None) -> tuple[History,
     return fit, tests
 
 
-def evaluate(history: History, fit_nodes: set[int] | None = None
-             ) -> dict[str, dict[str, float]]:
-    fit, tests = split(history, fit_nodes)
+def _of_size(nbytes: int, sizes: set[int] | None) -> bool:
+    """A checkpoint of one of `sizes` (its shards; `.metadata` adds a few bytes)."""
+    return sizes is None or any(abs(nbytes - size) <= size // 100 for size in sizes)
+
+
+def evaluate(history: History, fit_nodes: set[int] | None = None,
+             fit_sizes: set[int] | None = None) -> dict[str, dict[str, float]]:
+    fit, tests = split(history, fit_nodes, fit_sizes)
     model = fit_system(fit)
     errors: dict[str, list[float]] = defaultdict(list)
     groups: dict[tuple[str, str, int], list[tuple[float, float]]] = defaultdict(list)
@@ -264,14 +272,15 @@ def print_results(results: dict[str, dict[str, dict[str, Any]]]) -> None:
     print("published: 7.1% MAPE of completion-time predictions; calibrated: coverage q +- 0.05")
 
 
-def replay(root: Path, fit_nodes: set[int] | None = None
-           ) -> dict[str, dict[str, dict[str, Any]]]:
+def replay(root: Path, fit_nodes: set[int] | None = None,
+           fit_sizes: set[int] | None = None) -> dict[str, dict[str, dict[str, Any]]]:
     """The figures of a kept run (its <scenario>-n<N>.toml configurations), again."""
     configs: dict[str, list[Path]] = defaultdict(list)
     for config in sorted(root.glob("*-n*.toml")):
         configs[config.stem.rsplit("-n", 1)[0]].append(config)
     return {scenario: evaluate(load_history(
-        [f for c in found for f in config_event_files(configuration.load(c))]), fit_nodes)
+        [f for c in found for f in config_event_files(configuration.load(c))]), fit_nodes,
+        fit_sizes)
         for scenario, found in configs.items()}
 
 
@@ -292,6 +301,9 @@ def main() -> None:
                         help="fit on the runs at these node counts only and predict the"
                         " others whole (extrapolation in node count, e.g. --nodes 2,4,8"
                         " --fit-nodes 2,4)")
+    parser.add_argument("--fit-sizes", metavar="SIZE,SIZE",
+                        help="likewise for checkpoint sizes (whole checkpoint), e.g."
+                        " --sizes 16MiB,48MiB,96MiB --fit-sizes 16MiB,48MiB")
     parser.add_argument("--from-events", metavar="DIR",
                         help="no run: evaluate the events of an earlier --keep DIR")
     parser.add_argument("--keep", help="keep the work directory here")
@@ -300,8 +312,11 @@ def main() -> None:
     global LOAD_COVARIATE
     LOAD_COVARIATE = not args.no_load_covariate
     fit_nodes = {int(n) for n in args.fit_nodes.split(",")} if args.fit_nodes else None
+    fit_sizes = ({configuration.parse_size(s) for s in args.fit_sizes.split(",")}
+                 if args.fit_sizes else None)
     if args.from_events:
-        for scenario, levels in replay(Path(args.from_events), fit_nodes).items():
+        for scenario, levels in replay(Path(args.from_events), fit_nodes,
+                                       fit_sizes).items():
             print_results({scenario: levels})
         return
     sizes = [configuration.parse_size(s) for s in args.sizes.split(",")]
@@ -333,15 +348,17 @@ def main() -> None:
                     if writers:
                         writers.stop()
                 files = [f for c in configs for f in config_event_files(configuration.load(c))]
-                results[scenario] = evaluate(load_history(files), fit_nodes)
+                results[scenario] = evaluate(load_history(files), fit_nodes, fit_sizes)
     finally:
         stop_burning(burners)
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
         shutil.rmtree("/dev/shm/cachex-predict", ignore_errors=True)
     load = [min(LOADS), statistics.median(LOADS), max(LOADS)] if LOADS else []
-    fitted = (f"fit on the runs at {args.fit_nodes} nodes, predicted the others whole"
-              if fit_nodes else "fit on the first half of each workload, predicted the rest")
+    fitted = (f"fit on the runs at nodes {args.fit_nodes or args.nodes}, sizes"
+              f" {args.fit_sizes or args.sizes}; predicted the others whole"
+              if fit_nodes or fit_sizes else
+              "fit on the first half of each workload, predicted the rest")
     print(f"\n{fitted}"
           f" ({time.monotonic() - started:.0f} s; sizes {args.sizes}, nodes {args.nodes},"
           f" {args.count} checkpoints each; --load {args.load}, load average"
@@ -351,6 +368,7 @@ def main() -> None:
         Path(args.json).write_text(json.dumps(
             {"load_processes": args.load, "loadavg": load, "cores": os.cpu_count(),
              "fit_nodes": sorted(fit_nodes) if fit_nodes else None,
+             "fit_sizes": sorted(fit_sizes) if fit_sizes else None,
              "sizes": args.sizes, "nodes": args.nodes, "count": args.count,
              "results": {sc: {lv: {**r, "coverage": {p: {str(q): c for q, c in cov.items()}
                                                      for p, cov in r.get("coverage", {}).items()}}
