@@ -196,7 +196,8 @@ def _best(copies: list[Copy], owner: int, target: int, paths: tuple[str, ...]) -
 def next_source(copies: list[Copy], target: int, owner: int, path: str,
                 tried: set[Copy]) -> Copy | None:
     """Where `target` takes `path` of `owner`'s part from after the copies in `tried`
-    failed for it: its own copies first, then the plan's order of kinds."""
+    failed for it: its own copies first, then the plan's order of kinds. `copies` are
+    the plan's checkpoint's (file names repeat across checkpoints)."""
     left = [c for c in copies if c.owner == owner and path in c.paths and c not in tried
             and (c.kind != "journal" or c.holder == target)]
     if not left:
@@ -350,6 +351,7 @@ def gathered(plan: Plan, copies: list[Copy], nodes: int, to: str) -> Plan:
     node that holds the best copy of its part (spool, stage, replica, the PFS); a PFS
     bundle is extracted by node o mod M, so the ranks share that work."""
     first = paths_once(plan.manifest)
+    copies = [c for c in copies if c.ckpt == plan.ckpt]    # names repeat across ckpts
     moves = []
     for owner in range(len(plan.manifest.nodes)):
         paths = tuple(e.path for e in plan.manifest.node_files(owner) if first[e.path] == owner)

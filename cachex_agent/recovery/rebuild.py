@@ -310,7 +310,10 @@ class _Restore:
         """`check`: raises when this rank's restore was cancelled (inside each round's
         agreement, so every rank fails the round alike)."""
         self.comm, self.config, self.node, self.rank_of = comm, config, node, rank_of
-        self.plan, self.copies, self.progress = plan, copies, progress
+        # the plan's checkpoint only: file names repeat across checkpoints (a retry
+        # must not take __0_0.distcp of an older one)
+        self.copies = [c for c in copies if c.ckpt == plan.ckpt]
+        self.plan, self.progress = plan, progress
         self.check = check
         self.entries = {(e["node"], e["path"]): _entry(e) for e in plan.manifest.files}
         self.spool = config.node_paths(node).spool if plan.to is None else Path(plan.to)

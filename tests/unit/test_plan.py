@@ -246,6 +246,14 @@ def test_gathered_writes_each_path_once_by_its_holder():
     assert sum(bytes_needed(plan).values()) == plan.manifest.bytes
 
 
+def test_an_older_checkpoints_copies_are_never_a_source():
+    """File names repeat across checkpoints: s1's spool copies hold s2's paths too."""
+    copies = [own("s1", n) for n in range(3)] + [replica("s2", n, (n + 1) % 3)
+                                                 for n in range(3)]
+    plan = gathered(choose(MANIFESTS, copies, nodes=3), copies, 3, "/pfs/out")
+    assert plan.ckpt == "s2" and {m.source.ckpt for m in plan.moves} == {"s2"}
+
+
 def test_a_large_resize_is_said_in_one_line_per_target():
     big = manifest("s9", 9, nodes=12)
     copies = [own("s9", n) for n in range(1, 12)] + [replica("s9", 0, 1)]
