@@ -118,8 +118,8 @@ def recover(config: Config, comm: Any, want: str | None = None,
     placement = place_checked(comm, config.topology)
     node = placement.node
     paths = config.node_paths(node, placement.rank, placement.host)
-    for other in range(placement.nodes if to is not None else 0):   # alike on every rank
-        _check_to(config.node_paths(other), to)
+    if to is not None:      # each rank its own directories; all refuse alike
+        agree(comm, "--to", lambda: _check_to(paths, to), config.agent.timeout)
     progress.step(f"listing the copies held by {placement.nodes}"
                   f" node{'s' if placement.nodes > 1 else ''} and the PFS")
     manifests = _shared_manifests(comm, config, paths, exclude)
@@ -194,12 +194,13 @@ def _gather(comm: Any, config: Config, node: int, rank_of: dict[int, int], plan:
 
 
 def _check_to(paths: Any, to: Path) -> None:
-    """`--to` beside cachex's own directories, never in them: a checkpoint written there
-    would be taken for the trainer's (the spool) or removed as cachex's (stage, cache,
-    the run's PFS directory)."""
-    for key, root in (("paths.spool", paths.spool), ("paths.stage", paths.stage),
-                      ("paths.cache", paths.cache), ("paths.pfs", paths.pfs)):
-        if Path(to).resolve() == Path(root).resolve() or is_under(root, to):
+    """`--to` apart from cachex's directories, neither in nor above them: a checkpoint
+    written there would be taken for the trainer's (the spool) or removed as cachex's or
+    another run's (the stage, cache and PFS roots hold every run's directory)."""
+    for key, root in (("paths.spool", paths.spool), ("paths.stage", paths.stage.parent),
+                      ("paths.cache", paths.cache.parent), ("paths.pfs", paths.pfs.parent)):
+        if Path(to).resolve() == Path(root).resolve() or is_under(root, to) \
+                or is_under(to, root):
             raise ConfigError(f"--to {to}: overlaps {key} ({root}); give a directory of"
                               " its own")
 

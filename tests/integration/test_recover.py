@@ -250,6 +250,11 @@ def test_recover_to_a_shared_directory_from_the_survivors(cluster, tmp_path):
     inside = recover(c, "--to", str(c.spool(2) / "out"), nodes=3)
     assert inside.returncode == 2 and inside.stderr.count("error:") == 1, inside.stderr
     assert f"--to {c.spool(2) / 'out'}: overlaps paths.spool ({c.spool(2)})" in inside.stderr
+    for bad, key in ((c.root, "paths.spool"), (c.pfs.parent / "other-run",
+                                              "paths.pfs")):   # above a spool; another run
+        refused = recover(c, "--to", str(bad), nodes=3)
+        assert refused.returncode == 2 and f"--to {bad}: overlaps {key}" in refused.stderr, \
+            refused.stderr
 
 
 def test_single_process_recovery_of_a_one_node_job(cluster):
