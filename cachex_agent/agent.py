@@ -96,6 +96,12 @@ IDLE_TICK = 0.1     # the slowed tick: a first message from another agent waits 
 PEER_TICK = 0.001
 
 
+def peer_tick(replicator: Replicator | None) -> float | None:
+    """PEER_TICK while a credit, an ack or a slot is due over MPI (poll for it), else
+    None: the loop's own tick, which the agent's threads cut short through the inbox."""
+    return PEER_TICK if replicator is not None and replicator.waits_on_peer() else None
+
+
 class Agent:
     def __init__(self, config: Config, comm: Any) -> None:
         self.config = config
@@ -225,8 +231,8 @@ class Agent:
 
     def _tick(self) -> float:
         """How long the main loop sleeps (a worker's message ends the sleep at once)."""
-        if self.replicator is not None and self.replicator.waits_on_peer():
-            return PEER_TICK    # a credit, an ack or a slot is due over MPI: poll for it
+        if (due := peer_tick(self.replicator)) is not None:
+            return due
         if time.monotonic() - self._active < IDLE_AFTER:
             return self.config.agent.poll
         # nothing for a while: fewer wake-ups, each costs as much as a step

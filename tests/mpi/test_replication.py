@@ -188,15 +188,16 @@ def test_the_loop_polls_only_while_a_peer_message_is_due(mpi_tmp_path, streamed)
     checks that the stream completes under the policy. The agent's policy missed none."""
     from mpi4py import MPI
 
-    from cachex_agent.agent import PEER_TICK
+    from cachex_agent.agent import peer_tick
     comm = MPI.COMM_WORLD
     cfg = config(mpi_tmp_path, '[peer]\nslot = "64KiB"\nslots = 2\n')
     missed = []
 
     def sleep(replicator, inbox) -> None:
         busy = replicator.busy()
-        if replicator.waits_on_peer():
-            inbox.wait(PEER_TICK)
+        due = peer_tick(replicator)     # the agent's own choice (Agent._tick)
+        if due is not None:
+            inbox.wait(due)
         elif not inbox.wait(FALLBACK) and busy and comm.iprobe(source=MPI.ANY_SOURCE,
                                                                tag=PEER):
             missed.append(time.monotonic())
