@@ -166,6 +166,12 @@ def recover(config: Config, comm: Any, want: str | None = None,
         progress.step("copying each node's restored part to its partners")
         replicated = _rereplicate(comm, config, placement, rank_of, plan, copies,
                                   restore.verified())
+    return _totals(comm, config, moved, outcome, start, replicated)
+
+
+def _totals(comm: Any, config: Config, moved: dict[str, int], outcome: Outcome,
+            start: float, replicated: int = 0) -> Outcome:
+    """Every rank's bytes moved, by the kind of copy they came from, and re-replicated."""
     _arrive(comm, config, "recovery totals")
     for part in comm.allgather(moved):
         for kind, count in part.items():
@@ -184,13 +190,8 @@ def _gather(comm: Any, config: Config, node: int, rank_of: dict[int, int], plan:
     restore = _Restore(comm, config, node, rank_of, plan, copies, progress)
     moved = restore.run()
     outcome.fallbacks = restore.notes()
-    _arrive(comm, config, "recovery totals")
-    for part in comm.allgather(moved):
-        for kind, count in part.items():
-            outcome.bytes_by_kind[kind] = outcome.bytes_by_kind.get(kind, 0) + count
     outcome.move_seconds = time.monotonic() - start - outcome.plan_seconds
-    outcome.seconds = time.monotonic() - start
-    return outcome
+    return _totals(comm, config, moved, outcome, start)
 
 
 def _check_to(paths: Any, to: Path) -> None:
