@@ -29,6 +29,7 @@ import math
 from dataclasses import dataclass
 
 from ..config import Peer, scheme_shape
+from ..peer.groups import group_sizes
 
 HOUR = 3600.0
 
@@ -49,10 +50,8 @@ class Protection:
         shape = scheme_shape(peer.scheme, peer.group)
         if shape is None:
             return cls("copy", ((peer.copies + 1, peer.copies),) * nodes)
-        m = shape[1]
-        count = max(1, nodes // peer.group)
-        sizes = [len(range(g, nodes, count)) for g in range(count)]
-        return cls(peer.scheme, tuple((size, m) for size in sizes))
+        return cls(peer.scheme, tuple((size, shape[1])
+                                      for size in group_sizes(nodes, peer.group)))
 
     def describe(self) -> str:
         if self.scheme == "copy":

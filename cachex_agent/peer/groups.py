@@ -42,6 +42,13 @@ def build_groups(domains: list[str], size: int) -> list[list[int]]:
     return dealt
 
 
+def group_sizes(nodes: int, size: int) -> list[int]:
+    """The members each group has when `nodes` nodes are dealt as build_groups deals
+    them (nodes // size groups, leftovers one to a group in turn)."""
+    count = max(1, nodes // size)
+    return [len(range(g, nodes, count)) for g in range(count)]
+
+
 def shape(scheme: str, size: int, members: int) -> tuple[int, int]:
     """(K, M) of a group of `members` nodes, `peer.group` being `size`: leftovers dealt
     into a group add to K."""
@@ -70,9 +77,8 @@ def redundancy(config: Config, nodes: int) -> dict[str, object]:
                 "survives": config.peer.copies}
     size = config.peer.group
     _k, m = shape(config.peer.scheme, size, size)
-    count = max(1, nodes // size)
     return {"scheme": config.peer.scheme, "group": size, "survives": m,
-            "sizes": [len(range(g, nodes, count)) for g in range(count)]}
+            "sizes": group_sizes(nodes, size)}
 
 
 def group_of(node: int, groups: list[list[int]]) -> list[int]:
