@@ -21,7 +21,7 @@ Between 3 and 4 every target's free space is compared with what the plan writes 
 plan.placement; its parts are not copied to partners again (the agents on the M nodes
 protect the trainer's next checkpoint). With `to` (`cachex recover --to DIR`) nothing goes
 into the spools: every file is written once into DIR, a directory every rank sees, by
-the rank that holds its copy (a PFS bundle by rank o mod M), in the spool's layout.
+the rank that holds its copy (a PFS bundle by node o mod M), in the spool's layout.
 Every step ends with an agreement: a failure anywhere fails every rank with the same
 message. Every name read from a manifest, bundle or replica store is checked where it is
 parsed (safepath.py): an unsafe one fails the recovery before anything is written.
