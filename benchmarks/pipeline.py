@@ -60,9 +60,12 @@ TARGET = 0.7
 PIECE = MiB
 
 
-def write_config(root: Path, pfs: Path) -> Path:
+def write_config(root: Path, pfs: Path, nodes: int = NODES, run: str = RUN,
+                 timeout: str = "60s", extra: str = "") -> Path:
+    """Agents on the peer path that keep one checkpoint in the stage and one replica and
+    flush only when asked; `extra` adds sections (e.g. [peer])."""
     path = root / "bench.toml"
-    path.write_text(f'''run = "{RUN}"
+    path.write_text(f'''run = "{run}"
 [paths]
 spool = "{root}/node{{node}}/spool"
 stage = "{root}/node{{node}}/shm"
@@ -80,9 +83,9 @@ every = 1000
 stage = 1
 replica = 1
 [agent]
-timeout = "60s"
-''')
-    for node in range(NODES):
+timeout = "{timeout}"
+{extra}''')
+    for node in range(nodes):
         (root / f"node{node}" / "spool").mkdir(parents=True)
     return path
 

@@ -38,6 +38,7 @@ import numpy as np
 from agents import BIN, AgentJob
 from capture import write_files
 from pipeline import part_sizes, raw_write
+from pipeline import write_config as pipeline_config
 
 RUN = "bench-ec"
 LOST = 1
@@ -45,34 +46,9 @@ FILES = 8
 
 
 def write_config(root: Path, scheme: str, group: int, nodes: int) -> Path:
-    path = root / "bench.toml"
-    path.write_text(f'''run = "{RUN}"
-[paths]
-spool = "{root}/node{{node}}/spool"
-stage = "{root}/node{{node}}/shm"
-cache = "{root}/node{{node}}/nvme"
-pfs = "{root}/pfs"
-[topology]
-domain = "rank"
-[model]
-path = "peer"
-[commit]
-rule = "dcp"
-[flush]
-every = 1000
-[keep]
-stage = 1
-replica = 1
-[agent]
-timeout = "120s"
-[peer]
-scheme = "{scheme}"
-group = {group}
-''')
     (root / "pfs").mkdir()
-    for node in range(nodes):
-        (root / f"node{node}" / "spool").mkdir(parents=True)
-    return path
+    return pipeline_config(root, root / "pfs", nodes, RUN, "120s",
+                           f'[peer]\nscheme = "{scheme}"\ngroup = {group}\n')
 
 
 def write_part(root: Path, nodes: int, ckpt: str, total: int, seed: int,
