@@ -13,3 +13,15 @@ def state_dir(tmp_path, monkeypatch):
     never in the user's home."""
     monkeypatch.setenv("XDG_STATE_HOME", str(tmp_path / "state"))
     return tmp_path / "state" / "cachex" / "runs"
+
+
+def pytest_collection_finish(session):
+    """pytest-mpi writes the MPI library's banner (some 20 lines) at the end of every
+    rank's run: rank 0's says it once (its plugin reads `_is_testing_mpi` only there)."""
+    if not session.config.getoption("--with-mpi", default=False):
+        return
+    from mpi4py import MPI
+    if MPI.COMM_WORLD.Get_rank() != 0:
+        for plugin in session.config.pluginmanager.get_plugins():
+            if type(plugin).__name__ == "MPIPlugin":
+                plugin._is_testing_mpi = False
