@@ -458,6 +458,8 @@ def _on_replicated(s: CoordinatorState, e: Replicated, out: Effects) -> None:
         if 0 <= dead < len(s.nodes):
             s.nodes[dead].dead = True
     record = s.ckpts.get(e.ckpt)
+    if record is not None and record.level == "flushed" and e.ok and not e.adopted:
+        _late_replica(s, record, e, out)
     if record is None or record.level in ENDED:
         return
     if e.ok:
@@ -470,6 +472,18 @@ def _on_replicated(s: CoordinatorState, e: Replicated, out: Effects) -> None:
         record.errors[str(e.node)] = "; ".join(e.errors.values())
     _advance(s, record, e.now, out)
     _try_finalize(s, record, e.now, out)        # every bundle may be in already
+
+
+def _late_replica(s: CoordinatorState, record: CheckpointRecord, e: Replicated,
+                  out: Effects) -> None:
+    """A node's partner can finish its copy after every bundle is on the PFS (the
+    flush of the stage runs beside replication): the copy exists, so `cachex status`
+    counts it, and the model learns its time."""
+    done = record.counts.get("replicated", 0)
+    record.counts["replicated"] = min(len(s.nodes), done + 1)
+    share = record.bytes // max(1, len(s.nodes))    # a finished record keeps no sizes
+    out.append(Observe("replicate", e.ckpt, e.node, share, e.duration))
+    out.append(SaveState())
 
 
 def _advance(s: CoordinatorState, record: CheckpointRecord, now: float, out: Effects) -> None:

@@ -147,6 +147,22 @@ def test_a_dead_partner_skips_replicated_and_is_named_at_exit():
               d.Broadcast)[-1].msg == Exit(dead=[2])
 
 
+def test_a_replica_finished_after_the_flush_is_counted():
+    s = state()
+    feed(s, d.Marker(0, 1.0, "s1", []))
+    captured_all(s, "s1")
+    feed(s, replicated(0), replicated(1, dead=2), replicated(2))     # node 3's copy is late
+    # a failed replication lets the flush finish without waiting for the others
+    (request,) = of(feed(s, *(d.Flushed(n, 4.0, "s1", "b") for n in range(NODES))),
+                    d.Finalize)
+    feed(s, d.FinalizeDone(4.5, "s1", request.manifest))
+    record = s.ckpts["s1"]
+    assert record.level == "flushed" and record.count("replicated") == 2
+    out = feed(s, replicated(3))
+    assert record.level == "flushed" and record.count("replicated") == 3
+    assert [(o.stage, o.node) for o in of(out, d.Observe)] == [("replicate", 3)]
+
+
 def test_finalization_is_a_round_trip_and_the_index_says_valid_only_with_it():
     s = state()
     feed(s, d.Marker(0, 1.0, "s1", []))
