@@ -58,6 +58,7 @@ from cachex_agent.layout import pfs_stop_file  # noqa: E402
 from cachex_agent.model.calibration import QUANTILES, calibration, predictor  # noqa: E402
 from cachex_agent.model.history import History, config_event_files, load_history  # noqa: E402
 from cachex_agent.model.predict import fit_system  # noqa: E402
+from cachex_agent.model.stages import FORMS as STAGE_FORMS  # noqa: E402
 from cachex_agent.status import load_status  # noqa: E402
 
 MiB = 1024 * 1024
@@ -67,6 +68,7 @@ LEVELS = ("captured", "replicated", "flushed")
 
 LOADS: list[float] = []         # 1-minute load average at every checkpoint
 LOAD_COVARIATE = True           # predict each checkpoint at its recorded load (--no-load-covariate)
+FORMS = STAGE_FORMS             # --forms
 
 
 def burn(count: int) -> list[subprocess.Popen]:
@@ -231,10 +233,18 @@ def _of_size(nbytes: int, sizes: set[int] | None) -> bool:
     return sizes is None or any(abs(nbytes - size) <= size // 100 for size in sizes)
 
 
+def noise_floor(observed: list[float], rng: np.random.Generator, draws: int = 2000) -> float:
+    """The error a predictor of the true median would still show against the median of
+    these few observations: the bootstrap mean of |median(resample) - median| / median."""
+    x = np.asarray(observed, dtype=float)
+    medians = np.median(rng.choice(x, size=(draws, x.size)), axis=1)
+    return float(np.mean(np.abs(medians - np.median(x))) / np.median(x))
+
+
 def evaluate(history: History, fit_nodes: set[int] | None = None,
              fit_sizes: set[int] | None = None) -> dict[str, dict[str, float]]:
     fit, tests = split(history, fit_nodes, fit_sizes)
-    model = fit_system(fit)
+    model = fit_system(fit, forms=FORMS)
     errors: dict[str, list[float]] = defaultdict(list)
     groups: dict[tuple[str, str, int], list[tuple[float, float]]] = defaultdict(list)
     cache: dict[tuple[Any, ...], float] = {}
@@ -251,9 +261,14 @@ def evaluate(history: History, fit_nodes: set[int] | None = None,
         per_workload = [abs(p[0][0] - statistics.median(o for _, o in p)) /
                         statistics.median(o for _, o in p)
                         for (lv, _r, _b), p in groups.items() if lv == level]
+        rng = np.random.default_rng(7)
+        floor = [noise_floor([o for _, o in p], rng)
+                 for (lv, _r, _b), p in groups.items() if lv == level]
         out[level] = {"checkpoint": 100 * statistics.mean(errors[level]),
                       "workload": 100 * statistics.mean(per_workload),
-                      "n": len(errors[level])}
+                      "floor": 100 * statistics.mean(floor), "n": len(errors[level]),
+                      "forms": sorted({m.form for n, m in model.stages.items()
+                                       if n.startswith(level)})}
     for row in calibration(tests, predict):
         out[row.level].setdefault("coverage", {})[row.path] = row.coverage
     return out
@@ -261,15 +276,19 @@ def evaluate(history: History, fit_nodes: set[int] | None = None,
 
 def print_results(results: dict[str, dict[str, dict[str, Any]]]) -> None:
     print(f"{'scenario':10} {'level':11} {'n':>4} {'MAPE/ckpt':>10} {'MAPE/workload':>14}"
-          f"  coverage of the predicted {'/'.join(f'{q:g}' for q in QUANTILES)} quantiles"
+          f" {'floor':>6} {'form':9}  coverage of the predicted"
+          f" {'/'.join(f'{q:g}' for q in QUANTILES)} quantiles"
           f" ({'at each checkpoint' if LOAD_COVARIATE else 'at the median'} load)")
     for scenario, levels in results.items():
         for level, r in levels.items():
             cover = "  ".join(f"{path} " + "/".join(f"{c[q]:.2f}" for q in QUANTILES)
                               for path, c in r.get("coverage", {}).items())
             print(f"{scenario:10} {level:11} {r['n']:>4} {r['checkpoint']:>9.1f}%"
-                  f" {r['workload']:>13.1f}%  {cover}")
+                  f" {r['workload']:>13.1f}% {r['floor']:>5.1f}% {','.join(r['forms']):9}"
+                  f"  {cover}")
     print("published: 7.1% MAPE of completion-time predictions; calibrated: coverage q +- 0.05")
+    print("floor: the MAPE/workload a predictor of each workload's true median would show"
+          " against the few held-out observations (bootstrap)")
 
 
 def replay(root: Path, fit_nodes: set[int] | None = None,
@@ -291,6 +310,8 @@ def main() -> None:
     parser.add_argument("--count", type=int, default=10)
     parser.add_argument("--scenarios", default="quiet,contended")
     parser.add_argument("--throttle", default="150MiB", help="contended PFS write bandwidth")
+    parser.add_argument("--pfs-size", default="2GiB",
+                        help="the loop device's size (keep.pfs = 2 checkpoints of the largest)")
     parser.add_argument("--load", type=int, default=0, metavar="N",
                         help="run N CPU-burning processes beside the benchmark")
     parser.add_argument("--load-warmup", type=float, default=90.0, metavar="SECONDS",
@@ -304,13 +325,16 @@ def main() -> None:
     parser.add_argument("--fit-sizes", metavar="SIZE,SIZE",
                         help="likewise for checkpoint sizes (whole checkpoint), e.g."
                         " --sizes 16MiB,48MiB,96MiB --fit-sizes 16MiB,48MiB")
+    parser.add_argument("--forms", default=",".join(STAGE_FORMS),
+                        help="the stage models' noise forms to choose from (model/stages.py)")
     parser.add_argument("--from-events", metavar="DIR",
                         help="no run: evaluate the events of an earlier --keep DIR")
     parser.add_argument("--keep", help="keep the work directory here")
     parser.add_argument("--json", help="write the figures here")
     args = parser.parse_args()
-    global LOAD_COVARIATE
+    global LOAD_COVARIATE, FORMS
     LOAD_COVARIATE = not args.no_load_covariate
+    FORMS = tuple(args.forms.split(","))
     fit_nodes = {int(n) for n in args.fit_nodes.split(",")} if args.fit_nodes else None
     fit_sizes = ({configuration.parse_size(s) for s in args.fit_sizes.split(",")}
                  if args.fit_sizes else None)
@@ -337,7 +361,8 @@ def main() -> None:
         for scenario in args.scenarios.split(","):
             contended = scenario == "contended"
             throttle = configuration.parse_size(args.throttle) if contended else None
-            with ThrottledPFS(root / f"pfs-{scenario}", write_bps=throttle) as pfs:
+            with ThrottledPFS(root / f"pfs-{scenario}", size=args.pfs_size,
+                              write_bps=throttle) as pfs:
                 writers = Contention(pfs, writers=2) if contended else None
                 if writers:
                     writers.start()
@@ -370,6 +395,7 @@ def main() -> None:
              "fit_nodes": sorted(fit_nodes) if fit_nodes else None,
              "fit_sizes": sorted(fit_sizes) if fit_sizes else None,
              "sizes": args.sizes, "nodes": args.nodes, "count": args.count,
+             "forms": list(FORMS),
              "results": {sc: {lv: {**r, "coverage": {p: {str(q): c for q, c in cov.items()}
                                                      for p, cov in r.get("coverage", {}).items()}}
                               for lv, r in levels.items()} for sc, levels in results.items()}},

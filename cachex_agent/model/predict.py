@@ -37,7 +37,7 @@ from ..fsutil import atomic_open
 from .distributions import FAMILIES, scipy_module
 from .durability import cdf_of_max, quantile_of_max
 from .history import LEVELS, STAGES, History
-from .stages import StageModel, fit_stage
+from .stages import FORMS, StageModel, fit_stage
 
 PATHS = ("peer", "direct")
 MONTE_CARLO = 20_000
@@ -187,13 +187,14 @@ def _slowest_node(models: list[StageModel], part: float, nodes: int, samples: in
 
 
 def fit_system(history: History, criterion: str = "aic",
-               families: Sequence[str] = FAMILIES) -> SystemModel:
+               families: Sequence[str] = FAMILIES, forms: Sequence[str] = FORMS
+               ) -> SystemModel:
     if not history.stages:
         sources = ", ".join(str(s) for s in history.sources) or "no event files"
         raise OperationError(f"no stage samples to fit in {sources}")
     stages = {}
     for name in (*STAGES, *(f"{level}:{path}" for level in LEVELS for path in PATHS)):
-        model = fit_stage(history.stage(name), criterion, families)
+        model = fit_stage(history.stage(name), criterion, families, forms)
         if model is not None:
             stages[name] = model
     counts = {name: len(history.stage(name)) for name in STAGES}

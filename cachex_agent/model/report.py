@@ -237,11 +237,14 @@ def distributions(history: History, model: SystemModel) -> Figure:
 
 def bandwidths(samples: Sequence[StageSample], model: StageModel | None) -> np.ndarray:
     """B of each sample in bytes/s under the model's fixed cost and exponents (none
-    without a model)."""
-    gamma = model.gamma if model else 0.0
-    fixed = [model.fixed(s.nodes) if model else 0.0 for s in samples]
-    b = np.array([s.bytes * s.nodes ** gamma / (s.seconds - f) if s.seconds > f
-                  else math.nan for s, f in zip(samples, fixed, strict=True)], dtype=float)
+    without a model; the load factor left in)."""
+    def one(s: StageSample) -> float:
+        if model is None:
+            return s.bytes / s.seconds
+        fixed = model.fixed(s.nodes)
+        return model.scale(s.bytes, s.nodes) / (s.seconds - fixed) if s.seconds > fixed \
+            else math.nan
+    b = np.array([one(s) for s in samples], dtype=float)
     return b[np.isfinite(b) & (b > 0)]
 
 
@@ -262,7 +265,8 @@ def _stage_panels(top: Axes, bottom: Axes, samples: Sequence[StageSample],
                     transform=bottom.transAxes, fontsize=7, color="#444444")
     else:
         _fitted(top, bottom, model, data)
-        bottom.text(0.03, 0.95, f"a = {model.overhead:.3g} s\ngamma = {model.gamma:.2f}",
+        bottom.text(0.03, 0.95, f"a = {model.overhead:.3g} s\ngamma = {model.gamma:.2f}"
+                    f"\n{model.form} form",
                     va="top", transform=bottom.transAxes, fontsize=7, color="#444444")
     top.set_ylim(0, top.get_ylim()[1] * 1.3)       # room for the legend above the data
     top.legend(fontsize=6.5, loc="upper left", frameon=False, handlelength=1.5)

@@ -24,6 +24,20 @@ that variance with R2 >= LOAD_GAIN and an F statistic R2 / (1 - R2) * (n - 2) >=
 varied without effect, the model is the one above. Predictions are at a given load,
 by default the median of the samples.
 
+Two forms of noise. In the one above (`form = "bandwidth"`) only the byte term varies:
+right where moving bytes dominates, wrong where the fixed cost is most of the time and
+varies as much (a loaded node's copies, checksums and polls): there the spread of B
+fitted from small parts, carried to a large part by s / B, predicts it far too slow. In
+the other (`form = "time"`) the whole time varies:
+
+    t = (1 + beta * l) * (a * N**gamma_fixed + b * s * N**gamma) * e,    1/e ~ fitted
+
+written in the same terms as the first, B = (a N^gf / b + s N^g) / t: the fixed cost as
+the bytes it is worth at the per-byte cost b (weighted least squares, relative errors).
+The form whose distribution gives the observed times the higher likelihood wins (the
+time form pays one parameter); with one size and one node count the two are the same
+and the bandwidth form is kept.
+
 The spread of log B splits in two: a part common to every node of a checkpoint (the
 PFS busy for everyone, the job's own other I/O) and a part of each node. Only the
 second makes the slowest of N nodes slower than one; predictions use both (predict.py).
@@ -47,6 +61,7 @@ MIN_SAMPLES = 3
 BETAS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
 LOAD_GAIN = 0.10        # fraction of var(log B) the load must explain to be kept
 LOAD_F = 10.0           # and the F statistic of that fraction, for n samples
+FORMS = ("bandwidth", "time")
 
 
 @dataclass(frozen=True)
@@ -64,12 +79,17 @@ class StageModel:
     gamma_fixed: float = 0.0
     beta: float = 0.0               # time factor per unit of load per core
     load: float = 0.0               # the reference load per core (median of the samples)
+    form: str = "bandwidth"         # or "time": the whole time varies, not the byte term
+    per_byte: float = 0.0           # b, seconds per byte (time form)
 
     def factor(self, load: float | None = None) -> float:
         """How much slower than on an idle node, at `load` (default: the reference)."""
         return 1.0 + self.beta * (self.load if load is None else load)
 
     def fixed(self, nodes: int, load: float | None = None) -> float:
+        """The part of the time that does not vary (none in the time form)."""
+        if self.form == "time":
+            return 0.0
         return self.overhead * nodes ** self.gamma_fixed * self.factor(load)
 
     @property
@@ -88,7 +108,11 @@ class StageModel:
         return self.fits[0]
 
     def scale(self, size: float, nodes: int) -> float:
-        return size * nodes ** self.gamma
+        """The bytes B divides: the part's, and in the time form the fixed cost's worth."""
+        bytes_ = size * nodes ** self.gamma
+        if self.form == "time":
+            return bytes_ + self.overhead * nodes ** self.gamma_fixed / self.per_byte
+        return bytes_
 
     def ppf(self, q: float | np.ndarray, size: float, nodes: int, load: float | None = None
             ) -> float | np.ndarray:
@@ -111,6 +135,7 @@ class StageModel:
         return {"stage": self.stage, "overhead": self.overhead, "gamma": self.gamma,
                 "n": self.n, "ks": self.ks, "log_params": list(self.log_params),
                 "gamma_fixed": self.gamma_fixed, "beta": self.beta, "load": self.load,
+                "form": self.form, "per_byte": self.per_byte,
                 "fits": [_fit_json(f) for f in self.fits],
                 "durations": [_fit_json(f) for f in self.durations]}
 
@@ -121,12 +146,15 @@ class StageModel:
                    tuple(_fit_from(f) for f in data["durations"]), int(data["n"]),
                    float(data["ks"]), *map(float, data["log_params"]),
                    float(data.get("gamma_fixed", 0.0)), float(data.get("beta", 0.0)),
-                   float(data.get("load", 0.0)))
+                   float(data.get("load", 0.0)), _form(data.get("form", "bandwidth")),
+                   float(data.get("per_byte", 0.0)))
 
 
 def fit_stage(samples: Sequence[StageSample], criterion: str = "aic",
-              families: Sequence[str] = FAMILIES) -> StageModel | None:
-    """The stage's model from its samples; None when there are too few."""
+              families: Sequence[str] = FAMILIES, forms: Sequence[str] = FORMS
+              ) -> StageModel | None:
+    """The stage's model from its samples, of the likelier of `forms`; None when there
+    are too few."""
     if len(samples) < MIN_SAMPLES:
         return None
     size = np.array([s.bytes for s in samples], dtype=float)
@@ -134,6 +162,16 @@ def fit_stage(samples: Sequence[StageSample], criterion: str = "aic",
     nodes = np.array([s.nodes for s in samples], dtype=float)
     loads = np.array([np.nan if s.load is None else s.load for s in samples], dtype=float)
     beta, (overhead, gamma_fixed, gamma, bandwidth) = _load_effect(size, seconds, nodes, loads)
+    form, per_byte = "bandwidth", 0.0
+    t = seconds / (1.0 + beta * loads) if beta else seconds
+    timed = _time_form(size, t, nodes) if "time" in forms else None
+    if timed is not None:
+        a, gf, g, b = timed
+        speed = (a * nodes ** gf / b + size * nodes ** g) / t
+        likelier = _loglik(speed, t) - 1.0 > _loglik(bandwidth, t - overhead * nodes ** gamma_fixed)
+        if likelier or "bandwidth" not in forms:
+            form, per_byte = "time", b
+            overhead, gamma_fixed, gamma, bandwidth = a, gf, g, speed
     fits = _ranked(bandwidth, criterion, families)
     durations = _ranked(seconds, criterion, families)
     logs = np.log(bandwidth)
@@ -141,7 +179,52 @@ def fit_stage(samples: Sequence[StageSample], criterion: str = "aic",
     reference = float(np.median(loads)) if beta else 0.0
     return StageModel(samples[0].stage, overhead, gamma, tuple(fits), tuple(durations),
                       len(samples), fits[0].ks(bandwidth), float(logs.mean()), sigma_node,
-                      sigma_common, gamma_fixed, beta, reference)
+                      sigma_common, gamma_fixed, beta, reference, form, per_byte)
+
+
+def _form(value: Any) -> str:
+    if value not in ("bandwidth", "time"):
+        raise OperationError(f"unknown stage form {value!r} in the model")
+    return str(value)
+
+
+def _loglik(bandwidth: np.ndarray, variable: np.ndarray) -> float:
+    """Log-likelihood, up to a constant both forms share, of the times whose varying
+    part is `variable` = x / B with log B normal at its own mean and spread: each time's
+    density is the normal density of log B over the time's varying part (the Jacobian)."""
+    sigma = max(float(np.std(np.log(bandwidth))), 1e-9)
+    return float(-len(bandwidth) * math.log(sigma) - np.sum(np.log(variable)))
+
+
+def _time_form(size: np.ndarray, seconds: np.ndarray, nodes: np.ndarray
+               ) -> tuple[float, float, float, float] | None:
+    """(a, gamma_fixed, gamma, b) of t = a N^gf + b s N^g by least squares of the
+    relative error over a grid of the exponents, a and b >= 0; None without two sizes
+    or two node counts (then it is the bandwidth form)."""
+    varied_n = np.ptp(np.log(nodes)) > 1e-9
+    if not varied_n and np.ptp(np.log(size)) <= math.log(1.5):
+        return None
+    grid = np.linspace(0.0, 1.0, 11) if varied_n else np.zeros(1)
+    best = (math.inf, 0.0, 0.0, 0.0, 0.0)
+    for gamma_fixed in grid:
+        for gamma in grid:
+            columns = np.column_stack([nodes ** gamma_fixed, size * nodes ** gamma])
+            a, b = _nonnegative(columns / seconds[:, None], np.ones_like(seconds))
+            if b <= 0:
+                continue
+            sse = float(np.sum((1.0 - columns @ np.array([a, b]) / seconds) ** 2))
+            if sse < best[0] - 1e-15:
+                best = (sse, a, float(gamma_fixed), float(gamma), b)
+    return None if math.isinf(best[0]) else best[1:]
+
+
+def _nonnegative(x: np.ndarray, y: np.ndarray) -> tuple[float, float]:
+    """Least squares of y on two columns with both coefficients >= 0."""
+    a, b = np.linalg.lstsq(x, y, rcond=None)[0]
+    if a >= 0 and b >= 0:
+        return float(a), float(b)
+    only_b = max(float(x[:, 1] @ y / (x[:, 1] @ x[:, 1])), 0.0)
+    return 0.0, only_b
 
 
 Unloaded = tuple[float, float, float, np.ndarray]      # a, gamma_fixed, gamma, B

@@ -18,7 +18,7 @@ MIB = 1024.0 ** 2
 def fit_text(model: SystemModel, history: History, criterion: str) -> str:
     lines = [f"{len(history.sources)} event files; {len(history.stages)} stage samples,"
              f" {len(history.levels)} level samples",
-             f"{'stage':16} {'n':>4} {'fixed s':>8} {'gamma':>5} {'median MiB/s':>12}"
+             f"{'stage':16} {'n':>4} {'form':9} {'fixed s':>8} {'gamma':>5} {'median MiB/s':>12}"
              f"  best ({criterion.upper()})  KS     families ({criterion.upper()})"]
     for name in (*STAGES, *(n for n in model.stages if n not in STAGES)):
         m = model.stages.get(name)
@@ -26,7 +26,7 @@ def fit_text(model: SystemModel, history: History, criterion: str) -> str:
             lines.append(f"{name:16} {model.counts.get(name, 0):>4}  (too few samples)")
             continue
         ranking = ", ".join(f"{f.family} {getattr(f, criterion):.1f}" for f in m.fits)
-        lines.append(f"{name:16} {m.n:>4} {m.overhead:>8.3f} {m.gamma:>5.2f}"
+        lines.append(f"{name:16} {m.n:>4} {m.form:9} {m.overhead:>8.3f} {m.gamma:>5.2f}"
                      f" {float(m.bandwidth.ppf(0.5)) / MIB:>12.1f}  {m.bandwidth.family:10}"
                      f"  {m.ks:.3f}  {ranking}")
     lines.append("duration fits (seconds), best first: " + "; ".join(
