@@ -290,7 +290,8 @@ def _ecdf(ax: Axes, data: np.ndarray, colour: str) -> None:
 
 def _fitted(top: Axes, bottom: Axes, model: StageModel, data: np.ndarray) -> None:
     lo, hi = _fit_range(model.fits, data)
-    x = np.linspace(lo, hi, 400)
+    # not at 0: a Weibull or gamma of shape < 1 has an infinite density there
+    x = np.linspace(max(lo, hi / 400), hi, 400)
     for rank, f in enumerate(model.fits):
         best = rank == 0
         style = {"color": FAMILY_COLOURS.get(f.family, "#17becf"), "lw": 2.4 if best else 1.1,

@@ -108,3 +108,24 @@ def test_durability_curves_only_for_paths_taken_and_levels_in_order():
     curves, _ = _predictions(model, 128 * MIB, 2, observed_paths(both))
     assert list(curves) == [("captured", "peer"), ("replicated", "peer"), ("flushed", "peer"),
                             ("flushed", "direct")]
+
+
+def test_a_fit_of_shape_below_one_is_drawn_without_a_warning():
+    """A Weibull of shape < 1 has an infinite density at 0, where the panel's range
+    may begin (seen in CI under -W error)."""
+    import warnings
+
+    from matplotlib.figure import Figure
+
+    from cachex_agent.model.distributions import Fit
+    from cachex_agent.model.report import _fitted
+    from cachex_agent.model.stages import StageModel
+
+    weibull = Fit("weibull", (0.7, 50.0 * MIB), 20, 0.0)
+    model = StageModel("flush", 0.0, 0.0, (weibull,), (weibull,), 20, 0.1)
+    data = np.array([0.5, 5.0, 40.0, 90.0, 300.0])                 # MiB/s, from near 0
+    top, bottom = Figure().subplots(2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _fitted(top, bottom, model, data)
+    assert top.get_xlim()[0] == 0.0 and len(top.lines) == 1
