@@ -118,31 +118,33 @@ def raw_write(directory: Path, sizes: list[int], pool: np.ndarray) -> None:
     fsync_dir(directory)
 
 
-def floor_once(root: Path, ckpt: str, sizes: list[int], pool: np.ndarray) -> float:
-    """Both nodes at once: cp -r spool -> stage, then the raw write to the replica dir."""
+def floor_once(root: Path, ckpt: str, sizes: list[int], pool: np.ndarray, nodes: int = NODES,
+               store: str = "floor-replica") -> float:
+    """Every node at once: cp -r floor-spool -> floor-stage, then the raw write of `sizes`
+    (what the node stores for its partners) to `store`; both removed after (the spool is
+    the caller's)."""
     failures: list[BaseException] = []
-    start_line = threading.Barrier(NODES + 1)
+    start_line = threading.Barrier(nodes + 1)
 
     def node_work(node: int) -> None:
         base = root / f"node{node}"
         try:
             start_line.wait()
             subprocess.run(["cp", "-r", str(base / "floor-spool" / ckpt),
-                            str(base / "floor-stage")],
-                           check=True)
-            raw_write(base / "floor-replica", sizes, pool)
+                            str(base / "floor-stage")], check=True, timeout=600)
+            raw_write(base / store, sizes, pool)
         except BaseException as exc:   # noqa: BLE001 (reported by the caller)
             failures.append(exc)
-    threads = [threading.Thread(target=node_work, args=(n,)) for n in range(NODES)]
+    threads = [threading.Thread(target=node_work, args=(n,)) for n in range(nodes)]
     for thread in threads:
         thread.start()
     start_line.wait()
     start = time.perf_counter()
     for thread in threads:
-        thread.join()
+        thread.join(600)
     elapsed = time.perf_counter() - start
-    for node in range(NODES):
-        for name in ("floor-stage", "floor-replica"):
+    for node in range(nodes):
+        for name in ("floor-stage", store):
             shutil.rmtree(root / f"node{node}" / name, ignore_errors=True)
     if failures:
         raise failures[0]

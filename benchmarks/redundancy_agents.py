@@ -29,7 +29,6 @@ import signal
 import statistics
 import subprocess
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -37,7 +36,7 @@ from typing import Any
 import numpy as np
 from agents import BIN, AgentJob
 from capture import write_files
-from pipeline import part_sizes, raw_write
+from pipeline import floor_once, part_sizes
 from pipeline import write_config as pipeline_config
 
 RUN = "bench-ec"
@@ -59,37 +58,6 @@ def write_part(root: Path, nodes: int, ckpt: str, total: int, seed: int,
         if node == 0:
             (part / ".metadata.tmp").write_bytes(b"{}")
 
-
-def floor_once(root: Path, nodes: int, ckpt: str, sizes: list[int], pool: np.ndarray
-               ) -> float:
-    """Every node at once: cp -r beside-spool -> beside-stage, then the raw write of
-    `sizes` (the bytes the scheme stores per node) beside its cache."""
-    failures: list[BaseException] = []
-    start_line = threading.Barrier(nodes + 1)
-
-    def node_work(node: int) -> None:
-        base = root / f"node{node}"
-        try:
-            start_line.wait()
-            subprocess.run(["cp", "-r", str(base / "floor-spool" / ckpt),
-                            str(base / "floor-stage")], check=True, timeout=600)
-            raw_write(base / "floor-store", sizes, pool)
-        except BaseException as exc:   # noqa: BLE001 (raised by the caller)
-            failures.append(exc)
-    threads = [threading.Thread(target=node_work, args=(n,)) for n in range(nodes)]
-    for thread in threads:
-        thread.start()
-    start_line.wait()
-    start = time.perf_counter()
-    for thread in threads:
-        thread.join(600)
-    elapsed = time.perf_counter() - start
-    for node in range(nodes):
-        for name in ("floor-stage", "floor-store", "floor-spool"):
-            shutil.rmtree(root / f"node{node}" / name, ignore_errors=True)
-    if failures:
-        raise failures[0]
-    return elapsed
 
 
 def replicated_once(agents: AgentJob, root: Path, nodes: int, ckpt: str, total: int,
@@ -179,7 +147,10 @@ def bench_scheme(name: str, scheme: str, group: int, nodes: int, stored: float, 
             for kind in (["floor", "agents"] if rep % 2 else ["agents", "floor"]):
                 if kind == "floor":
                     write_part(root, nodes, ckpt, total, rep, "floor-spool")
-                    floors.append(floor_once(root, nodes, ckpt, store_sizes, pool))
+                    floors.append(floor_once(root, ckpt, store_sizes, pool, nodes,
+                                             "floor-store"))
+                    for node in range(nodes):
+                        shutil.rmtree(root / f"node{node}" / "floor-spool", ignore_errors=True)
                 else:
                     times.append(replicated_once(agents, root, nodes, ckpt, total, rep))
                     remove_spools(root, nodes, f"step_{rep - 1:05d}")   # as a trainer would
