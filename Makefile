@@ -75,13 +75,17 @@ bench: venv
 BENCH_OUT ?= bench-model
 LOAD ?= 2
 PREDICT_FLAGS ?= --sizes 16MiB,48MiB --nodes 2,4 --count 8 --scenarios quiet
+EXTRAPOLATE_FLAGS ?= --sizes 16MiB,48MiB,96MiB --nodes 2,4,8,16 --count 10 --scenarios quiet --pfs-size 8GiB
+LOSTWORK_FLAGS ?= --blocks 3
 bench-model: venv
 	@if [ "$$(id -u)" != 0 ]; then echo "make bench-model: needs root (loop device, mount, cgroup blkio)"; exit 2; fi
 	mkdir -p $(BENCH_OUT)
 	$(PY) benchmarks/predict.py $(PREDICT_FLAGS) --json $(BENCH_OUT)/predict-idle.json
 	$(PY) benchmarks/predict.py $(PREDICT_FLAGS) --load $(LOAD) --json $(BENCH_OUT)/predict-loaded.json
 	$(PY) benchmarks/cov.py --scenarios mild,heavy $(BENCH_FLAGS) --json $(BENCH_OUT)/cov.json
-	$(PY) benchmarks/lostwork.py --json $(BENCH_OUT)/lostwork.json
+	$(PY) benchmarks/predict.py $(EXTRAPOLATE_FLAGS) --fit-nodes 2,4 --keep $(BENCH_OUT)/events --json $(BENCH_OUT)/predict-nodes.json
+	$(PY) benchmarks/predict.py --from-events $(BENCH_OUT)/events --fit-sizes 16MiB,48MiB --json $(BENCH_OUT)/predict-sizes.json
+	$(PY) benchmarks/lostwork.py $(LOSTWORK_FLAGS) --json $(BENCH_OUT)/lostwork.json
 
 clean:
 	rm -rf $(VENV) demo-run bench-model

@@ -303,6 +303,21 @@ def replay(root: Path, fit_nodes: set[int] | None = None,
         for scenario, found in configs.items()}
 
 
+def write_json(path: Path, args: argparse.Namespace, results: dict[str, Any],
+               load: list[float], fit_nodes: set[int] | None, fit_sizes: set[int] | None
+               ) -> None:
+    path.write_text(json.dumps(
+        {"load_processes": args.load, "loadavg": load, "cores": os.cpu_count(),
+         "fit_nodes": sorted(fit_nodes) if fit_nodes else None,
+         "fit_sizes": sorted(fit_sizes) if fit_sizes else None,
+         "sizes": args.sizes, "nodes": args.nodes, "count": args.count,
+         "forms": list(FORMS), "from_events": args.from_events,
+         "results": {sc: {lv: {**r, "coverage": {p: {str(q): c for q, c in cov.items()}
+                                                 for p, cov in r.get("coverage", {}).items()}}
+                          for lv, r in levels.items()} for sc, levels in results.items()}},
+        indent=1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--sizes", default="24MiB,64MiB,160MiB")
@@ -339,9 +354,10 @@ def main() -> None:
     fit_sizes = ({configuration.parse_size(s) for s in args.fit_sizes.split(",")}
                  if args.fit_sizes else None)
     if args.from_events:
-        for scenario, levels in replay(Path(args.from_events), fit_nodes,
-                                       fit_sizes).items():
-            print_results({scenario: levels})
+        results = replay(Path(args.from_events), fit_nodes, fit_sizes)
+        print_results(results)
+        if args.json:
+            write_json(Path(args.json), args, results, [], fit_nodes, fit_sizes)
         return
     sizes = [configuration.parse_size(s) for s in args.sizes.split(",")]
     node_counts = [int(n) for n in args.nodes.split(",")]
@@ -390,16 +406,7 @@ def main() -> None:
           f" {' / '.join(f'{x:.1f}' for x in load)} min/median/max on {os.cpu_count()} cores)")
     print_results(results)
     if args.json:
-        Path(args.json).write_text(json.dumps(
-            {"load_processes": args.load, "loadavg": load, "cores": os.cpu_count(),
-             "fit_nodes": sorted(fit_nodes) if fit_nodes else None,
-             "fit_sizes": sorted(fit_sizes) if fit_sizes else None,
-             "sizes": args.sizes, "nodes": args.nodes, "count": args.count,
-             "forms": list(FORMS),
-             "results": {sc: {lv: {**r, "coverage": {p: {str(q): c for q, c in cov.items()}
-                                                     for p, cov in r.get("coverage", {}).items()}}
-                              for lv, r in levels.items()} for sc, levels in results.items()}},
-            indent=1))
+        write_json(Path(args.json), args, results, load, fit_nodes, fit_sizes)
 
 
 if __name__ == "__main__":
