@@ -241,10 +241,9 @@ def noise_floor(observed: list[float], rng: np.random.Generator, draws: int = 20
     return float(np.mean(np.abs(medians - np.median(x))) / np.median(x))
 
 
-def evaluate(history: History, fit_nodes: set[int] | None = None,
-             fit_sizes: set[int] | None = None) -> dict[str, dict[str, float]]:
-    fit, tests = split(history, fit_nodes, fit_sizes)
-    model = fit_system(fit, forms=FORMS)
+def mape(model: Any, tests: list) -> dict[str, tuple[float, float, list[list[float]]]]:
+    """Per level: MAPE per checkpoint, per workload (predicted median against the
+    observed one), and each workload's observations."""
     errors: dict[str, list[float]] = defaultdict(list)
     groups: dict[tuple[str, str, int], list[tuple[float, float]]] = defaultdict(list)
     cache: dict[tuple[Any, ...], float] = {}
@@ -256,27 +255,40 @@ def evaluate(history: History, fit_nodes: set[int] | None = None,
         predicted = cache[key]
         errors[sample.level].append(abs(predicted - sample.latency) / sample.latency)
         groups[(sample.level, sample.run, sample.bytes)].append((predicted, sample.latency))
-    out: dict[str, dict[str, Any]] = {}
+    out = {}
     for level in LEVELS:
-        per_workload = [abs(p[0][0] - statistics.median(o for _, o in p)) /
-                        statistics.median(o for _, o in p)
-                        for (lv, _r, _b), p in groups.items() if lv == level]
+        observed = [[o for _, o in p] for (lv, _r, _b), p in groups.items() if lv == level]
+        predicted = [p[0][0] for (lv, _r, _b), p in groups.items() if lv == level]
+        per_workload = [abs(p - statistics.median(o)) / statistics.median(o)
+                        for p, o in zip(predicted, observed, strict=True)]
+        out[level] = (100 * statistics.mean(errors[level]),
+                      100 * statistics.mean(per_workload), observed)
+    return out
+
+
+def evaluate(history: History, fit_nodes: set[int] | None = None,
+             fit_sizes: set[int] | None = None) -> dict[str, dict[str, float]]:
+    fit, tests = split(history, fit_nodes, fit_sizes)
+    model = fit_system(fit, forms=FORMS)
+    # the same held-out checkpoints under the bandwidth form alone: what the time form buys
+    plain = mape(fit_system(fit, forms=("bandwidth",)), tests) if "time" in FORMS else None
+    out: dict[str, dict[str, Any]] = {}
+    for level, (checkpoint, workload, observed) in mape(model, tests).items():
         rng = np.random.default_rng(7)
-        floor = [noise_floor([o for _, o in p], rng)
-                 for (lv, _r, _b), p in groups.items() if lv == level]
-        out[level] = {"checkpoint": 100 * statistics.mean(errors[level]),
-                      "workload": 100 * statistics.mean(per_workload),
-                      "floor": 100 * statistics.mean(floor), "n": len(errors[level]),
+        floor = [noise_floor(o, rng) for o in observed]
+        out[level] = {"checkpoint": checkpoint, "workload": workload,
+                      "floor": 100 * statistics.mean(floor), "n": sum(map(len, observed)),
                       "forms": sorted({m.form for n, m in model.stages.items()
-                                       if n.startswith(level)})}
-    for row in calibration(tests, predict):
+                                       if n.startswith(level)}),
+                      "bandwidth_form_workload": plain[level][1] if plain else None}
+    for row in calibration(tests, predictor(model, with_load=LOAD_COVARIATE)):
         out[row.level].setdefault("coverage", {})[row.path] = row.coverage
     return out
 
 
 def print_results(results: dict[str, dict[str, dict[str, Any]]]) -> None:
     print(f"{'scenario':10} {'level':11} {'n':>4} {'MAPE/ckpt':>10} {'MAPE/workload':>14}"
-          f" {'floor':>6} {'form':9}  coverage of the predicted"
+          f" {'floor':>6} {'form':9} {'bw-only':>7}  coverage of the predicted"
           f" {'/'.join(f'{q:g}' for q in QUANTILES)} quantiles"
           f" ({'at each checkpoint' if LOAD_COVARIATE else 'at the median'} load)")
     for scenario, levels in results.items():
@@ -285,10 +297,15 @@ def print_results(results: dict[str, dict[str, dict[str, Any]]]) -> None:
                               for path, c in r.get("coverage", {}).items())
             print(f"{scenario:10} {level:11} {r['n']:>4} {r['checkpoint']:>9.1f}%"
                   f" {r['workload']:>13.1f}% {r['floor']:>5.1f}% {','.join(r['forms']):9}"
-                  f"  {cover}")
+                  f" {_percent(r.get('bandwidth_form_workload')):>7}  {cover}")
     print("published: 7.1% MAPE of completion-time predictions; calibrated: coverage q +- 0.05")
     print("floor: the MAPE/workload a predictor of each workload's true median would show"
-          " against the few held-out observations (bootstrap)")
+          " against the few held-out observations (bootstrap); bw-only: MAPE/workload of"
+          " the bandwidth form alone on the same checkpoints")
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}%"
 
 
 def replay(root: Path, fit_nodes: set[int] | None = None,
