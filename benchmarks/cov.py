@@ -255,8 +255,10 @@ def agent_phase(args: argparse.Namespace, pfs: ThrottledPFS, work: Path, shm: Pa
         run_trainer(trainer_argv(args, f"{shm}/node{{node}}/spool", out, count), None,
                     timeout=60 + (args.warmup + count) * (args.compute + 30))
         written = time.monotonic()
-        stop = subprocess.run([BIN / "cachex", "stop", "--config", config, "--timeout", "300"],
-                              capture_output=True, text=True, timeout=330)
+        # the drain flushes the backlog through the contended PFS: under the heavy tail a
+        # 64 MiB write there took up to 16 s, so a block's backlog can take minutes
+        stop = subprocess.run([BIN / "cachex", "stop", "--config", config, "--timeout", "1200"],
+                              capture_output=True, text=True, timeout=1230)
         if stop.returncode != 0:
             raise RuntimeError(f"cachex stop: {stop.stderr.strip()}")
         agents.wait(timeout=60)
