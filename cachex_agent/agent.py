@@ -157,7 +157,7 @@ class Agent:
                                     scan=config.commit.scan)
         self.capture = CaptureWorker(config, self.paths, self.placement, self.rule,
                                      self.journal, self.stages, self.inbox.put,
-                                     self.watcher.first_seen)
+                                     self.watcher.first_seen, self.watcher.removed)
         self.mirror = Mirror(self.journal, self.paths, self.node, self.events,
                              config.commit.mirror)
         self._from_coordinator = {

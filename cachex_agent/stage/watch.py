@@ -35,6 +35,7 @@ _SPOOL_POLL = 0.5         # how often to look for a spool that does not exist ye
 _COALESCE = 0.01          # gather a burst of events into one evaluation
 _BURST = 0.05             # events this soon after an evaluation are part of a burst
 _STOP_JOIN = 10.0         # bound on stop(): a rule stuck on a hung file system
+REMOVED = 256            # directories remembered as removed, newest first
 
 
 class SpoolWatcher:
@@ -57,6 +58,7 @@ class SpoolWatcher:
         self._lock = threading.RLock()      # rules keep state and are not thread-safe
         self._reported: set[str] = set()
         self._first_seen: dict[str, float | None] | None = None    # None: not listed yet
+        self._removed: dict[str, float] = {}    # directories seen, then gone (newest REMOVED)
         self._stop = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
         self._thread: threading.Thread | None = None
@@ -122,6 +124,13 @@ class SpoolWatcher:
         with self._lock:
             return (self._first_seen or {}).get(ckpt_id)
 
+    def removed(self, ckpt_id: str) -> bool:
+        """True if the checkpoint's directory was seen in the spool and is gone now (the
+        trainer's retention deleted it before its capture: waiting for it is pointless)."""
+        with self._lock:
+            self._note_directories()
+            return ckpt_id in self._removed
+
     def _note_directories(self) -> None:
         try:
             names = {e.name for e in os.scandir(self.spool) if e.is_dir()}
@@ -130,6 +139,11 @@ class SpoolWatcher:
         now = None if self._first_seen is None else time.time()
         old = self._first_seen or {}
         self._first_seen = {name: old[name] if name in old else now for name in names}
+        for name in names:
+            self._removed.pop(name, None)
+        self._removed.update((name, time.time()) for name in old.keys() - names)
+        for name in sorted(self._removed, key=self._removed.__getitem__)[:-REMOVED]:
+            del self._removed[name]
 
     def _evaluate(self) -> list[str]:
         with self._lock:

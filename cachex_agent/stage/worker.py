@@ -71,9 +71,11 @@ class CaptureHandle(Handle):
 class CaptureWorker:
     def __init__(self, config: Config, paths: NodePaths, placement: Placement, rule: CommitRule,
                  journal: Journal, log_: StageLog, post: Callable[[Any], None],
-                 first_seen: Callable[[str], float | None]) -> None:
+                 first_seen: Callable[[str], float | None],
+                 removed: Callable[[str], bool]) -> None:
         self.config, self.paths, self.placement, self.rule = config, paths, placement, rule
         self.journal, self.log, self.post, self.first_seen = journal, log_, post, first_seen
+        self.removed = removed
         self.queue: queue.Queue[CaptureHandle | None] = queue.Queue()
         self.handles: dict[str, CaptureHandle] = {}     # not ended yet
         self._paused: set[str] = set()      # TEST_PAUSE: checkpoints paused once already
@@ -167,6 +169,9 @@ class CaptureWorker:
         it was not there yet."""
         if source.is_dir():
             return False
+        if self.removed(handle.ckpt):
+            # a trainer that keeps its newest few deleted it before this node's turn
+            raise CaptureError(f"{source}: removed from the spool before its capture")
         handle.note("capture_waiting", reason=f"{source}: directory not there yet",
                     timeout=self.config.commit.timeout)
         return wait_for_directory(source, max(0.0, deadline - time.monotonic()),

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -380,3 +381,16 @@ def test_reentrant_rescan_from_callback_reports_once(tmp_path):
     watcher = SpoolWatcher(spool, DcpRule(), on_commit, scan=SLOW_SCAN)
     watcher.rescan()
     assert calls == ["step_1", "step_2", "step_3"]
+
+
+def test_a_directory_seen_then_deleted_is_removed_until_it_comes_back(tmp_path):
+    spool = tmp_path / "spool"
+    write_shards(spool / "step_1", ranks=1)
+    watcher = SpoolWatcher(spool, DcpRule(), Recorder(), scan=SLOW_SCAN)
+    watcher.rescan()
+    assert not watcher.removed("step_1") and not watcher.removed("step_2")
+    shutil.rmtree(spool / "step_1")              # the trainer's retention, before a capture
+    assert watcher.removed("step_1")
+    assert not watcher.removed("step_2")         # never seen: it may still come
+    write_shards(spool / "step_1", ranks=1)
+    assert not watcher.removed("step_1")
