@@ -252,15 +252,27 @@ class Coordinator:
             self._offer("pfs", ("purge", ckpt), lambda c=ckpt: _remove_quietly(self.pfs_run, c))
 
     def _choose(self, effect: Choose) -> None:
+        prepared = self.chooser.choose_prepared(effect.size, effect.now)
+        if prepared is not None:        # the agents need not wait for a Monte Carlo
+            self.results.put(PathChosen(self.clock(), effect.ckpt, prepared.path,
+                                        prepared.reason, prepared.loss))
+            self._offer("model", ("prepare", effect.ckpt), lambda: self._prepare(effect.size))
+            return
+
         def work() -> None:
             self._feed_model()
             choice = self.chooser.choose(effect.size, effect.now)
             self._answer(PathChosen(self.clock(), effect.ckpt, choice.path, choice.reason,
                                     choice.loss))
+            self.chooser.prepare(effect.size)
         if not self.lanes["model"].offer(("choose", effect.ckpt), work):
             path = self.chooser.current
             self.results.put(PathChosen(self.clock(), effect.ckpt, path,
                                         f"model busy: {path} as the last checkpoint"))
+
+    def _prepare(self, size: float) -> None:
+        self._feed_model()
+        self.chooser.prepare(size)
 
     def _feed_model(self) -> None:
         """On the model's lane: the stage samples reported since the last call."""

@@ -7,19 +7,27 @@ a run of `model.explore` direct checkpoints is followed by one peer checkpoint, 
 replication estimate does not go stale while it is not used. The other path must be
 better by `MARGIN` to switch, so noise does not flip the choice at every checkpoint; the
 margin applies to the part of the expected loss the path changes (beyond T/2 per failure).
+
+The Monte Carlo behind a choice takes tens of milliseconds (a second for the first, which
+imports scipy), and every agent waits for the commit that carries the path. So after each
+choice the coordinator's model lane prepares the plans for the next checkpoint of about
+the same size; the commit then decides on them at once (`choose_prepared`), a few
+samples behind at most, and only a commit of another size waits for its own.
 """
 
 from __future__ import annotations
 
 import statistics
+import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from itertools import pairwise
 
 from ..config import Config
 from .distributions import have_scipy
 from .history import StageSample
-from .plan import Rates, evaluate
+from .plan import PathPlan, Rates, evaluate
 from .predict import SystemModel
 from .protection import Protection
 from .stages import MIN_SAMPLES, fit_stage
@@ -28,6 +36,7 @@ LEARNED = ("capture", "replicate", "flush")
 MARGIN = 0.10
 DEFAULT_PERIOD = 600.0
 SAMPLES = 2000          # Monte Carlo per decision: a few tens of milliseconds
+SAME_SIZE = 0.10        # prepared plans serve a commit within this fraction of their size
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,8 @@ class PathChooser:
         self.commits: deque[float] = deque(maxlen=config.model.window + 1)
         self.current = "peer"
         self.direct_run = 0
+        self._lock = threading.Lock()       # the commit's thread and the model's lane
+        self._prepared: tuple[float, dict[str, PathPlan], float] | None = None
 
     def observe(self, stage: str, ckpt: str, node: int, nbytes: int, seconds: float) -> None:
         if stage in self.samples and nbytes > 0 and seconds > 0:
@@ -66,13 +77,35 @@ class PathChooser:
                                                    seconds, 0.0, ""))
 
     def choose(self, size: float, now: float) -> Choice:
-        self.commits.append(now)
-        choice = self._decide(size)
-        self.direct_run = self.direct_run + 1 if choice.path == "direct" else 0
-        self.current = choice.path
+        """The choice for a commit of `size` bytes at `now`, its plans computed now."""
+        with self._lock:
+            self.commits.append(now)
+        return self._chosen(self._decide(size, lambda: self._plans(size)))
+
+    def choose_prepared(self, size: float, now: float) -> Choice | None:
+        """The choice on the plans `prepare` made for about this size; None without."""
+        with self._lock:
+            prepared, self._prepared = self._prepared, None
+            if prepared is None or abs(size - prepared[0]) > SAME_SIZE * prepared[0]:
+                return None
+            self.commits.append(now)
+        return self._chosen(self._decide(size, lambda: prepared[1:]))
+
+    def prepare(self, size: float) -> None:
+        """The plans for the next commit of about `size` bytes (on the model's lane)."""
+        if self._model_due(size) is None:
+            plans = self._plans(size)
+            with self._lock:
+                self._prepared = (size, *plans)
+
+    def _chosen(self, choice: Choice) -> Choice:
+        with self._lock:
+            self.direct_run = self.direct_run + 1 if choice.path == "direct" else 0
+            self.current = choice.path
         return choice
 
-    def _decide(self, size: float) -> Choice:
+    def _model_due(self, size: float) -> Choice | None:
+        """The choice that needs no model, if there is one now."""
         fixed = fixed_choice(self.mode, self.can_replicate)
         if fixed is not None:
             return fixed
@@ -85,11 +118,21 @@ class PathChooser:
         if self.explore and self.direct_run >= self.explore:
             return Choice("peer", f"exploring: {self.direct_run} direct checkpoints in a row,"
                                   " refreshing the replication estimate")
+        return None
+
+    def _plans(self, size: float) -> tuple[dict[str, PathPlan], float]:
         model = SystemModel({s: fit_stage(list(q), families=("lognormal",))
                              for s, q in self.samples.items()}, {})
         period = self.period()
-        plans = {p: evaluate(model, p, 1, size, self.nodes, period, self.rates, SAMPLES,
-                             self.protection) for p in ("peer", "direct")}
+        return {p: evaluate(model, p, 1, size, self.nodes, period, self.rates, SAMPLES,
+                            self.protection) for p in ("peer", "direct")}, period
+
+    def _decide(self, size: float,
+                plans_of: Callable[[], tuple[dict[str, PathPlan], float]]) -> Choice:
+        due = self._model_due(size)
+        if due is not None:
+            return due
+        plans, period = plans_of()
         other = "direct" if self.current == "peer" else "peer"
         better = plans[other].excess < (1 - MARGIN) * plans[self.current].excess
         pick = other if better else self.current
@@ -100,6 +143,7 @@ class PathChooser:
         return Choice(pick, reason, loss)
 
     def period(self) -> float:
-        times = list(self.commits)
+        with self._lock:
+            times = list(self.commits)
         gaps = [b - a for a, b in pairwise(times) if b > a]
         return statistics.median(gaps) if gaps else DEFAULT_PERIOD

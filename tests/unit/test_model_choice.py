@@ -91,6 +91,27 @@ def test_slow_replication_goes_direct_and_a_slow_pfs_brings_peer_back():
     assert choice.path == "peer" and "period 120 s" in choice.reason
 
 
+def test_a_prepared_choice_is_the_full_one_for_about_the_same_size():
+    full, fast = chooser(), chooser()
+    for c in (full, fast):
+        feed(c, "capture", 1.0)
+        feed(c, "replicate", 60.0)
+        feed(c, "flush", 2.0)
+    assert fast.choose_prepared(NODES * GB, 0.0) is None           # nothing prepared yet
+    fast.prepare(NODES * GB)
+    assert fast.choose_prepared(1.5 * NODES * GB, 0.0) is None     # another size waits
+    fast.prepare(NODES * GB)
+    prepared, computed = fast.choose_prepared(1.05 * NODES * GB, 0.0), full.choose(
+        1.05 * NODES * GB, 0.0)
+    assert prepared is not None and prepared.path == computed.path == "direct"
+    assert prepared.loss == pytest.approx(computed.loss, rel=0.05)
+    assert fast.direct_run == 1 and fast.current == "direct"
+    assert fast.choose_prepared(NODES * GB, 60.0) is None          # used once
+    learning = chooser()
+    learning.prepare(NODES * GB)                                    # no model yet: no plans
+    assert learning.choose_prepared(NODES * GB, 0.0) is None
+
+
 def test_nearly_equal_paths_do_not_flip_from_peer():
     c = chooser()
     feed(c, "capture", 1.0)
@@ -227,6 +248,13 @@ def test_the_coordinator_switches_to_direct_after_learning(tmp_path):
     status = json.loads((tmp_path / "journal" / "status.json").read_text())
     assert [(r["id"], r["path"], r["flush"]) for r in status["checkpoints"]] == [
         ("s1", "peer", True), ("s2", "direct", True)]
+
+    # after s2's choice the model's lane prepared the next: s3's commit goes out at once
+    assert coord.chooser._prepared is not None
+    clock.now += 30
+    coord.handle(0, {"type": "marker", "ckpt": "s3", "global_files": [], "t": clock.now})
+    assert (commits()[-1]["ckpt"], commits()[-1]["path"]) == ("s3", "direct")
+    assert coord.chooser.direct_run == 2
 
 
 @pytest.mark.parametrize("forced", ["peer", "direct"])
