@@ -8,11 +8,12 @@ replication estimate does not go stale while it is not used. The other path must
 better by `MARGIN` to switch, so noise does not flip the choice at every checkpoint; the
 margin applies to the part of the expected loss the path changes (beyond T/2 per failure).
 
-The Monte Carlo behind a choice takes tens of milliseconds (a second for the first, which
-imports scipy), and every agent waits for the commit that carries the path. So after each
-choice the coordinator's model lane prepares the plans for the next checkpoint of about
-the same size; the commit then decides on them at once (`choose_prepared`), a few
-samples behind at most, and only a commit of another size waits for its own.
+The Monte Carlo behind a choice takes tens of milliseconds, and every agent waits for the
+commit that carries the path. So after each choice the coordinator's model lane prepares
+the plans for the next checkpoint of about the same size (and, while learning, imports
+scipy, which took a second at the first choice); the commit then decides on them at once
+(`choose_prepared`), a few samples behind at most, and only a commit of another size
+waits for its own.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 from itertools import pairwise
 
 from ..config import Config
-from .distributions import have_scipy
+from .distributions import have_scipy, scipy_module
 from .history import StageSample
 from .plan import PathPlan, Rates, evaluate
 from .predict import SystemModel
@@ -92,7 +93,10 @@ class PathChooser:
         return self._chosen(self._decide(size, lambda: prepared[1:]))
 
     def prepare(self, size: float) -> None:
-        """The plans for the next commit of about `size` bytes (on the model's lane)."""
+        """The plans for the next commit of about `size` bytes (on the model's lane);
+        while learning, scipy imported, so that the first model's choice does not."""
+        if self.mode == "auto" and have_scipy():
+            scipy_module("stats"), scipy_module("special")
         if self._model_due(size) is None:
             plans = self._plans(size)
             with self._lock:
