@@ -183,7 +183,7 @@ def fit_stage(samples: Sequence[StageSample], criterion: str = "aic",
 
 
 def _form(value: Any) -> str:
-    if value not in ("bandwidth", "time"):
+    if value not in FORMS:
         raise OperationError(f"unknown stage form {value!r} in the model")
     return str(value)
 
