@@ -130,7 +130,8 @@ def pooled(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """One path's blocks as one: the means of the measured and estimated losses."""
     if len(runs) == 1:
         return runs[0]
-    mean = lambda key: {c: float(np.mean([r[key][c] for r in runs])) for c in CLASSES}  # noqa: E731
+    def mean(key: str) -> dict[str, float]:
+        return {c: float(np.mean([r[key][c] for r in runs])) for c in CLASSES}
     measured, estimate = mean("measured"), mean("estimate")
     return {"period": float(np.mean([r["period"] for r in runs])),
             "checkpoints": sum(r["checkpoints"] for r in runs),

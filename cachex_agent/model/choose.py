@@ -97,7 +97,7 @@ class PathChooser:
         while learning, scipy imported, so that the first model's choice does not."""
         if self.mode == "auto" and have_scipy():
             scipy_module("stats"), scipy_module("special")
-        if self._model_due(size) is None:
+        if self._without_model(size) is None:
             plans = self._plans(size)
             with self._lock:
                 self._prepared = (size, *plans)
@@ -108,7 +108,7 @@ class PathChooser:
             self.current = choice.path
         return choice
 
-    def _model_due(self, size: float) -> Choice | None:
+    def _without_model(self, size: float) -> Choice | None:
         """The choice that needs no model, if there is one now."""
         fixed = fixed_choice(self.mode, self.can_replicate)
         if fixed is not None:
@@ -133,7 +133,7 @@ class PathChooser:
 
     def _decide(self, size: float,
                 plans_of: Callable[[], tuple[dict[str, PathPlan], float]]) -> Choice:
-        due = self._model_due(size)
+        due = self._without_model(size)
         if due is not None:
             return due
         plans, period = plans_of()

@@ -201,10 +201,9 @@ def _time_form(size: np.ndarray, seconds: np.ndarray, nodes: np.ndarray
     """(a, gamma_fixed, gamma, b) of t = a N^gf + b s N^g by least squares of the
     relative error over a grid of the exponents, a and b >= 0; None without two sizes
     or two node counts (then it is the bandwidth form)."""
-    varied_n = np.ptp(np.log(nodes)) > 1e-9
-    if not varied_n and np.ptp(np.log(size)) <= math.log(1.5):
+    grid, varied = _exponents(size, nodes)
+    if not varied:
         return None
-    grid = np.linspace(0.0, 1.0, 11) if varied_n else np.zeros(1)
     best = (math.inf, 0.0, 0.0, 0.0, 0.0)
     for gamma_fixed in grid:
         for gamma in grid:
@@ -279,15 +278,13 @@ def _overhead_and_gamma(size: np.ndarray, seconds: np.ndarray, nodes: np.ndarray
     """(a, gamma_fixed, gamma): least squares of t = a N^gf + b s N^g over a grid of the
     exponents, `a` kept within [0, 0.9 min t / N^gf] so every sample keeps a positive
     bandwidth."""
-    varied_n = np.ptp(np.log(nodes)) > 1e-9
-    varied_s = np.ptp(np.log(size)) > math.log(1.5)
-    grid = np.linspace(0.0, 1.0, 11) if varied_n else np.zeros(1)
+    grid, varied = _exponents(size, nodes)
     best = (math.inf, 0.0, 0.0, 0.0)
-    for gamma_fixed in grid if varied_s or varied_n else (0.0,):
+    for gamma_fixed in grid:
         for gamma in grid:
             fixed, x = nodes ** gamma_fixed, size * nodes ** gamma
             a = 0.0
-            if varied_s or varied_n:
+            if varied:
                 a = float(np.linalg.lstsq(np.column_stack([fixed, x]), seconds, rcond=None)[0][0])
                 a = min(max(a, 0.0), 0.9 * float(np.min(seconds / fixed)))
             b = float(np.sum((seconds - a * fixed) * x) / np.sum(x * x))
@@ -295,6 +292,14 @@ def _overhead_and_gamma(size: np.ndarray, seconds: np.ndarray, nodes: np.ndarray
             if sse < best[0] - 1e-15:
                 best = (sse, a, float(gamma_fixed), float(gamma))
     return best[1], best[2], best[3]
+
+
+def _exponents(size: np.ndarray, nodes: np.ndarray) -> tuple[np.ndarray, bool]:
+    """The sharing exponents to try (0 alone with one node count), and whether the sizes
+    or node counts vary enough to tell a fixed cost from the per-byte one."""
+    varied_n = np.ptp(np.log(nodes)) > 1e-9
+    varied_s = np.ptp(np.log(size)) > math.log(1.5)
+    return (np.linspace(0.0, 1.0, 11) if varied_n else np.zeros(1)), varied_n or varied_s
 
 
 def _fit_json(f: Fit) -> dict[str, Any]:
