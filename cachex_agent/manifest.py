@@ -12,7 +12,7 @@ from dataclasses import dataclass, field, is_dataclass
 from pathlib import Path
 from typing import Any
 
-from .checksum import ALGORITHM
+from .checksum import ALGORITHM, hasher
 from .errors import OperationError
 from .fsutil import read_json, write_json
 from .safepath import UnsafeInput, checkpoint_id, component, index, relative_path
@@ -152,6 +152,70 @@ class GlobalManifest:
     def node_files(self, node: int) -> list[FileEntry]:
         return [FileEntry(**{k: v for k, v in entry.items() if k != "node"})
                 for entry in self.files if entry["node"] == node]
+
+    def digest(self) -> ManifestDigest:
+        return ManifestDigest(self.ckpt, self.seq, len(self.nodes), len(self.files),
+                              self.bytes, files_hash(self.files),
+                              [e for e in self.files if e["path"] in self.global_files])
+
+
+DIGEST_FORMAT = "cachex-manifest-digest"
+MAX_GLOBAL_ENTRIES = 1024   # a digest's global files: what one node wrote, never per node
+
+
+def files_hash(files: list[dict[str, Any]]) -> str:
+    """The identity of a checkpoint's content: every (node, path, size, mode, checksum),
+    in node and path order. A manifest rebuilt from the survivors' local and replica
+    manifests is the one the coordinator built when the hashes agree."""
+    h = hasher()
+    for e in sorted(files, key=lambda e: (e["node"], e["path"])):
+        h.update(f"{e['node']}\t{e['path']}\t{e['size']}\t{e['mode']}\t{e['checksum']}\n"
+                 .encode())
+    return h.hexdigest()
+
+
+@dataclass(frozen=True)
+class ManifestDigest:
+    """A global manifest in a size that does not grow with the job: what every agent
+    hears and keeps (its journal entry's `global`). `globals` are the entries of the
+    global files (e.g. `.metadata`), which every node mirrors and recovery restores."""
+
+    ckpt: str
+    seq: int
+    nodes: int
+    files: int
+    bytes: int
+    hash: str
+    globals: list[dict[str, Any]] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"format": DIGEST_FORMAT, "version": VERSION, **_plain(self)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any], source: object = "manifest digest",
+                  directory: str | None = None) -> ManifestDigest:
+        _check_format(data, DIGEST_FORMAT, source)
+        fields = _fields(data, source)
+        checkpoint_id(fields.get("ckpt"), source, directory)
+        for key in ("seq", "nodes", "files", "bytes"):
+            index(fields.get(key), source, key)
+        if not isinstance(fields.get("hash"), str) or len(fields["hash"]) > 128:
+            raise UnsafeInput(f"{source}: hash {fields.get('hash')!r} is not a digest")
+        entries = _list(data, "globals", source)
+        if len(entries) > MAX_GLOBAL_ENTRIES:
+            raise UnsafeInput(f"{source}: {len(entries)} global files, more than"
+                              f" {MAX_GLOBAL_ENTRIES}")
+        for entry in entries:
+            _file_entry({k: v for k, v in _dict(entry, source).items() if k != "node"}, source)
+            if index(entry.get("node"), source) >= fields["nodes"]:
+                raise UnsafeInput(f"{source}: global file {entry.get('path')!r} of node"
+                                  f" {entry['node']}, not a node of this checkpoint")
+        return _build(cls, fields, source)
+
+    def matches(self, manifest: GlobalManifest) -> bool:
+        return (manifest.ckpt, len(manifest.nodes), len(manifest.files), manifest.bytes,
+                files_hash(manifest.files)) == (self.ckpt, self.nodes, self.files,
+                                                self.bytes, self.hash)
 
 
 def _check_format(data: Any, expected: str, source: object) -> None:

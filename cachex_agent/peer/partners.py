@@ -94,3 +94,24 @@ def replication_map(config: Config, hosts_by_node: list[str]) -> list[list[int]]
 def incoming(node: int, pmap: list[list[int]]) -> list[int]:
     """Owners that send their data to `node`, in node order (its window's regions)."""
     return [owner for owner, chosen in enumerate(pmap) if node in chosen]
+
+
+def metadata_holders(domains: list[str], copies: int) -> list[int]:
+    """The nodes besides the coordinator (node 0) that keep every checkpoint's whole
+    global manifest: max(2, copies) of them, spread over the job, each in a failure
+    domain of its own and none in node 0's while there are domains enough; fewer on a
+    job of fewer nodes. Every other agent keeps a digest (manifest.ManifestDigest)."""
+    count = len(domains)
+    want = min(max(2, copies), count - 1)
+    spread = [round(k * count / (want + 1)) % count for k in range(1, want + 1)]
+    order = list(dict.fromkeys([*spread, *range(1, count)]))
+    chosen: list[int] = []
+    used = {domains[0]}
+    for strict in (True, False):
+        for node in order:
+            if len(chosen) == want:
+                return chosen
+            if node != 0 and node not in chosen and (not strict or domains[node] not in used):
+                chosen.append(node)
+                used.add(domains[node])
+    return chosen

@@ -10,7 +10,8 @@ import pytest
 
 from cachex_agent.fsutil import read_json
 from cachex_agent.journal import Journal
-from cachex_agent.manifest import FileEntry, GlobalManifest, LocalManifest
+from cachex_agent.manifest import FileEntry, GlobalManifest, LocalManifest, ManifestDigest
+from cachex_agent.safepath import UnsafeInput
 
 
 def local_manifest(node: int, ckpt: str = "step_00100") -> LocalManifest:
@@ -134,3 +135,25 @@ def test_read_and_write_named_files(tmp_path):
     journal.write("status.json", {"run": "run1", "checkpoints": []})
     assert Journal(root).read("status.json") == {"run": "run1", "checkpoints": []}
     assert no_temp_files(root)
+
+
+def test_manifest_digest_names_the_content_and_its_global_files(tmp_path):
+    parts = [local_manifest(node) for node in range(3)]
+    gm = GlobalManifest.build(parts, [], {"written": 1.0}, {n: f"node-{n}.h5" for n in range(3)})
+    digest = gm.digest()
+    assert (digest.nodes, digest.files, digest.bytes) == (3, len(gm.files), gm.bytes)
+    assert ManifestDigest.from_json(json.loads(json.dumps(digest.to_json()))) == digest
+    rebuilt = GlobalManifest.build(parts[::-1], [], {}, {n: "x.h5" for n in range(3)}, 5.0)
+    assert digest.matches(rebuilt)                  # times and bundles are not content
+    changed = [*parts[:2], local_manifest(2, "step_00100")]
+    changed[2].files[0] = FileEntry(changed[2].files[0].path, 1, 0o600, "other")
+    assert not digest.matches(GlobalManifest.build(changed, [], {}, {n: "x" for n in range(3)}))
+
+
+def test_manifest_digest_refuses_what_does_not_fit_it():
+    gm = GlobalManifest.build([local_manifest(0)], [], {}, {0: "node-00000.h5"})
+    data = gm.digest().to_json()
+    with pytest.raises(UnsafeInput, match="not a node of this checkpoint"):
+        ManifestDigest.from_json({**data, "globals": [{**gm.files[0], "node": 4}]})
+    with pytest.raises(UnsafeInput, match="unsafe checkpoint id"):
+        ManifestDigest.from_json({**data, "ckpt": "../x"})

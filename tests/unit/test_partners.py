@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 
 from cachex_agent.errors import ConfigError
-from cachex_agent.peer.partners import domains_of, incoming, partner_map, partners
+from cachex_agent.peer.partners import (
+    domains_of,
+    incoming,
+    metadata_holders,
+    partner_map,
+    partners,
+)
 
 
 def test_ring_with_stride_one_and_two():
@@ -55,3 +61,18 @@ def test_domain_specs(tmp_path):
         domains_of(f"file:{table}", ["frontier99999"])
     with pytest.raises(ConfigError, match="does not match host"):
         domains_of("regex:^x", hosts)
+
+
+def test_metadata_holders_spread_over_other_domains():
+    nodes = [str(i) for i in range(10_000)]
+    assert metadata_holders(nodes, copies=1) == [3333, 6667]
+    assert metadata_holders(nodes, copies=3) == [2500, 5000, 7500]
+    # node 0's cabinet last: a holder there is lost with the coordinator
+    assert metadata_holders(["a", "a", "b", "b", "c", "c"], copies=1) == [2, 4]
+    assert metadata_holders(["a", "a", "b", "b"], copies=1) == [3, 1]
+
+
+def test_metadata_holders_of_small_jobs():
+    assert metadata_holders(["a"], copies=1) == []
+    assert metadata_holders(["a", "b"], copies=2) == [1]
+    assert metadata_holders(["a", "b", "c"], copies=1) == [1, 2]
