@@ -37,6 +37,7 @@ from typing import Any, NoReturn
 
 from mpi4py import MPI
 
+from . import relay
 from .cleanup import remove_stale
 from .collective import agree
 from .config import Config
@@ -67,6 +68,7 @@ from .messages import (
     FileCaptured,
     Finalized,
     GlobalFile,
+    HoldManifest,
     ManifestReady,
     Tag,
     ToNode,
@@ -77,7 +79,7 @@ from .node_dirs import prepare_dirs
 from .peer.encoder import erasure_groups, start_encoder
 from .peer.globals import GlobalFiles
 from .peer.mirror import Mirror
-from .peer.partners import replication_map
+from .peer.partners import domains_of, metadata_holders, replication_map
 from .peer.replicator import Replicator
 from .runlock import RunLock, stale_after
 from .safepath import UnsafeInput
@@ -141,6 +143,7 @@ class Agent:
         self._requests: list[Any] = []
         self._signals = 0
         self._dead_agents: list[int] = []
+        self._own_frames: list[bytes] = []      # the coordinator's, for this node's agent
         self.ranks_by_node = self._ranks_by_node()
         self.node_of_rank = {r: n for n, r in enumerate(self.ranks_by_node)}
         self.replicator = agree(comm, "peer set-up", self._make_replicator)
@@ -149,7 +152,8 @@ class Agent:
         self.coordinator = agree(comm, "coordinator", lambda: Coordinator(
             config, self.ranks_by_node, self.journal, self.paths.pfs, self.events, self._send,
             can_replicate=self.replicator is not None or self.encoder is not None,
-            wake=self.inbox.wake, events_copy=self.events_copy)
+            wake=self.inbox.wake, events_copy=self.events_copy, forward=self._forward,
+            holders=self._holders())
             if self.rank == 0 else None)
         self.globals = GlobalFiles(comm, self.paths.journal, self._send_peer,
                                    config.agent.timeout)
@@ -162,8 +166,8 @@ class Agent:
                              config.commit.mirror)
         self._from_coordinator = {
             Commit: self._on_commit, ManifestReady: self._on_manifest,
-            Finalized: self._on_finalized, Failed: self._on_failed, Drain: self._on_drain,
-            Exit: self._on_exit}
+            HoldManifest: self._on_hold, Finalized: self._on_finalized,
+            Failed: self._on_failed, Drain: self._on_drain, Exit: self._on_exit}
         self._preexisting = set(self._committed_now())
 
     def _remove_stale(self) -> None:
@@ -181,6 +185,10 @@ class Agent:
         return Replicator(self.comm, self.placement.node, pmap, self.ranks_by_node,
                           self.config, self.paths, self.events, self._send_peer,
                           self.inbox.put, self.stages, wake=self.inbox.wake)
+
+    def _holders(self) -> list[int]:
+        domains = domains_of(self.config.topology.domain, list(self.placement.hosts))
+        return metadata_holders(domains, self.config.peer.copies)
 
     def _ranks_by_node(self) -> list[int]:
         pairs = self.comm.allgather((self.node, self.rank))
@@ -330,10 +338,18 @@ class Agent:
     def _to_coordinator(self, msg: dict[str, Any]) -> None:
         self._send(0, {**msg, "node": self.node})
 
+    def _forward(self, frame: bytes, nodes: list[int], local: bool = False) -> None:
+        """A relay frame's bytes as they are, to the next hops (relay.py)."""
+        for node in nodes:
+            self._requests.append(self.comm.Isend([frame, MPI.BYTE],
+                                                  dest=self.ranks_by_node[node], tag=Tag.RELAY))
+        if local:
+            self._own_frames.append(frame)
+
     def _receive(self) -> int:
         """Handle the messages from other agents that arrived; return how many."""
+        count = self._receive_frames()
         status = MPI.Status()
-        count = 0
         for tag in (Tag.PEER, Tag.COORDINATOR):
             while self._probe(tag, status):
                 source = status.Get_source()
@@ -347,6 +363,32 @@ class Agent:
                     continue
                 self._dispatch(source, msg)
         return count
+
+    def _receive_frames(self) -> int:
+        """The coordinator's messages down the tree or chain: forwarded before they are
+        read, so the nodes below hear them as soon as this one does."""
+        frames = [(0, frame, False) for frame in self._own_frames]
+        self._own_frames = []
+        status = MPI.Status()
+        while self._probe(Tag.RELAY, status):
+            source = status.Get_source()
+            buf = bytearray(status.Get_count(MPI.BYTE))
+            self.comm.Recv([buf, MPI.BYTE], source=source, tag=Tag.RELAY)
+            frames.append((source, buf, True))
+        for source, frame, onward in frames:
+            where = f"relay frame from rank {source}"
+            try:
+                route, body = relay.parse(frame, len(self.ranks_by_node), where)
+                if onward:
+                    self._forward(frame, relay.next_hops(route, self.node,
+                                                         len(self.ranks_by_node)))
+                msg = decode(relay.message(body), where, Tag.RELAY)
+            except UnsafeInput as exc:
+                log.error("refused: %s", exc)
+                self.events.emit("refused", error=str(exc))
+                continue
+            self._dispatch(source, msg)
+        return len(frames)
 
     def _dispatch(self, source: int, msg: Any) -> None:
         """One message from another agent to the part of this one that takes it."""
@@ -402,9 +444,15 @@ class Agent:
 
     # ------------------------------------------------------- from coordinator
     def _on_manifest(self, msg: ManifestReady) -> None:
-        self.journal.save_global(msg.manifest)
+        if self.journal.get(msg.ckpt) is not None:      # else: forgotten since
+            self.journal.update(msg.ckpt, **{"global": msg.digest.to_json()})
         self.mirror.mirror(msg.ckpt)
         self._encode_if_wanted(msg.ckpt)    # every node captured: the group encodes
+
+    def _on_hold(self, msg: HoldManifest) -> None:
+        """This node is a metadata holder: the whole global manifest, for a recovery
+        that has lost the coordinator's node."""
+        self.journal.save_global(msg.manifest)
 
     def _on_exit(self, msg: Exit) -> None:
         self._dead_agents = msg.dead
@@ -441,7 +489,7 @@ class Agent:
         elif self.replicator is not None and peer:
             self.replicator.captured(manifest, Path(entry["source"]),
                                      mapped=entry.get("mode") == "copy")
-        if self.journal.global_manifest(ckpt) is not None:
+        if "global" in entry:
             self._encode_if_wanted(ckpt)    # resumed after ManifestReady was heard
         self._flush_if_wanted(ckpt)
         self._retain_stage()
@@ -499,10 +547,10 @@ class Agent:
         self.flusher.submit(manifest, Path(entry["source"]))
 
     def _on_finalized(self, msg: Finalized) -> None:
-        self.journal.save_global(msg.manifest)
         entry = self.journal.get(msg.ckpt) or {}
         if stage_state(entry, Stage.COMMIT) not in ENDED:
-            self.stages.record(Stage.COMMIT, State.DONE, msg.ckpt, entry.get("seq"))
+            self.stages.record(Stage.COMMIT, State.DONE, msg.ckpt, entry.get("seq"),
+                               persist={"global": msg.digest.to_json()})
         self._retain_stage()
 
     def _on_failed(self, msg: Failed) -> None:

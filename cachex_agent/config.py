@@ -332,6 +332,7 @@ class Agent:
     poll: float = 0.02          # main loop tick
     timeout: float = 60.0       # bound on every wait for another agent
     log: str = "info"
+    fanout: int = 16            # children per agent in the coordinator's broadcast tree
 
 
 _PARSERS: dict[str, dict[str, Parser]] = {
@@ -357,7 +358,7 @@ _PARSERS: dict[str, dict[str, Parser]] = {
               "node_rate": _rate, "job_rate": _rate, "period": _duration(),
               "window": _int(4), "explore": _int(0)},
     "agent": {"poll": _duration(1e-3), "timeout": _duration(1.0),
-              "log": _choice("debug", "info", "warning", "error")},
+              "log": _choice("debug", "info", "warning", "error"), "fanout": _int(2, 1024)},
 }
 _SECTIONS = {"paths": Paths, "topology": Topology, "commit": Commit, "peer": Peer,
              "flush": Flush, "keep": Keep, "model": Model, "agent": Agent}
@@ -453,6 +454,9 @@ MEANINGS: dict[str, str] = {
     "agent.timeout": "Bound on every wait for another agent (credits, collectives,"
                      " recovery transfers); a partner silent this long is taken for dead.",
     "agent.log": "Log level.",
+    "agent.fanout": "Children per agent in the tree that carries the coordinator's messages"
+                    " to every agent: each message is serialized once and forwarded, never"
+                    " sent N times by one thread (docs/architecture.md).",
 }
 
 

@@ -4,7 +4,9 @@ It never moves data. It hears small messages from the agents, and `decisions.dec
 (a pure function; the protocol is described there) says what follows. This module
 carries the effects out:
 
-  main thread   messages to agents (`send`, at once), events, log lines
+  main thread   messages to agents (at once: one agent by `send`, every agent or the
+                metadata holders by one frame that the agents forward, relay.py),
+                events, log lines
   lane "pfs"    global manifests, index and status on the PFS; purges; the node's
                 events appended to its PFS log when a checkpoint ends (flushed or
                 failed) and at close, so the level times reach the PFS too
@@ -34,7 +36,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from . import layout
+from . import layout, relay
 from .config import Config
 from .decisions import (
     HEARTBEAT,
@@ -46,6 +48,7 @@ from .decisions import (
     Emit,
     Finalize,
     FinalizeDone,
+    Hold,
     Log,
     NodeRecord,
     Observe,
@@ -78,18 +81,26 @@ from .peer.groups import redundancy
 __all__ = ["HEARTBEAT", "HISTORY", "Coordinator"]
 log = logging.getLogger(__name__)
 SendFn = Callable[[int, dict[str, Any]], None]
+#: (frame, the nodes to send it to, whether this node's own agent reads it too)
+ForwardFn = Callable[[bytes, list[int], bool], None]
 
 
 class Coordinator:
     """`wake` (called from a lane when it has an answer) makes the lanes threads; without
-    it every effect is carried out at once, on the caller's thread (tests, simulation)."""
+    it every effect is carried out at once, on the caller's thread (tests, simulation).
+    `forward` sends a relay frame to the first hops (the agent's MPI); without it every
+    node the route reaches gets the frame's message by `send` (in one process).
+    `holders`: the metadata holders, who get every whole global manifest."""
 
     def __init__(self, config: Config, ranks_by_node: list[int], journal: Journal,
                  pfs_run: Path, events: EventLog, send: SendFn,
                  clock: Callable[[], float] = time.time, can_replicate: bool = True,
                  wake: Callable[[], None] | None = None,
-                 events_copy: EventCopy | None = None) -> None:
+                 events_copy: EventCopy | None = None, forward: ForwardFn | None = None,
+                 holders: list[int] | None = None) -> None:
         self.config = config
+        self.forward = forward or self._deliver_in_process
+        self.holders = list(holders or [])
         self.events_copy = events_copy
         self.ranks = ranks_by_node
         self.journal = journal
@@ -196,14 +207,39 @@ class Coordinator:
         if kind is Send:
             self.send(effect.rank, wire(effect.msg))
         elif kind is Broadcast:
-            msg = wire(effect.msg)      # once: a manifest's JSON form is O(nodes)
-            for rank in self.ranks:
-                self.send(rank, msg)
+            # the nodes left out of the tree (dead or silent) get it directly: one that
+            # was only slow hears the message, and no subtree hangs below it
+            skipped = self._skipped()
+            self._relay(relay.Route("tree", self.config.agent.fanout, skipped),
+                        wire(effect.msg), local=True, also=skipped)
+        elif kind is Hold:
+            chain = tuple(n for n in self.holders if not self.state.nodes[n].skipped)
+            if chain:
+                self._relay(relay.Route("chain", chain=chain), wire(effect.msg))
         elif kind is Observe:
             self._observed.append(effect)
             self.lanes["model"].offer("observe", self._feed_model)
         else:
             self._EFFECTS[kind](self, effect)
+
+    def _relay(self, route: relay.Route, msg: dict[str, Any], local: bool = False,
+               also: tuple[int, ...] = ()) -> None:
+        """Serialized once, whatever the number of nodes it reaches."""
+        self.forward(relay.frame(route, msg),
+                     [*relay.next_hops(route, 0, self.nodes), *also], local)
+
+    def _skipped(self) -> tuple[int, ...]:
+        return tuple(n for n, node in enumerate(self.state.nodes) if node.skipped)
+
+    def _deliver_in_process(self, frame: bytes, hops: list[int], local: bool) -> None:
+        route, body = relay.parse(frame, self.nodes, "coordinator")
+        msg = relay.message(body)
+        todo = [*hops, *([0] if local else [])]
+        while todo:
+            node = todo.pop()
+            self.send(self.ranks[node], msg)
+            if node != 0:
+                todo += relay.next_hops(route, node, self.nodes)
 
     def _emit(self, effect: Emit) -> None:
         self.events.emit(effect.event, **effect.fields)

@@ -17,7 +17,9 @@ Protocol (agent <-> coordinator):
   agent  -> coord  captured    this node's part is in its stage (local manifest)
   agent  -> coord  replicated  this node's partners hold verified copies (or why not)
   agent  -> coord  flushed     this node's bundle is durable on the PFS
-  coord  -> all    manifest    every node captured: the global manifest, for every journal
+  coord  -> all    manifest    every node captured: the global manifest's digest
+  coord  -> few    hold        every node captured: the whole global manifest, to the
+                               metadata holders (and the coordinator's journal)
   coord  -> all    finalized   global manifest and index committed (level "flushed")
   coord  -> all    failed      `ckpt` can never be whole: drop it
   agent  -> coord  stop        a user asked to stop (signal, `cachex stop`)
@@ -38,7 +40,7 @@ from typing import Any
 from . import layout
 from .index import Row, state_of_level
 from .manifest import GlobalManifest, LocalManifest
-from .messages import Commit, Drain, Exit, Failed, Finalized, ManifestReady
+from .messages import Commit, Drain, Exit, Failed, Finalized, HoldManifest, ManifestReady
 from .safepath import checkpoint_id, relative_paths
 
 LEVELS = ("written", "captured", "replicated", "flushed")   # plus failed, evicted, purged
@@ -94,6 +96,8 @@ class CheckpointRecord:
         """Ids name PFS directories that the coordinator writes and purges: checked."""
         checkpoint_id(data.get("id"), source, key)
         relative_paths(data.get("global_files", []), source, f"global file of {key}")
+        for node, manifest in (data.get("captured") or {}).items():    # global_manifest's
+            LocalManifest.from_json(manifest, f"{source} ({key}, node {node})", key)
         known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
         known.setdefault("path", "peer")        # journals from before the path choice
         return cls(**{**known, "path": known["path"] or "peer"})
@@ -118,6 +122,12 @@ class NodeRecord:
     rank: int
     drained: bool = False
     dead: bool = False          # a partner found it unresponsive
+    silent: bool = False        # missed a capture deadline, nothing heard since
+
+    @property
+    def skipped(self) -> bool:
+        """Left out of the broadcast tree (relay.py): its children would hear nothing."""
+        return self.dead or self.silent
 
 
 @dataclass(frozen=True, slots=True)
@@ -336,6 +346,12 @@ class SaveGlobal:
 
 
 @dataclass(frozen=True, slots=True)
+class Hold:
+    """Send `msg` (the whole global manifest) to the metadata holders."""
+    msg: HoldManifest
+
+
+@dataclass(frozen=True, slots=True)
 class Finalize:
     """Write the global manifest onto the PFS, then `index` (this checkpoint valid);
     answer with FinalizeDone."""
@@ -374,6 +390,9 @@ Effects = list[Any]
 # --------------------------------------------------------------------- decisions
 def decide(state: CoordinatorState, event: Any) -> tuple[CoordinatorState, Effects]:
     out: Effects = []
+    node = getattr(event, "node", None)
+    if node is not None and 0 <= node < len(state.nodes):
+        state.nodes[node].silent = False    # heard from: back in the broadcast tree
     _HANDLERS[type(event)](state, event, out)
     state.dirty = state.dirty or not isinstance(event, Tick)
     return state, out
@@ -491,11 +510,13 @@ def _advance(s: CoordinatorState, record: CheckpointRecord, now: float, out: Eff
     nodes = len(s.nodes)
     if record.level == "written" and len(record.captured) == nodes:
         _reach(s, record, "captured", now, out)
-        # every journal learns what the checkpoint is, long before the PFS does:
-        # what a recovery needs when the coordinator's node is the one lost
+        # the holders learn what the checkpoint is, long before the PFS does: what a
+        # recovery needs when the coordinator's node is the one lost; every other
+        # journal keeps a digest that does not grow with the job
         manifest = global_manifest(record, record.times, now)
         out.append(SaveGlobal(manifest))
-        out.append(Broadcast(ManifestReady(record.id, manifest)))
+        out.append(Hold(HoldManifest(record.id, manifest)))
+        out.append(Broadcast(ManifestReady(record.id, manifest.digest())))
     if (record.level == "captured" and len(record.replicated) == nodes
             and not record.replication_failed):
         _reach(s, record, "replicated", now, out)
@@ -582,6 +603,8 @@ def _on_tick(s: CoordinatorState, e: Tick, out: Effects) -> None:
     for record in list(s.ckpts.values()):
         if record.level == "written" and e.now > record.deadline:
             missing = sorted(set(range(nodes)) - {int(n) for n in record.captured})
+            for node in missing:
+                s.nodes[node].silent = node != 0
             _fail(s, record, f"nodes {missing} did not capture within"
                              f" {s.settings.commit_timeout:.0f}s", out)
         elif record.level in ("captured", "replicated") and len(record.flushed) == nodes:
@@ -607,9 +630,9 @@ def _on_finalize_done(s: CoordinatorState, e: FinalizeDone, out: Effects) -> Non
         _exit_if_drained(s, out)        # drained: no retry to wait for
         return
     record.errors.pop("coordinator", None)
-    out.append(SaveGlobal(e.manifest))
+    # the journal keeps the copy of `captured` (same files): the PFS has this one
     _reach(s, record, "flushed", e.now, out)
-    out.append(Broadcast(Finalized(e.ckpt, e.manifest)))
+    out.append(Broadcast(Finalized(e.ckpt, e.manifest.digest())))
     if not _purge_pfs(s, out):
         out.append(WriteIndex())    # a snapshot taken while the finalize was out lacks it
     _exit_if_drained(s, out)
@@ -720,9 +743,10 @@ _HANDLERS: dict[type, Callable[[CoordinatorState, Any, Effects], None]] = {
 # ----------------------------------------------------------- views of the state
 def global_manifest(record: CheckpointRecord, times: dict[str, float],
                     now: float) -> GlobalManifest:
-    parts = [LocalManifest.from_json(m) for m in record.captured.values()]
+    """From the local manifests as they arrived (messages.decode checked each one)."""
     bundles = {int(n): layout.bundle_name(int(n)) for n in record.captured}
-    return GlobalManifest.build(parts, record.global_files, times, bundles, now)
+    return GlobalManifest.from_parts(list(record.captured.values()), record.global_files,
+                                     times, bundles, now)
 
 
 def index_rows(s: CoordinatorState) -> list[Row]:

@@ -2,7 +2,9 @@
 
     state.json              one entry per checkpoint this node handled: seq, state, stamps
     manifests/<ckpt>.json   this node's local manifest (copy of what is in the stage)
-    global/<ckpt>.json      the global manifest, broadcast by the coordinator
+    global/<ckpt>.json      the whole global manifest: on the coordinator's node and the
+                            metadata holders only (every entry of state.json keeps its
+                            digest under `global`, manifest.ManifestDigest)
     coordinator.json        coordinator only: every checkpoint's global level
     status.json             coordinator only: what `cachex status` shows
     events.jsonl            structured events (events.py)
@@ -27,7 +29,7 @@ from .layout import (
     local_manifest_path,
     local_manifests_dir,
 )
-from .manifest import GlobalManifest, LocalManifest
+from .manifest import GlobalManifest, LocalManifest, ManifestDigest
 from .safepath import UnsafeInput, checkpoint_id, relative_paths
 
 
@@ -47,6 +49,8 @@ class Journal:
         for ckpt, entry in self.entries.items():
             checkpoint_id(ckpt, where)
             relative_paths(entry.get("global_files", []), where, f"global file of {ckpt}")
+            if "global" in entry:
+                ManifestDigest.from_json(entry["global"], where, ckpt)
             source = entry.get("source")
             if places and source is not None and source not in {
                     str(ckpt_dir(place, ckpt)) for place in places}:
@@ -88,6 +92,11 @@ class Journal:
     def manifest(self, ckpt: str) -> LocalManifest | None:
         path = local_manifest_path(self.root, ckpt)
         return LocalManifest.load(path, ckpt) if path.exists() else None
+
+    def digest(self, ckpt: str) -> ManifestDigest | None:
+        """The global manifest's digest this node heard (checked when the journal loads)."""
+        data = (self.entries.get(ckpt) or {}).get("global")
+        return ManifestDigest.from_json(data, self.root / JOURNAL_STATE, ckpt) if data else None
 
     def save_global(self, manifest: GlobalManifest) -> None:
         write_json(journal_global_manifest_path(self.root, manifest.ckpt), manifest.to_json(),

@@ -9,9 +9,12 @@ field the type needs present and of the right kind, every name that reaches a pa
 raises UnsafeInput, which the agent refuses with one line.
 
 Protocols (docs/architecture.md draws them):
-  Tag.COORDINATOR  coordinator -> agents: Commit, ManifestReady, Finalized, Failed,
-                   Drain, Exit; agents -> coordinator: the names in TO_COORDINATOR,
-                   typed by decisions.from_wire (the coordinator's events)
+  Tag.RELAY        coordinator -> agents: Commit, ManifestReady, Finalized, Failed,
+                   Drain, Exit down the broadcast tree, HoldManifest down the holders'
+                   chain (relay.py: serialized once, forwarded as bytes)
+  Tag.COORDINATOR  coordinator -> one agent: Commit again (a restarted agent);
+                   agents -> coordinator: the names in TO_COORDINATOR, typed by
+                   decisions.from_wire (the coordinator's events)
   Tag.PEER         replication between an owner and its partner: Begin, File, Slot, End
                    (owner -> partner), Credit, Ack (partner -> owner); GlobalFile headers
   Tag.GLOBAL_DATA  a global file's bytes after its GlobalFile header (peer/globals.py)
@@ -27,7 +30,7 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Any, ClassVar
 
-from .manifest import FileEntry, GlobalManifest, LocalManifest
+from .manifest import FileEntry, GlobalManifest, LocalManifest, ManifestDigest
 from .safepath import UnsafeInput, checkpoint_id, index, relative_path, relative_paths
 
 
@@ -35,6 +38,7 @@ class Tag(IntEnum):
     COORDINATOR = 7
     PEER = 8
     GLOBAL_DATA = 9
+    RELAY = 10
     RECOVERY = 21
     ARRIVE = 31
 
@@ -53,8 +57,18 @@ class Commit:
 
 @dataclass(frozen=True, slots=True)
 class ManifestReady:
-    """Every node captured `ckpt`: its global manifest, for every journal."""
+    """Every node captured `ckpt`: the digest of its global manifest, for every journal
+    (its size does not grow with the job; the whole manifest goes to the holders)."""
     TYPE: ClassVar[str] = "manifest"
+    ckpt: str
+    digest: ManifestDigest
+
+
+@dataclass(frozen=True, slots=True)
+class HoldManifest:
+    """To the metadata holders only: `ckpt`'s whole global manifest, for their journals
+    (what a recovery needs when the coordinator's node is the one lost)."""
+    TYPE: ClassVar[str] = "hold"
     ckpt: str
     manifest: GlobalManifest
 
@@ -64,7 +78,7 @@ class Finalized:
     """Global manifest and index of `ckpt` are durable on the PFS (level flushed)."""
     TYPE: ClassVar[str] = "finalized"
     ckpt: str
-    manifest: GlobalManifest
+    digest: ManifestDigest
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,7 +198,7 @@ class ToNode:
 
 
 TO_AGENT: dict[str, type] = {c.TYPE: c for c in (
-    Commit, ManifestReady, Finalized, Failed, Drain, Exit)}
+    Commit, ManifestReady, HoldManifest, Finalized, Failed, Drain, Exit)}
 PEER: dict[str, type] = {c.TYPE: c for c in (
     Begin, File, Slot, End, Credit, Ack, GlobalFile)}
 # typed on arrival by decisions.from_wire (the coordinator's events); a test keeps the
@@ -201,7 +215,7 @@ def wire(message: Any) -> dict[str, Any]:
         return message
     fields = {f.name: getattr(message, f.name) for f in dataclasses.fields(message)}
     for name, value in fields.items():
-        if isinstance(value, (GlobalManifest, LocalManifest)):
+        if isinstance(value, (GlobalManifest, LocalManifest, ManifestDigest)):
             fields[name] = value.to_json()
     return {"type": message.TYPE, **fields}
 
@@ -214,7 +228,8 @@ def decode(raw: Any, source: str, tag: Tag) -> Any:
     name = raw["type"]
     if tag == Tag.COORDINATOR and name in TO_COORDINATOR:
         return _checked_report(raw, source)
-    kind = (TO_AGENT if tag == Tag.COORDINATOR else PEER if tag == Tag.PEER else {}).get(name)
+    kind = (TO_AGENT if tag in (Tag.COORDINATOR, Tag.RELAY) else PEER if tag == Tag.PEER
+            else {}).get(name)
     if kind is None:
         raise UnsafeInput(f"{source}: unknown message type {name!r} on tag {tag.name}")
     fields = {k: v for k, v in raw.items() if k != "type"}
@@ -253,6 +268,8 @@ def _checked_fields(kind: type, fields: dict[str, Any], source: str) -> dict[str
             raise UnsafeInput(f"{what}: {name} must be text, not {_short(value)}")
         elif name == "checksum" and not isinstance(value, str):
             raise UnsafeInput(f"{what}: {name} must be text, not {_short(value)}")
+    if "digest" in fields:
+        fields["digest"] = ManifestDigest.from_json(fields["digest"], what, fields.get("ckpt"))
     if "manifest" in fields and (fields["manifest"] is not None or kind is not End):
         manifest_kind = LocalManifest if kind in (Begin, End) else GlobalManifest
         fields["manifest"] = manifest_kind.from_json(fields["manifest"], what, fields.get("ckpt"))

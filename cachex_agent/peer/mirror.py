@@ -1,6 +1,7 @@
-"""Mirroring (`commit.mirror`): once every node captured a checkpoint and its global
-files reached this node's journal (peer/globals.py), put them into this node's spool
-too, so loaders that read only their own node's directory (DCP's `load`) find them."""
+"""Mirroring (`commit.mirror`): once every node captured a checkpoint (the coordinator's
+digest of it names its global files) and those files reached this node's journal
+(peer/globals.py), put them into this node's spool too, so loaders that read only their
+own node's directory (DCP's `load`) find them."""
 
 from __future__ import annotations
 
@@ -25,15 +26,15 @@ class Mirror:
 
     def mirror(self, ckpt: str) -> None:
         """Mirror what has arrived; called again as more arrives (idempotent)."""
-        manifest = self.journal.global_manifest(ckpt)
-        if not self.enabled or manifest is None:
+        digest = self.journal.digest(ckpt)
+        if not self.enabled or digest is None:
             return
         target = self.paths.spool_dir(ckpt)
         held = global_files_dir(self.paths.journal, ckpt)
-        for entry in manifest.files:
+        for entry in digest.globals:
             path = entry["path"]
             into = self._target(ckpt, target, path, entry["node"])
-            if path not in manifest.global_files or into is None:
+            if into is None:
                 continue
             if not (held / path).is_file():
                 return                          # not arrived yet: the next call does it

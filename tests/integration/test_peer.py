@@ -13,6 +13,9 @@ import psutil
 import pytest
 from harness import Cluster, files_of, finish, wait_for
 
+from cachex_agent.layout import pfs_manifest_path
+from cachex_agent.manifest import GlobalManifest
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 TRAIN = ["--shard-size", "256KiB", "--chunk-size", "64KiB", "--step-time", "0.02"]
 
@@ -122,18 +125,28 @@ def test_dead_partner_is_detected_and_the_owner_flushes(cluster):
         os.kill(pid, signal.SIGCONT)
 
 
-def test_global_metadata_reaches_every_journal(cluster):
-    c = cluster()
+def test_global_metadata_reaches_every_journal_the_whole_manifest_only_the_holders(cluster):
+    """Down a tree of two children per agent (node 0 -> 1, 2; node 1 -> 3): every journal
+    gets the global files and the manifest's digest, the whole manifest only node 0 and
+    the metadata holders (nodes 1 and 3 of 4: peer.partners.metadata_holders)."""
+    c = cluster(extra="fanout = 2")        # in [agent]
     c.start_agents()
     finish(c.trainer("--steps", "4", "--every", "4", *TRAIN))
     c.wait_level("step_00004", "flushed")
     metadata = (c.spool(0) / "step_00004" / ".metadata").read_bytes()
+    pfs = json.loads(pfs_manifest_path(c.pfs, "step_00004").read_text())
+    digest = GlobalManifest.from_json(pfs).digest().to_json()
     for node in range(4):
         kept = c.journal(node) / "global" / "step_00004" / "files" / ".metadata"
         wait_for(kept.exists, 30, f"{kept}")
         assert kept.read_bytes() == metadata
-        gm = json.loads((c.journal(node) / "global" / "step_00004.json").read_text())
-        assert gm["global_files"] == [".metadata"] and len(gm["nodes"]) == 4
+        entry = json.loads((c.journal(node) / "state.json").read_text())["ckpts"]["step_00004"]
+        assert entry["global"] == digest, node
+        whole = c.journal(node) / "global" / "step_00004.json"
+        assert whole.exists() == (node in (0, 1, 3)), node
+        if whole.exists():
+            assert GlobalManifest.from_json(json.loads(whole.read_text())).digest().hash \
+                == digest["hash"]
     assert c.stop() == 0
 
 

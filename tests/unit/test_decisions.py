@@ -82,8 +82,10 @@ def test_commit_when_every_node_captured():
     assert [o.stage for o in of(out, d.Observe)] == ["capture"] * (NODES - 1)
     out = captured_all(s, "s1", now=3.0, nodes=[NODES - 1])
     assert s.ckpts["s1"].level == "captured" and s.ckpts["s1"].times["captured"] == 3.0
-    (manifest,) = broadcasts(out, "manifest")
-    assert len(manifest["manifest"]["nodes"]) == NODES
+    (digest,) = broadcasts(out, "manifest")
+    (whole,) = [e.msg.manifest for e in of(out, d.Hold)]    # to the holders only
+    assert digest["digest"]["nodes"] == len(whole.nodes) == NODES
+    assert digest["digest"]["hash"] == whole.digest().hash
     assert of(out, d.SaveGlobal)[0].manifest.ckpt == "s1"
     assert [e.event for e in of(out, d.Emit)] == ["level_captured"]
 
@@ -178,8 +180,8 @@ def test_finalization_is_a_round_trip_and_the_index_says_valid_only_with_it():
     assert record.level == "flushed" and record.times["flushed"] == 5.0
     assert record.captured == {} and record.counts == {"captured": 4, "replicated": 4,
                                                        "flushed": 4}
-    assert broadcasts(out, "finalized")[0]["manifest"]["ckpt"] == "s1"
-    assert of(out, d.SaveGlobal) and of(out, d.WriteIndex)
+    assert broadcasts(out, "finalized")[0]["digest"]["ckpt"] == "s1"
+    assert not of(out, d.SaveGlobal) and of(out, d.WriteIndex)     # kept since captured
     assert [(r.id, r.state) for r in d.index_rows(s)] == [("s1", "valid")]
 
 

@@ -21,6 +21,7 @@ from cachex_agent.messages import (
     File,
     Finalized,
     GlobalFile,
+    HoldManifest,
     ManifestReady,
     Slot,
     Tag,
@@ -48,8 +49,9 @@ def global_manifest(ckpt: str = "step-1") -> GlobalManifest:
 EVERY = [
     (Tag.COORDINATOR, Commit("step-1", 1, True, "peer", [".metadata"])),
     (Tag.COORDINATOR, Commit("step-2", 2, False, "direct")),
-    (Tag.COORDINATOR, ManifestReady("step-1", global_manifest())),
-    (Tag.COORDINATOR, Finalized("step-1", global_manifest())),
+    (Tag.RELAY, ManifestReady("step-1", global_manifest().digest())),
+    (Tag.RELAY, HoldManifest("step-1", global_manifest())),
+    (Tag.RELAY, Finalized("step-1", global_manifest().digest())),
     (Tag.COORDINATOR, Failed("step-1", "node 2: gone")),
     (Tag.COORDINATOR, Drain(["step-1", "step-2"])),
     (Tag.COORDINATOR, Exit([0, 3])),
@@ -128,6 +130,11 @@ HOSTILE = [
     (Tag.COORDINATOR, {"type": "captured", "ckpt": "s"}, "node"),
     (Tag.COORDINATOR, {"type": "unprotected", "node": 1, "ckpts": ["a/../../b"]}, "a/../../b"),
     (Tag.GLOBAL_DATA, {"type": "end", "ckpt": "s"}, "unknown message type"),
+    (Tag.RELAY, {"type": "manifest", "ckpt": "step-1",
+                 "digest": {**global_manifest().digest().to_json(), "ckpt": "step-2"}},
+     "step-1"),
+    (Tag.RELAY, {"type": "finalized", "ckpt": "step-1",
+                 "digest": {**global_manifest().digest().to_json(), "nodes": -1}}, "nodes"),
 ]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 from pathlib import Path
 
@@ -76,7 +77,7 @@ def test_manifests_are_checked_when_loaded(tmp_path: Path):
                           (lambda d: d["nodes"][0].update(host="../h"), "'../h'"),
                           (lambda d: d["files"][0].update(node=7), "node 7"),
                           (lambda d: d["nodes"][0].update(node=3), "[3]")):
-        data = good.to_json()
+        data = copy.deepcopy(good.to_json())       # to_json shares the manifest's lists
         change(data)
         path.write_text(json.dumps(data))
         with pytest.raises(UnsafeInput, match=str(path)) as caught:

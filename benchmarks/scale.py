@@ -1,0 +1,271 @@
+"""The metadata path at Frontier's size: what the coordinator and one agent pay per
+checkpoint at N = 100, 1,000, 10,000 simulated nodes, every send paid as the run pays it.
+
+One process: the real `Coordinator` (real journal, real PFS directory, its lanes inline so
+their CPU counts) hears N agents' reports; the agents observed here (an interior node of
+the broadcast tree, a leaf, a metadata holder) take what reaches them as the real agent
+does (`relay.parse`, their next hops, `relay.message`, `messages.decode`, the journal
+write). What crossing MPI costs is paid, not counted once per distinct message:
+  - every report to the coordinator is pickled by its agent (mpi4py's `isend` pickles on
+    each call) and unpickled and checked (`messages.decode`) by the coordinator;
+  - every direct send of the coordinator is pickled on its own;
+  - a relay frame is pickled once (relay.frame) and its bytes counted on every hop.
+Each node's part: `--files` files (8: one DCP shard per GPU), a partner replica.
+
+Measured per checkpoint: the coordinator's CPU (time.process_time: decoding, deciding,
+carrying out the effects, the lanes' file writes) and bytes sent; per observed agent,
+bytes received and sent, CPU, and journal bytes written. Printed last, and written as
+JSON (--json): the targets of issue 24 and whether they hold. With
+`--recovery`, benchmarks/scale_recovery.py's plan and message figures at the same N.
+
+    python benchmarks/scale.py [--nodes 100,1000,10000] [--checkpoints 4] [--files 8]
+                               [--fanout 16] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pickle
+import random
+import sys
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from cachex_agent import relay  # noqa: E402
+from cachex_agent.config import load  # noqa: E402
+from cachex_agent.coordinator import Coordinator  # noqa: E402
+from cachex_agent.events import EventLog  # noqa: E402
+from cachex_agent.journal import Journal  # noqa: E402
+from cachex_agent.layout import JOURNAL_STATE  # noqa: E402
+from cachex_agent.manifest import FileEntry, LocalManifest  # noqa: E402
+from cachex_agent.messages import Finalized, HoldManifest, ManifestReady, Tag, decode  # noqa: E402
+from cachex_agent.peer.partners import metadata_holders  # noqa: E402
+
+PICKLE = pickle.HIGHEST_PROTOCOL
+TARGETS = {"agent_cpu_s": 0.050, "agent_received_bytes": 64 * 1024,
+           "coordinator_sent_bytes_per_node": 2 * 1024, "coordinator_cpu_s": 2.0}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class Observed:
+    """One agent as the run makes it: what reaches it, what it does with it."""
+
+    def __init__(self, root: Path, node: int, nodes: int, role: str) -> None:
+        self.node, self.nodes, self.role = node, nodes, role
+        self.journal = Journal(root / f"journal-{node}")
+        self.received = self.sent = self.journal_bytes = 0
+        self.cpu = 0.0
+
+    def frame(self, frame: bytes, source: str) -> None:
+        cpu = time.process_time()
+        self.received += len(frame)
+        route, body = relay.parse(bytearray(frame), self.nodes, source)
+        self.sent += len(frame) * len(relay.next_hops(route, self.node, self.nodes))
+        msg = decode(relay.message(body), source, Tag.RELAY)
+        if isinstance(msg, ManifestReady):
+            self._journaled(lambda: self.journal.update(msg.ckpt, **{"global":
+                                                                     msg.digest.to_json()}))
+        elif isinstance(msg, Finalized):
+            self._journaled(lambda: self.journal.set_stage(
+                msg.ckpt, "commit", "done", **{"global": msg.digest.to_json()}))
+        elif isinstance(msg, HoldManifest):
+            self._journaled(lambda: self.journal.save_global(msg.manifest), msg.manifest.ckpt)
+        self.cpu += time.process_time() - cpu
+
+    def report(self, msg: dict[str, Any]) -> bytes:
+        cpu = time.process_time()
+        data = pickle.dumps(msg, PICKLE)
+        self.sent += len(data)
+        self.cpu += time.process_time() - cpu
+        return data
+
+    def _journaled(self, write: Callable[[], None], whole: str | None = None) -> None:
+        write()
+        path = (self.journal.root / "global" / f"{whole}.json" if whole
+                else self.journal.root / JOURNAL_STATE)
+        self.journal_bytes += path.stat().st_size
+
+    def take(self) -> dict[str, Any]:
+        out = {"node": self.node, "role": self.role, "received": self.received,
+               "sent": self.sent, "cpu": self.cpu, "journal_bytes": self.journal_bytes}
+        self.received = self.sent = self.journal_bytes = 0
+        self.cpu = 0.0
+        return out
+
+
+class Simulation:
+    def __init__(self, root: Path, nodes: int, files: int, fanout: int) -> None:
+        self.root, self.nodes, self.files = root, nodes, files
+        self.random = random.Random(7)
+        (root / "cfg.toml").write_text(
+            f'run = "scale"\n[paths]\nspool = "{root}/spool"\npfs = "{root}/pfs"\n'
+            f'[agent]\nfanout = {fanout}\n[model]\npath = "peer"\n[keep]\npfs = 2\n')
+        config = load(root / "cfg.toml", environ={})
+        self.clock = Clock()
+        self.holders = metadata_holders([str(n) for n in range(nodes)], config.peer.copies)
+        self.coord = Coordinator(config, list(range(nodes)), Journal(root / "journal-0"),
+                                 root / "pfs" / "scale", EventLog(root / "events.jsonl"),
+                                 self._send, clock=self.clock, forward=self._forward,
+                                 holders=self.holders)
+        leaf = next(n for n in range(nodes - 1, 0, -1) if n not in self.holders)
+        self.observed = {n: Observed(root, n, nodes, role) for n, role in
+                         ((1, "interior"), (leaf, "leaf"), (self.holders[0], "holder"))}
+        self.coord_cpu = 0.0
+        self.coord_sent = 0
+        self.frames: list[tuple[bytes, list[int], bool]] = []
+
+    # ------------------------------------------------------- the coordinator's MPI
+    def _send(self, rank: int, msg: dict[str, Any]) -> None:
+        self.coord_sent += len(pickle.dumps(msg, PICKLE))      # isend pickles each call
+
+    def _forward(self, frame: bytes, hops: list[int], local: bool) -> None:
+        self.coord_sent += len(frame) * len(hops)
+        self.frames.append((frame, hops, local))
+
+    def _deliver_frames(self) -> None:
+        """Frames reach every node their route reaches: each observed agent takes its copy."""
+        for frame, _hops, _local in self.frames:
+            route, _ = relay.parse(frame, self.nodes, "coordinator")
+            for node, agent in self.observed.items():
+                if route.kind == "tree" or node in route.chain:
+                    agent.frame(frame, "relay frame from its parent")
+        self.frames.clear()
+
+    def _hear(self, node: int, msg: dict[str, Any]) -> None:
+        """An agent's report: pickled by the agent, unpickled and checked here."""
+        msg = {**msg, "node": node}
+        agent = self.observed.get(node)
+        data = agent.report(msg) if agent else pickle.dumps(msg, PICKLE)
+        cpu = time.process_time()
+        raw = decode(pickle.loads(data), f"message from rank {node}", Tag.COORDINATOR)
+        self.coord.handle(node, raw)
+        self.coord_cpu += time.process_time() - cpu
+
+    def _tick(self, seconds: float = 1.0) -> None:
+        self.clock.now += seconds
+        cpu = time.process_time()
+        self.coord.tick()
+        self.coord_cpu += time.process_time() - cpu
+        self._deliver_frames()
+
+    def _manifest(self, ckpt: str, seq: int, node: int) -> dict[str, Any]:
+        files = [FileEntry(f"__{node * self.files + i}_0.distcp", (64 << 20) + node, 0o644,
+                           f"{self.random.getrandbits(128):032x}") for i in range(self.files)]
+        if node == 0:
+            files.append(FileEntry(".metadata", 1 << 20, 0o644, "0" * 32))
+        return LocalManifest(run="scale", ckpt=ckpt, seq=seq, node=node, host=f"nid{node:06d}",
+                             rank=node, files=files, captured_at=self.clock()).to_json()
+
+    def checkpoint(self, seq: int) -> dict[str, Any]:
+        ckpt = f"step_{seq:06d}"
+        for agent in self.observed.values():
+            agent.journal.set_stage(ckpt, "capture", "done", seq=seq)   # not metadata
+            agent.take()
+        self.coord_cpu, self.coord_sent = 0.0, 0
+        self._hear(0, {"type": "marker", "ckpt": ckpt, "global_files": [".metadata"],
+                       "t": self.clock()})
+        self._tick()
+        for node in range(self.nodes):
+            self._hear(node, {"type": "captured", "ckpt": ckpt, "mode": "copy",
+                              "manifest": self._manifest(ckpt, seq, node),
+                              "duration": 0.05, "global_files": [".metadata"] if node == 0
+                              else []})
+        self._tick()
+        for node in range(self.nodes):
+            self._hear(node, {"type": "replicated", "ckpt": ckpt, "ok": True,
+                              "partners": [(node + 1) % self.nodes], "errors": {},
+                              "duration": 0.1, "dead": []})
+        self._tick()
+        for node in range(self.nodes):
+            self._hear(node, {"type": "flushed", "ckpt": ckpt,
+                              "bundle": f"node-{node:05d}.h5", "duration": 0.5})
+        self._tick()
+        level = self.coord.ckpts[ckpt].level
+        return {"seq": seq, "level": level, "coordinator_cpu": self.coord_cpu,
+                "coordinator_sent": self.coord_sent,
+                "agents": [a.take() for a in self.observed.values()]}
+
+
+def run(nodes: int, checkpoints: int, files: int, fanout: int) -> dict[str, Any]:
+    with tempfile.TemporaryDirectory(prefix="cachex-scale-") as tmp:
+        sim = Simulation(Path(tmp), nodes, files, fanout)
+        rows = [sim.checkpoint(seq) for seq in range(1, checkpoints + 1)]
+    steady = rows[1:] or rows          # the first pays imports and first-time set-up
+    per_role: dict[str, dict[str, float]] = {}
+    for row in steady:
+        for agent in row["agents"]:
+            into = per_role.setdefault(agent["role"], Counter())
+            for key in ("received", "sent", "cpu", "journal_bytes"):
+                into[key] += agent[key] / len(steady)
+    return {"nodes": nodes, "files_per_node": files, "fanout": fanout,
+            "depth": relay.depth(nodes, fanout), "holders": sim.holders,
+            "levels": Counter(r["level"] for r in rows),
+            "coordinator_cpu": sum(r["coordinator_cpu"] for r in steady) / len(steady),
+            "coordinator_sent": sum(r["coordinator_sent"] for r in steady) / len(steady),
+            "agents": {role: dict(v) for role, v in per_role.items()}}
+
+
+def targets(result: dict[str, Any]) -> dict[str, Any]:
+    """Issue 24's targets at this N: per non-holder agent and for the coordinator."""
+    agents = [v for role, v in result["agents"].items() if role != "holder"]
+    checks = {"agent_cpu_s": max(a["cpu"] for a in agents),
+              "agent_received_bytes": max(a["received"] for a in agents),
+              "coordinator_sent_bytes_per_node": result["coordinator_sent"] / result["nodes"],
+              "coordinator_cpu_s": result["coordinator_cpu"]}
+    return {key: {"measured": round(value, 6), "target": TARGETS[key],
+                  "ratio": round(value / TARGETS[key], 4), "holds": value <= TARGETS[key]}
+            for key, value in checks.items()}
+
+
+def _line(r: dict[str, Any]) -> str:
+    a = r["agents"]
+    return (f"{r['nodes']:>6} depth {r['depth']}  coordinator {r['coordinator_cpu']:7.3f} s CPU"
+            f" {r['coordinator_sent'] / r['nodes']:7.0f} B/node sent | "
+            + "  ".join(f"{role} {v['received'] / 1024:6.1f} KiB in {v['cpu'] * 1e3:6.2f} ms"
+                        f" journal {v['journal_bytes'] / 1024:7.1f} KiB"
+                        for role, v in a.items()))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", default="100,1000,10000")
+    parser.add_argument("--checkpoints", type=int, default=4)
+    parser.add_argument("--files", type=int, default=8)
+    parser.add_argument("--fanout", type=int, default=16)
+    parser.add_argument("--recovery", action="store_true")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    results = []
+    for nodes in (int(n) for n in args.nodes.split(",")):
+        result = run(nodes, args.checkpoints, args.files, args.fanout)
+        result["targets"] = targets(result)
+        print(_line(result), flush=True)
+        results.append(result)
+    if args.recovery:
+        from scale_recovery import recovery_scale
+        for result in results:
+            result["recovery"] = recovery_scale(result["nodes"])
+            print(f"{result['nodes']:>6} recovery {json.dumps(result['recovery'])}", flush=True)
+    summary = {"date": time.strftime("%Y-%m-%d"), "results": results,
+               "targets_at_largest": results[-1]["targets"]}
+    print(json.dumps(summary["targets_at_largest"]))
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
