@@ -34,12 +34,12 @@ written last, after every bundle is durable, and only then is the index updated.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import layout
 from .index import Row, state_of_level
-from .manifest import GlobalManifest, LocalManifest
+from .manifest import GlobalManifest, LocalManifest, ManifestDigest
 from .messages import Commit, Drain, Exit, Failed, Finalized, HoldManifest, ManifestReady
 from .safepath import checkpoint_id, relative_paths
 
@@ -79,6 +79,11 @@ class CheckpointRecord:
     reason: str | None = None
     deadline: float = 0.0
     replication_failed: bool = False
+    # not kept in coordinator.json (rebuilt on demand): at 10,000 nodes the sums over
+    # every part and a second global manifest were a good part of the CPU per checkpoint
+    sizes: dict[str, int] = field(default_factory=dict, repr=False)
+    built: GlobalManifest | None = field(default=None, repr=False)
+    digest: ManifestDigest | None = field(default=None, repr=False)
 
     def to_json(self) -> dict[str, Any]:
         """coordinator.json's form; the maps are copied (another thread writes it)."""
@@ -98,18 +103,21 @@ class CheckpointRecord:
         relative_paths(data.get("global_files", []), source, f"global file of {key}")
         for node, manifest in (data.get("captured") or {}).items():    # global_manifest's
             LocalManifest.from_json(manifest, f"{source} ({key}, node {node})", key)
-        known = {k: v for k, v in data.items() if k in cls.__dataclass_fields__}
+        known = {k: v for k, v in data.items()
+                 if k in cls.__dataclass_fields__ and k not in ("sizes", "built", "digest")}
         known.setdefault("path", "peer")        # journals from before the path choice
         return cls(**{**known, "path": known["path"] or "peer"})
 
     def node_bytes(self, node: int) -> int:
-        manifest = self.captured.get(str(node))
-        return part_bytes(manifest) if manifest else 0
+        key = str(node)
+        if key not in self.sizes and key in self.captured:
+            self.sizes[key] = part_bytes(self.captured[key])
+        return self.sizes.get(key, 0)
 
     def total_bytes(self) -> int:
         if not self.captured:
             return self.bytes                   # finished, or adopted from the PFS index
-        return sum(part_bytes(m) for m in self.captured.values())
+        return sum(self.node_bytes(int(n)) for n in self.captured)
 
     def count(self, key: str) -> int:
         """Nodes that reported `key`, also of a finished record (its maps emptied)."""
@@ -462,6 +470,8 @@ def _on_captured(s: CoordinatorState, e: Captured, out: Effects) -> None:
     if record is None or record.level not in IN_FLIGHT:
         return
     record.captured[str(e.node)] = e.manifest
+    record.sizes.pop(str(e.node), None)     # a node that captured again
+    record.built = record.digest = None
     # each node's candidates from its own finished part (GlobalManifest.build keeps
     # those one node alone holds): the first marker saw one node's part only
     record.global_files = sorted({*record.global_files, *e.global_files})
@@ -516,7 +526,7 @@ def _advance(s: CoordinatorState, record: CheckpointRecord, now: float, out: Eff
         manifest = global_manifest(record, record.times, now)
         out.append(SaveGlobal(manifest))
         out.append(Hold(HoldManifest(record.id, manifest)))
-        out.append(Broadcast(ManifestReady(record.id, manifest.digest())))
+        out.append(Broadcast(ManifestReady(record.id, _digest(record, manifest))))
     if (record.level == "captured" and len(record.replicated) == nodes
             and not record.replication_failed):
         _reach(s, record, "replicated", now, out)
@@ -631,8 +641,9 @@ def _on_finalize_done(s: CoordinatorState, e: FinalizeDone, out: Effects) -> Non
         return
     record.errors.pop("coordinator", None)
     # the journal keeps the copy of `captured` (same files): the PFS has this one
+    digest = _digest(record, e.manifest)
     _reach(s, record, "flushed", e.now, out)
-    out.append(Broadcast(Finalized(e.ckpt, e.manifest.digest())))
+    out.append(Broadcast(Finalized(e.ckpt, digest)))
     if not _purge_pfs(s, out):
         out.append(WriteIndex())    # a snapshot taken while the finalize was out lacks it
     _exit_if_drained(s, out)
@@ -662,6 +673,7 @@ def _finish(s: CoordinatorState, record: CheckpointRecord) -> None:
                      for key in ("captured", "replicated", "flushed")}
     for key in NODE_MAPS:
         setattr(record, key, {})
+    record.sizes, record.built, record.digest = {}, None, None
     finished = sorted((r for r in s.ckpts.values() if r.level in FINAL[1:]),
                       key=lambda r: r.seq)
     for old in finished[:-HISTORY]:
@@ -743,10 +755,21 @@ _HANDLERS: dict[type, Callable[[CoordinatorState, Any, Effects], None]] = {
 # ----------------------------------------------------------- views of the state
 def global_manifest(record: CheckpointRecord, times: dict[str, float],
                     now: float) -> GlobalManifest:
-    """From the local manifests as they arrived (messages.decode checked each one)."""
-    bundles = {int(n): layout.bundle_name(int(n)) for n in record.captured}
-    return GlobalManifest.from_parts(list(record.captured.values()), record.global_files,
-                                     times, bundles, now)
+    """From the local manifests as they arrived (messages.decode checked each one); the
+    finalize's shares the files of the one built at `captured` (they are the same)."""
+    if record.built is None:
+        bundles = {int(n): layout.bundle_name(int(n)) for n in record.captured}
+        record.built = GlobalManifest.from_parts(list(record.captured.values()),
+                                                 record.global_files, times, bundles, now)
+        return record.built
+    return replace(record.built, times=dict(times), committed_at=now)
+
+
+def _digest(record: CheckpointRecord, manifest: GlobalManifest) -> ManifestDigest:
+    """Once per checkpoint: the files, and so the hash, do not change after `captured`."""
+    if record.digest is None:
+        record.digest = manifest.digest()
+    return record.digest
 
 
 def index_rows(s: CoordinatorState) -> list[Row]:

@@ -79,6 +79,23 @@ class LocalManifest:
         fields["files"] = [_file_entry(entry, source) for entry in _list(data, "files", source)]
         return _build(cls, fields, source)
 
+    @classmethod
+    def check_json(cls, data: dict[str, Any], source: object = "local manifest",
+                   directory: str | None = None) -> None:
+        """from_json's checks without building the objects: the coordinator checks every
+        node's report this way (at 10,000 nodes the objects were most of the cost)."""
+        cls.from_json({**_dict(data, source), "files": []}, source, directory)
+        for entry in _list(data, "files", source):
+            if type(entry) is not dict or entry.keys() != _FILE_KEYS:
+                _file_entry(entry, source)      # raises, naming what is wrong
+                raise UnsafeInput(f"{source}: file entry {entry!r:.80}")
+            relative_path(entry["path"], source)
+            for key in ("size", "mode"):
+                if type(entry[key]) is not int or entry[key] < 0:
+                    index(entry[key], source, f"{key} of {entry['path']!r}")
+            if not isinstance(entry["checksum"], str):
+                raise UnsafeInput(f"{source}: checksum of {entry['path']!r} is not text")
+
     def save(self, path: Path) -> None:
         write_json(path, self.to_json())
 
@@ -176,6 +193,7 @@ class GlobalManifest:
                               [e for e in self.files if e["path"] in self.global_files])
 
 
+_FILE_KEYS = {"path", "size", "mode", "checksum"}
 DIGEST_FORMAT = "cachex-manifest-digest"
 MAX_GLOBAL_ENTRIES = 1024   # a digest's global files: what one node wrote, never per node
 

@@ -287,7 +287,7 @@ def _checked_report(raw: dict[str, Any], source: str) -> dict[str, Any]:
     for ckpt in _list(raw.get("ckpts", []), "ckpts", what):
         checkpoint_id(ckpt, what)
     if "manifest" in raw:
-        LocalManifest.from_json(raw["manifest"], what, raw.get("ckpt"))
+        LocalManifest.check_json(raw["manifest"], what, raw.get("ckpt"))
     return raw
 
 
