@@ -85,7 +85,6 @@ from .plan import (
     bytes_needed,
     check_space,
     choose,
-    gathered,
     next_source,
     where,
 )
@@ -274,19 +273,21 @@ def _all_copies(comm: Any, config: Config, paths: Any, placement: Placement,
 def _plan(comm: Any, config: Config, manifests: dict[str, GlobalManifest],
           copies: list[Copy], nodes: int, want: str | None, exclude: frozenset[str],
           to: Path | None = None) -> Plan:
-    """Rank 0 decides; every rank gets the plan, or raises the same error."""
-    answer: Plan | str = ""
+    """Rank 0 decides; every rank gets the plan, or raises the same error (a usage
+    error stays one: exit 2 on every rank)."""
+    answer: Plan | tuple[bool, str] = (False, "")
     if comm.Get_rank() == 0:
         try:
-            answer = choose(manifests, copies, nodes, want, exclude)
-            if to is not None:
-                answer = gathered(answer, copies, nodes, str(to))
+            answer = choose(manifests, copies, nodes, want, exclude,
+                            None if to is None else str(to))
         except OperationError as exc:
-            answer = str(exc)
+            answer = (False, str(exc))
+        except ConfigError as exc:
+            answer = (True, str(exc))
     _arrive(comm, config, "plan")
     answer = comm.bcast(answer, root=0)
-    if isinstance(answer, str):
-        raise OperationError(answer)
+    if isinstance(answer, tuple):
+        raise (ConfigError if answer[0] else OperationError)(answer[1])
     return answer
 
 
