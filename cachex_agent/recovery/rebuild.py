@@ -75,7 +75,7 @@ from ..progress import Done, Progress, quiet
 from ..stage.rules import checkpoint_names, natural_key, tracker_text
 from ..status import human_size
 from ..topology import Placement, place_checked
-from . import holdings, transfer
+from . import discover, holdings, transfer
 from .erasure_recover import rebuild_lost
 from .plan import (
     Copy,
@@ -121,7 +121,7 @@ def recover(config: Config, comm: Any, want: str | None = None,
         agree(comm, "--to", lambda: _check_to(paths, to), config.agent.timeout)
     progress.step(f"listing the copies held by {placement.nodes}"
                   f" node{'s' if placement.nodes > 1 else ''} and the PFS")
-    manifests = _shared_manifests(comm, config, paths, exclude)
+    manifests = _shared_manifests(comm, config, paths, exclude, node, progress)
     copies = _all_copies(comm, config, paths, placement, manifests, exclude)
     if want is None and comm.Get_rank() == 0:      # only rank 0 plans
         want = pinned_current(config.node_paths(0).pfs)
@@ -242,20 +242,29 @@ def _verify_bound(config: Config, manifests: dict[str, GlobalManifest]) -> float
 
 
 # ----------------------------------------------------------------------- phases
-def _shared_manifests(comm: Any, config: Config, paths: Any, exclude: frozenset[str]
-                      ) -> dict[str, GlobalManifest]:
-    def own() -> dict[str, GlobalManifest]:
-        mine = holdings.journal_manifests(paths)
-        if comm.Get_rank() == 0 and "pfs" not in exclude:
-            mine = {**holdings.pfs_manifests(paths.pfs), **mine}
-        return mine
-    mine = agree(comm, "manifests", own, config.agent.timeout)
-    merged: dict[str, GlobalManifest] = {}
-    for rank, text in enumerate(comm.allgather(holdings.to_json(mine))):
-        for ckpt, manifest in holdings.from_json(text, f"manifests of rank {rank}").items():
-            if ckpt not in merged or manifest.committed_at > merged[ckpt].committed_at:
-                merged[ckpt] = manifest
-    return merged
+def _shared_manifests(comm: Any, config: Config, paths: Any, exclude: frozenset[str],
+                      node: int, progress: Progress) -> dict[str, GlobalManifest]:
+    """Each rank's manifests, digests and parts gathered onto rank 0 only (not every
+    manifest to every rank), merged there (discover.py), the result shared."""
+    mine = agree(comm, "manifests", lambda: discover.found_here(
+        paths, node, comm.Get_rank() == 0 and "pfs" not in exclude), config.agent.timeout)
+    _arrive(comm, config, "manifests")
+    reports = comm.gather(mine, root=0)
+    merged: discover.Merged | tuple[bool, str] = (False, "")
+    if comm.Get_rank() == 0:
+        try:
+            merged = discover.merge(reports)
+        except ConfigError as exc:
+            merged = (True, str(exc))
+        except OperationError as exc:
+            merged = (False, str(exc))
+    _arrive(comm, config, "merged manifests")
+    merged = comm.bcast(merged, root=0)
+    if isinstance(merged, tuple):
+        raise (ConfigError if merged[0] else OperationError)(merged[1])
+    for note in merged.notes:
+        progress.step(note)
+    return merged.manifests
 
 
 def _all_copies(comm: Any, config: Config, paths: Any, placement: Placement,
