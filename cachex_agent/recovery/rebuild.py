@@ -2,7 +2,10 @@
 
 Collective over the recovery job (one rank per node, replacements included; or one
 process for one node). Call order, every rank:
-  1. manifests   every journal's global manifests (+ the PFS on rank 0), merged, shared
+  1. manifests   each rank's whole manifests (node 0, the metadata holders, the PFS on
+                 rank 0), digests, local and replica manifests gathered onto rank 0
+                 only; rank 0 takes the newest whole one, or rebuilds it from the parts
+                 when it matches a survivor's digest (discover.py), and shares it
   2. holdings    each rank lists what it holds (spool, stage, replicas, journal) whole,
                  by size: checksums are read once, in step 4
   3. plan        rank 0 picks the checkpoint and the source of every part; shared
@@ -18,7 +21,8 @@ process for one node). Call order, every rank:
                  (erasure_recover.py), and nothing is re-replicated
 Between 3 and 4 every target's free space is compared with what the plan writes there
 (plan.check_space). A checkpoint of N nodes recovered onto M is placed by
-plan.placement; its parts are not copied to partners again (the agents on the M nodes
+plan.placement, a DCP one only into `--to` (refused without it: exit 2; plan.py says
+why); its parts are not copied to partners again (the agents on the M nodes
 protect the trainer's next checkpoint). With `to` (`cachex recover --to DIR`) nothing goes
 into the spools: every file is written once into DIR, a directory every rank sees, by
 the rank that holds its copy (a PFS bundle by node o mod M), in the spool's layout.
