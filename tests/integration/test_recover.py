@@ -11,6 +11,10 @@ import subprocess
 import pytest
 from harness import BIN, MPIEXEC, Cluster, files_of, finish, kill_tree
 
+from cachex_agent.journal import Journal
+from cachex_agent.layout import global_manifests_dir
+from cachex_agent.manifest import GlobalManifest
+
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 TRAIN = ["--shard-size", "256KiB", "--chunk-size", "64KiB", "--step-time", "0.02",
          "--files-per-rank", "4", "--every", "4"]        # 8 ranks x 4 = 32 shards + .metadata
@@ -250,3 +254,25 @@ def test_single_process_recovery_of_a_one_node_job(cluster):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "9 files of node 0 from its own stage" in result.stdout, result.stdout
     assert files_of(c.spool(0) / "step_00008") == before
+
+
+def test_the_global_manifest_is_rebuilt_from_the_survivors_when_no_holder_has_it(cluster):
+    """As the agents of issue 24 leave it: only node 0 and the holders keep the whole
+    manifest, every other journal a digest. Node 0 lost, the PFS down and the holders'
+    copies gone: the survivors' local and replica manifests rebuild it."""
+    c = trained(cluster, 4)
+    before = snapshot(c, "step_00004")
+    lose_node(c, 0)
+    unreadable_pfs(c)
+    for node in range(1, 4):
+        journal = Journal(c.journal(node))
+        for path in sorted(global_manifests_dir(c.journal(node)).glob("*.json")):
+            manifest = GlobalManifest.load(path)
+            journal.update(manifest.ckpt, **{"global": manifest.digest().to_json()})
+            path.unlink()
+    result = recover(c)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert ("step_00004: no holder or PFS has its global manifest; rebuilt from 4 parts'"
+            " local and replica manifests") in result.stderr, result.stderr
+    for node, files in expected_after(before).items():
+        assert files_of(c.spool(node) / "step_00004") == files, node
