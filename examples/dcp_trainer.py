@@ -11,7 +11,10 @@ node directory, so it needs those two files on every node: what cachex mirrors
 Each rank also holds a shard of a tensor sharded over all ranks (a DTensor, `Shard(0)`),
 so every rank's file carries data of its own. DCP reshards it on `load`: resumed with
 another number of ranks (after `cachex recover` onto another node count), each rank reads
-the pieces of its new shard from whichever files hold them.
+the pieces of its new shard from whichever files hold them. Onto another node count,
+`cachex recover --to DIR` restores the checkpoint once into DIR, a directory every rank
+reads (any rank may read any file, and which ones is DCP's plan): `--load-from DIR`
+resumes from there; new checkpoints still go into the spools.
 """
 
 from __future__ import annotations
@@ -43,6 +46,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--global-size", type=int, default=196608,
                    help="floats of the tensor sharded over the ranks")
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--load-from", type=Path, help="resume from this directory every rank"
+                   " reads (`cachex recover --to DIR`), not from each node's spool")
     return p.parse_args()
 
 
@@ -97,12 +102,13 @@ def main() -> None:
     model, sharded = build(world, args.global_size)
     start = 0
     if args.resume:
-        found = [newest_committed(Path(args.spool.format(node=0)))]
+        source = args.load_from or spool
+        found = [newest_committed(args.load_from or Path(args.spool.format(node=0)))]
         dist.broadcast_object_list(found, src=0)
         start = found[0]
         if start:
             state = state_of(model, sharded, 0)     # DCP loads the shards in place
-            dcp.load(state, storage_reader=FileSystemReader(spool / f"step_{start:05d}"))
+            dcp.load(state, storage_reader=FileSystemReader(source / f"step_{start:05d}"))
             model.load_state_dict(state["model"])
             if rank == 0:
                 print(f"resumed from step_{start:05d} with dcp.load on {world} ranks",

@@ -10,10 +10,18 @@ the reason is kept and the next older one is tried.
 
 A recovery onto M nodes of a checkpoint written by N (`placement`): a checkpoint in
 PyTorch DCP's layout (`.metadata` beside `*.distcp` files), which DCP's `load` reshards,
-goes whole to every node, since any rank may read any file; any other checkpoint's part
-of old node o goes to new node o mod M, and every node gets the global files. The plan
-says which, and what a trainer that cannot reshard must do. Before anything is moved,
-`check_space` refuses a placement that does not fit in a target's spool.
+may have any rank read any file, and which files a new rank reads is not knowable here
+(`.metadata` is a pickle, hostile input never unpickled, and the new world's plan is the
+trainer's). So it is restored once into a directory every rank reads (`cachex recover
+--to DIR`, e.g. on the PFS), never whole into each of the M spools (512 nodes onto 511
+were 262k moves); without `--to` such a resize is refused as a usage error (ConfigError,
+exit 2) naming `--to`. Any other checkpoint's part of old node o goes to new node
+o mod M, and every node gets the global files. The plan says which, and what a trainer
+that cannot reshard must do. Before anything is moved, `check_space` refuses a placement
+that does not fit in a target's spool.
+
+Planning is O(N log N) for N nodes' parts: the copies are indexed once by owner (and
+the journal copies of the global files by owner and holder), never scanned per owner.
 """
 
 from __future__ import annotations
@@ -21,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..errors import OperationError
+from ..errors import ConfigError, OperationError
 from ..manifest import GlobalManifest
 from ..status import human_size
 
@@ -131,9 +139,14 @@ def where(copy: Copy, target: int) -> str:
 
 
 def choose(manifests: dict[str, GlobalManifest], copies: list[Copy], nodes: int,
-           want: str | None = None, exclude: frozenset[str] = frozenset()) -> Plan:
-    """The plan for the newest recoverable checkpoint (or `want`), else OperationError."""
-    usable = [c for c in copies if c.kind not in exclude]
+           want: str | None = None, exclude: frozenset[str] = frozenset(),
+           to: str | None = None) -> Plan:
+    """The plan for the newest recoverable checkpoint (or `want`), else OperationError;
+    with `to`, the plan that writes every file once into that directory (`gathered`)."""
+    by_ckpt: dict[str, list[Copy]] = {}
+    for c in copies:
+        if c.kind not in exclude:
+            by_ckpt.setdefault(c.ckpt, []).append(c)
     skipped: dict[str, str] = {}
     order = sorted(manifests.values(), key=lambda m: m.seq, reverse=True)
     if want is not None:
@@ -142,12 +155,16 @@ def choose(manifests: dict[str, GlobalManifest], copies: list[Copy], nodes: int,
             raise OperationError(f"{want}: no global manifest found in any journal or on the"
                                  " PFS")
     for manifest in order:
-        mine = [c for c in usable if c.ckpt == manifest.ckpt]
+        held = Held(by_ckpt.get(manifest.ckpt, []))
         try:
+            if to is not None:
+                return gathered(Plan(manifest.ckpt, manifest.seq, manifest, [], skipped,
+                                     nodes), held, nodes, to)
             if len(manifest.nodes) == nodes:
-                moves, notes = _moves(manifest, mine, nodes), []
+                moves, notes = _moves(manifest, held, nodes), []
             else:
-                moves, notes = _resized_moves(manifest, mine, nodes), placement_notes(
+                _refuse_dcp_resize(manifest, nodes)
+                moves, notes = _resized_moves(manifest, held, nodes), placement_notes(
                     manifest, nodes)
         except _Unrecoverable as why:
             skipped[manifest.ckpt] = str(why)
@@ -157,37 +174,76 @@ def choose(manifests: dict[str, GlobalManifest], copies: list[Copy], nodes: int,
     raise OperationError(f"nothing recoverable: {reasons}")
 
 
-class _Unrecoverable(Exception):
-    pass
+def _refuse_dcp_resize(manifest: GlobalManifest, nodes: int) -> None:
+    """A DCP checkpoint onto another node count goes once into a shared directory, not
+    whole into every spool (module docstring): a usage error without `--to`."""
+    if reshards(manifest):
+        raise ConfigError(f"{manifest.ckpt}: a PyTorch DCP checkpoint of"
+                          f" {len(manifest.nodes)} nodes onto {nodes}: give `cachex recover"
+                          " --to DIR`, a directory every rank reads (e.g. on the PFS), and"
+                          " load it from there")
 
 
-def _moves(manifest: GlobalManifest, copies: list[Copy], nodes: int) -> list[Move]:
+class Held:
+    """A checkpoint's copies indexed once: by owner, and the journal copies of the
+    global files by (owner, holder), so that planning never scans every copy per part."""
+
+    def __init__(self, copies: list[Copy]) -> None:
+        self.copies = copies
+        self.by_owner: dict[int, list[Copy]] = {}
+        self.journal: dict[tuple[int, int], Copy] = {}
+        for c in copies:
+            if c.kind == "journal":
+                self.journal.setdefault((c.owner, c.holder), c)
+            else:
+                self.by_owner.setdefault(c.owner, []).append(c)
+
+    def of(self, owner: int) -> list[Copy]:
+        return self.by_owner.get(owner, [])
+
+
+class _Unrecoverable(OperationError):
+    """This checkpoint cannot be recovered: choose tries the next older one."""
+
+
+def _moves(manifest: GlobalManifest, held: Held, nodes: int) -> list[Move]:
     """Same node count: node i's part back to node i, the global files to every node."""
     globals_ = set(manifest.global_files)
+    parts = _files_by_node(manifest)
     moves = []
     for owner in range(nodes):
-        paths = tuple(e.path for e in manifest.node_files(owner))
+        paths = parts.get(owner, ())
         if not paths:
             continue    # wrote nothing (a single file one rank saved): gets the globals
-        source = _best(copies, owner, owner, paths)
+        source = _best(held.of(owner), owner, owner, paths)
         if source is None:
             raise _Unrecoverable(f"node {owner}'s files have no verified copy left"
-                                 f" ({_what_exists(copies, owner)})")
+                                 f" ({_what_exists(held.of(owner), owner)})")
         moves.append(Move(owner, owner, source, paths))
     for owner, source in [(m.owner, m.source) for m in moves]:
-        shared = tuple(p for p in (e.path for e in manifest.node_files(owner)) if p in globals_)
+        shared = tuple(p for p in parts[owner] if p in globals_)
         if not shared:
             continue
         for target in range(nodes):
             if target != owner:
-                moves.append(Move(target, owner, _global_source(copies, target, owner, shared)
+                moves.append(Move(target, owner, _global_source(held, target, owner, shared)
                                   or source, shared))
     return moves
 
 
+def _files_by_node(manifest: GlobalManifest) -> dict[int, tuple[str, ...]]:
+    """Every node's paths in one pass (node_files per node is a scan of every file)."""
+    parts: dict[int, list[str]] = {}
+    for e in manifest.files:
+        parts.setdefault(e["node"], []).append(e["path"])
+    return {node: tuple(paths) for node, paths in parts.items()}
+
+
 def _best(copies: list[Copy], owner: int, target: int, paths: tuple[str, ...]) -> Copy | None:
+    """`copies`: the owner's (Held.of), so this is O(copies of one part)."""
+    wanted = set(paths)
     whole = [c for c in copies if c.owner == owner and c.kind != "journal"
-             and set(paths) <= set(c.paths)]
+             and wanted <= set(c.paths)]
     if not whole:
         return None
     return min(whole, key=lambda c: (c.holder != target, PREFERENCE[c.kind], c.holder))
@@ -205,14 +261,11 @@ def next_source(copies: list[Copy], target: int, owner: int, path: str,
     return min(left, key=lambda c: (c.holder != target, PREFERENCE.get(c.kind, 1), c.holder))
 
 
-def _global_source(copies: list[Copy], target: int, owner: int, paths: tuple[str, ...]
+def _global_source(held: Held, target: int, owner: int, paths: tuple[str, ...]
                    ) -> Copy | None:
     """The target's own journal copy of the global files, when it has them all."""
-    for c in copies:
-        if c.owner == owner and c.holder == target and c.kind == "journal" \
-                and set(paths) <= set(c.paths):
-            return c
-    return None
+    c = held.journal.get((owner, target))
+    return c if c is not None and set(paths) <= set(c.paths) else None
 
 
 def _what_exists(copies: list[Copy], owner: int) -> str:
@@ -233,12 +286,12 @@ def reshards(manifest: GlobalManifest) -> bool:
 
 def placement(manifest: GlobalManifest, nodes: int) -> dict[int, list[int]]:
     """New node -> the old nodes whose whole part it gets (the global files of the
-    others come besides): every old node for a DCP checkpoint, else o -> o mod M."""
+    others come besides): o -> o mod M (a DCP resize goes to `--to`, not to nodes)."""
     if nodes < 1:
         raise OperationError(f"a recovery needs at least one node, not {nodes}")
     old = range(len(manifest.nodes))
-    if reshards(manifest) or len(manifest.nodes) == nodes:
-        return {t: (list(old) if reshards(manifest) else [t]) for t in range(nodes)}
+    if len(manifest.nodes) == nodes:
+        return {t: [t] for t in range(nodes)}
     return {t: [o for o in old if o % nodes == t] for t in range(nodes)}
 
 
@@ -246,9 +299,6 @@ def placement_notes(manifest: GlobalManifest, nodes: int) -> list[str]:
     """What the plan of a resize says: where the parts go and what the trainer does."""
     old = len(manifest.nodes)
     head = f"written by {old} nodes, recovered onto {nodes}:"
-    if reshards(manifest):
-        return [f"{head} PyTorch DCP layout, every node gets all {len(_paths_once(manifest))}"
-                " files (DCP's load reshards onto the new world size)"]
     where = placement(manifest, nodes)
     pairs = [f"old node {o} -> node {t}" for t, owners in where.items()
              for o in owners if o != t]
@@ -289,27 +339,25 @@ def _paths_once(manifest: GlobalManifest) -> dict[str, int]:
         raise _Unrecoverable(f"{exc}: they cannot share one node's spool") from None
 
 
-def _resized_moves(manifest: GlobalManifest, copies: list[Copy], nodes: int) -> list[Move]:
-    """Each new node's files (`placement`), each path once, each old part from the copy
-    the target holds itself when there is one; the global files from the target's own
-    journal copy when it has them. Linear in targets x old nodes (indexes, not scans:
-    a DCP resize of 1000 nodes plans a million moves)."""
+def _resized_moves(manifest: GlobalManifest, held: Held, nodes: int) -> list[Move]:
+    """Each new node's parts (`placement`, o -> o mod M), each path once, each old part
+    from the copy the target holds itself when there is one; the global files of the
+    other parts from the target's own journal copy when it has them. O(N + M x globals'
+    owners): only the parts with global files go to every target."""
     _paths_once(manifest)
     globals_ = set(manifest.global_files)
-    old = range(len(manifest.nodes))
-    files = {o: [e.path for e in manifest.node_files(o)] for o in old}
-    held: dict[int, list[Copy]] = {o: [] for o in old}
-    for copy in copies:
-        held.setdefault(copy.owner, []).append(copy)
+    files = _files_by_node(manifest)
+    shared_by = {o: tuple(p for p in ps if p in globals_) for o, ps in files.items()}
+    shared_by = {o: ps for o, ps in shared_by.items() if ps}
     best = _BestFor(held)
     moves: list[Move] = []
     for target, owners in placement(manifest, nodes).items():
-        whole, taken = set(owners), set()
-        for owner in [*owners, *(o for o in old if o not in whole)]:
-            paths = [p for p in files[owner] if p not in taken
-                     and (owner in whole or p in globals_)]
+        taken: set[str] = set()
+        for owner in [*owners, *(o for o in sorted(shared_by) if o not in owners)]:
+            paths = tuple(p for p in (files.get(owner, ()) if owner in owners
+                                      else shared_by[owner]) if p not in taken)
             taken.update(paths)
-            moves += _deliver(held[owner], target, owner, tuple(paths), globals_, best)
+            moves += _deliver(held, target, owner, paths, globals_, best)
     return moves
 
 
@@ -317,47 +365,51 @@ class _BestFor:
     """_best, remembered: for a target that holds no copy of a part the answer is the
     same for every such target, so each part is ranked about once, not once a target."""
 
-    def __init__(self, held: dict[int, list[Copy]]) -> None:
+    def __init__(self, held: Held) -> None:
         self.held = held
-        self.holders = {o: {c.holder for c in cs} for o, cs in held.items()}
         self.known: dict[tuple[int, tuple[str, ...], int | None], Copy | None] = {}
 
     def __call__(self, owner: int, target: int, paths: tuple[str, ...]) -> Copy | None:
-        key = (owner, paths, target if target in self.holders[owner] else None)
+        mine = any(c.holder == target for c in self.held.of(owner))
+        key = (owner, paths, target if mine else None)
         if key not in self.known:
-            self.known[key] = _best(self.held[owner], owner, target, paths)
+            self.known[key] = _best(self.held.of(owner), owner, target, paths)
         return self.known[key]
 
 
-def _deliver(copies: list[Copy], target: int, owner: int, paths: tuple[str, ...],
+def _deliver(held: Held, target: int, owner: int, paths: tuple[str, ...],
              globals_: set[str], best: _BestFor) -> list[Move]:
     if not paths:
         return []
     shared = tuple(p for p in paths if p in globals_)
-    journal = _global_source(copies, target, owner, shared) if shared else None
+    journal = _global_source(held, target, owner, shared) if shared else None
     rest = paths if journal is None else tuple(p for p in paths if p not in globals_)
     moves = [Move(target, owner, journal, shared)] if journal is not None else []
     if rest:
         source = best(owner, target, rest)
         if source is None:
             raise _Unrecoverable(f"node {owner}'s files have no verified copy left"
-                                 f" ({_what_exists(copies, owner)})")
+                                 f" ({_what_exists(held.of(owner), owner)})")
         moves.insert(0, Move(target, owner, source, rest))
     return moves
 
 
-def gathered(plan: Plan, copies: list[Copy], nodes: int, to: str) -> Plan:
+def gathered(plan: Plan, copies: list[Copy] | Held, nodes: int, to: str) -> Plan:
     """`--to DIR`: the plan's checkpoint with every path written once into DIR, by the
     node that holds the best copy of its part (spool, stage, replica, the PFS); a PFS
-    bundle is extracted by node o mod M, so the ranks share that work."""
-    first = paths_once(plan.manifest)
-    copies = [c for c in copies if c.ckpt == plan.ckpt]    # names repeat across ckpts
+    bundle is extracted by node o mod M, so the ranks share that work. A part with no
+    copy left makes the checkpoint unrecoverable (choose tries the next older one)."""
+    first = paths_once(plan.manifest) if not isinstance(copies, Held) else _paths_once(
+        plan.manifest)
+    held = copies if isinstance(copies, Held) else Held(
+        [c for c in copies if c.ckpt == plan.ckpt])    # names repeat across ckpts
     moves = []
-    for owner in range(len(plan.manifest.nodes)):
-        paths = tuple(e.path for e in plan.manifest.node_files(owner) if first[e.path] == owner)
-        source = _best(copies, owner, -2, paths) if paths else None   # -2: no node prefered
-        if paths and source is None:        # choose() found one: only when it is unused
-            raise OperationError(f"node {owner}'s files have no verified copy left")
+    for owner, all_paths in sorted(_files_by_node(plan.manifest).items()):
+        paths = tuple(p for p in all_paths if first[p] == owner)
+        source = _best(held.of(owner), owner, -2, paths) if paths else None  # -2: no node
+        if paths and source is None:
+            raise _Unrecoverable(f"node {owner}'s files have no verified copy left"
+                                 f" ({_what_exists(held.of(owner), owner)})")
         if source is not None:
             writer = source.holder if 0 <= source.holder < nodes else owner % nodes
             moves.append(Move(writer, owner, source, paths))

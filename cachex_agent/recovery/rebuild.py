@@ -2,7 +2,10 @@
 
 Collective over the recovery job (one rank per node, replacements included; or one
 process for one node). Call order, every rank:
-  1. manifests   every journal's global manifests (+ the PFS on rank 0), merged, shared
+  1. manifests   each rank's whole manifests (node 0, the metadata holders, the PFS on
+                 rank 0), digests, local and replica manifests gathered onto rank 0
+                 only; rank 0 takes the newest whole one, or rebuilds it from the parts
+                 when it matches a survivor's digest (discover.py), and shares it
   2. holdings    each rank lists what it holds (spool, stage, replicas, journal) whole,
                  by size: checksums are read once, in step 4
   3. plan        rank 0 picks the checkpoint and the source of every part; shared
@@ -18,7 +21,8 @@ process for one node). Call order, every rank:
                  (erasure_recover.py), and nothing is re-replicated
 Between 3 and 4 every target's free space is compared with what the plan writes there
 (plan.check_space). A checkpoint of N nodes recovered onto M is placed by
-plan.placement; its parts are not copied to partners again (the agents on the M nodes
+plan.placement, a DCP one only into `--to` (refused without it: exit 2; plan.py says
+why); its parts are not copied to partners again (the agents on the M nodes
 protect the trainer's next checkpoint). With `to` (`cachex recover --to DIR`) nothing goes
 into the spools: every file is written once into DIR, a directory every rank sees, by
 the rank that holds its copy (a PFS bundle by node o mod M), in the spool's layout.
@@ -75,7 +79,7 @@ from ..progress import Done, Progress, quiet
 from ..stage.rules import checkpoint_names, natural_key, tracker_text
 from ..status import human_size
 from ..topology import Placement, place_checked
-from . import holdings, transfer
+from . import discover, holdings, transfer
 from .erasure_recover import rebuild_lost
 from .plan import (
     Copy,
@@ -85,7 +89,6 @@ from .plan import (
     bytes_needed,
     check_space,
     choose,
-    gathered,
     next_source,
     where,
 )
@@ -122,7 +125,7 @@ def recover(config: Config, comm: Any, want: str | None = None,
         agree(comm, "--to", lambda: _check_to(paths, to), config.agent.timeout)
     progress.step(f"listing the copies held by {placement.nodes}"
                   f" node{'s' if placement.nodes > 1 else ''} and the PFS")
-    manifests = _shared_manifests(comm, config, paths, exclude)
+    manifests = _shared_manifests(comm, config, paths, exclude, node, progress)
     copies = _all_copies(comm, config, paths, placement, manifests, exclude)
     if want is None and comm.Get_rank() == 0:      # only rank 0 plans
         want = pinned_current(config.node_paths(0).pfs)
@@ -243,20 +246,29 @@ def _verify_bound(config: Config, manifests: dict[str, GlobalManifest]) -> float
 
 
 # ----------------------------------------------------------------------- phases
-def _shared_manifests(comm: Any, config: Config, paths: Any, exclude: frozenset[str]
-                      ) -> dict[str, GlobalManifest]:
-    def own() -> dict[str, GlobalManifest]:
-        mine = holdings.journal_manifests(paths)
-        if comm.Get_rank() == 0 and "pfs" not in exclude:
-            mine = {**holdings.pfs_manifests(paths.pfs), **mine}
-        return mine
-    mine = agree(comm, "manifests", own, config.agent.timeout)
-    merged: dict[str, GlobalManifest] = {}
-    for rank, text in enumerate(comm.allgather(holdings.to_json(mine))):
-        for ckpt, manifest in holdings.from_json(text, f"manifests of rank {rank}").items():
-            if ckpt not in merged or manifest.committed_at > merged[ckpt].committed_at:
-                merged[ckpt] = manifest
-    return merged
+def _shared_manifests(comm: Any, config: Config, paths: Any, exclude: frozenset[str],
+                      node: int, progress: Progress) -> dict[str, GlobalManifest]:
+    """Each rank's manifests, digests and parts gathered onto rank 0 only (not every
+    manifest to every rank), merged there (discover.py), the result shared."""
+    mine = agree(comm, "manifests", lambda: discover.found_here(
+        paths, node, comm.Get_rank() == 0 and "pfs" not in exclude), config.agent.timeout)
+    _arrive(comm, config, "manifests")
+    reports = comm.gather(mine, root=0)
+    merged: discover.Merged | tuple[bool, str] = (False, "")
+    if comm.Get_rank() == 0:
+        try:
+            merged = discover.merge(reports)
+        except ConfigError as exc:
+            merged = (True, str(exc))
+        except OperationError as exc:
+            merged = (False, str(exc))
+    _arrive(comm, config, "merged manifests")
+    merged = comm.bcast(merged, root=0)
+    if isinstance(merged, tuple):
+        raise (ConfigError if merged[0] else OperationError)(merged[1])
+    for note in merged.notes:
+        progress.step(note)
+    return merged.manifests
 
 
 def _all_copies(comm: Any, config: Config, paths: Any, placement: Placement,
@@ -274,19 +286,21 @@ def _all_copies(comm: Any, config: Config, paths: Any, placement: Placement,
 def _plan(comm: Any, config: Config, manifests: dict[str, GlobalManifest],
           copies: list[Copy], nodes: int, want: str | None, exclude: frozenset[str],
           to: Path | None = None) -> Plan:
-    """Rank 0 decides; every rank gets the plan, or raises the same error."""
-    answer: Plan | str = ""
+    """Rank 0 decides; every rank gets the plan, or raises the same error (a usage
+    error stays one: exit 2 on every rank)."""
+    answer: Plan | tuple[bool, str] = (False, "")
     if comm.Get_rank() == 0:
         try:
-            answer = choose(manifests, copies, nodes, want, exclude)
-            if to is not None:
-                answer = gathered(answer, copies, nodes, str(to))
+            answer = choose(manifests, copies, nodes, want, exclude,
+                            None if to is None else str(to))
         except OperationError as exc:
-            answer = str(exc)
+            answer = (False, str(exc))
+        except ConfigError as exc:
+            answer = (True, str(exc))
     _arrive(comm, config, "plan")
     answer = comm.bcast(answer, root=0)
-    if isinstance(answer, str):
-        raise OperationError(answer)
+    if isinstance(answer, tuple):
+        raise (ConfigError if answer[0] else OperationError)(answer[1])
     return answer
 
 

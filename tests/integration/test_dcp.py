@@ -1,8 +1,8 @@
 """The failure drill on a trainer nobody here wrote: PyTorch Distributed Checkpoint
 (torch 2.13, CPU, gloo), 4 ranks in 2 virtual nodes, each node saving to its own spool,
 resumed through DCP's own `load`; and the drill with no spare left: 4 nodes of one rank,
-node 0 lost, the checkpoint recovered onto 3 nodes and onto 2, resumed with that many
-ranks, DCP resharding on load."""
+node 0 lost, the checkpoint recovered once into a shared directory (`--to`) and resumed
+from there on 3 ranks and on 2, DCP resharding on load."""
 
 from __future__ import annotations
 
@@ -90,9 +90,11 @@ def run_dcp_drill(c, train: Callable[..., str], lose_node_0: Callable[[], None],
 
 @pytest.mark.parametrize("onto", [3, 2])
 def test_dcp_drill_onto_fewer_nodes(cluster, tmp_path, onto):
-    """Node 0 lost and no spare: `cachex recover` on `onto` nodes gives each of them
-    every file (the lost node's part from its replica on node 1, the parts of nodes
-    left out of the job from the PFS), and DCP's load on `onto` ranks reshards."""
+    """Node 0 lost and no spare: plain `cachex recover` on `onto` nodes refuses (a DCP
+    resize goes once into a directory every rank reads); with `--to DIR` every file is
+    written there once (the lost node's part from its replica on node 1, the parts of
+    nodes left out of the job from the PFS), and DCP's load on `onto` ranks reshards
+    from DIR."""
     c = cluster(nodes=4, commit=DCP_COMMIT)
     c.start_agents()
     one_per_node = ("--ranks-per-node", "1")
@@ -106,20 +108,24 @@ def test_dcp_drill_onto_fewer_nodes(cluster, tmp_path, onto):
     shutil.rmtree(c.root / "node0")
     c.spool(0).mkdir(parents=True)
 
-    result = subprocess.run([str(MPIEXEC), "-n", str(onto), str(BIN / "cachex"), "recover",
-                             "--config", str(c.config)], capture_output=True, text=True,
-                            timeout=180)
+    def recover(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([str(MPIEXEC), "-n", str(onto), str(BIN / "cachex"), "recover",
+                               "--config", str(c.config), *args], capture_output=True,
+                              text=True, timeout=180)
+    refused = recover()
+    assert refused.returncode == 2 and "give `cachex recover --to DIR`" in refused.stderr, \
+        refused.stdout + refused.stderr
+    shared = tmp_path / "shared"
+    result = recover("--to", str(shared))
     assert result.returncode == 0, result.stdout + result.stderr
-    assert f"written by 4 nodes, recovered onto {onto}: PyTorch DCP layout" in result.stdout
-    assert "of node 0 from replica on node 1" in result.stdout, result.stdout
+    assert "of node 0 from its own replica" in result.stdout, result.stdout
     assert "of node 3 from the PFS bundle" in result.stdout, result.stdout
-    for node in range(onto):
-        assert files_of(c.spool(node) / "step_00008") == whole, node
+    assert files_of(shared / "step_00008") == whole
 
     c.nodes = onto                  # the agents go on with the job's nodes
     c.start_agents()
     resumed = dcp_train(c.root, tmp_path / "rdv-2", "--steps", "12", "--every", "4",
-                        "--resume", *one_per_node, ranks=onto)
+                        "--resume", "--load-from", str(shared), *one_per_node, ranks=onto)
     assert f"resumed from step_00008 with dcp.load on {onto} ranks" in resumed, resumed
     c.wait_level("step_00012", "flushed", timeout=120)     # protected on the new count
     manifest = json.loads(pfs_manifest_path(c.pfs, "step_00012").read_text())

@@ -3,7 +3,6 @@ directories, an unreadable PFS, corrupted copies; then the trainer resumes uncha
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import shutil
@@ -12,7 +11,9 @@ import subprocess
 import pytest
 from harness import BIN, MPIEXEC, Cluster, files_of, finish, kill_tree
 
-from cachex_agent.outputs import problems
+from cachex_agent.journal import Journal
+from cachex_agent.layout import global_manifests_dir
+from cachex_agent.manifest import GlobalManifest
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 TRAIN = ["--shard-size", "256KiB", "--chunk-size", "64KiB", "--step-time", "0.02",
@@ -188,50 +189,32 @@ def every_file(before: dict[int, dict[str, bytes]]) -> dict[str, bytes]:
     return {**expected_after(before)[0], **{p: d for f in before.values() for p, d in f.items()}}
 
 
-def test_recovery_onto_fewer_nodes_refused_when_it_does_not_fit_then_done(cluster, tmpfs):
+def test_a_dcp_resize_needs_to_then_goes_there_once_when_it_fits(cluster, tmpfs, tmp_path):
+    """Onto fewer or more nodes a DCP checkpoint is not copied whole into every spool:
+    refused without `--to` (exit 2, one line naming it), then restored once into DIR."""
     c = trained(cluster, 4)
     before = snapshot(c, "step_00004")
     lose_node(c, 0)                 # no spare: the job goes on with 3 nodes
-    tmpfs(c.spool(0), "512k")       # the checkpoint is 2 MiB: node 0's spool cannot hold it
-    result = recover(c, nodes=3)
-    assert result.returncode == 1
-    assert re.search(rf"error: node 0: {c.spool(0)} needs 2\.\d MiB \(\d+ bytes\),"
-                     r" 512\.0 KiB \(\d+ bytes\) free: the placement does not fit",
-                     result.stderr), result.stderr
-    assert result.stderr.count("error:") == 1 and "Traceback" not in result.stderr
+    for onto in (3, 5):
+        refused = recover(c, nodes=onto)
+        assert refused.returncode == 2, refused.stdout + refused.stderr
+        assert refused.stderr.count("error:") == 1 and "Traceback" not in refused.stderr
+        assert (f"step_00004: a PyTorch DCP checkpoint of 4 nodes onto {onto}: give"
+                " `cachex recover --to DIR`") in refused.stderr, refused.stderr
     assert not list(c.spool(0).iterdir())   # nothing written anywhere
-    assert files_of(c.spool(1) / "step_00004") == expected_after(before)[1]
-    subprocess.run(["mount", "-o", "remount,size=64m", str(c.spool(0))], check=True)
-
-    dry = recover(c, "--dry-run", nodes=3)
-    assert dry.returncode == 0, dry.stdout + dry.stderr
-    assert ("written by 4 nodes, recovered onto 3: PyTorch DCP layout, every node gets all"
-            " 33 files") in dry.stdout, dry.stdout
-    result = recover(c, nodes=3)
+    out = tmp_path / "shared"
+    tmpfs(out, "512k")              # the checkpoint is 2 MiB: the directory cannot hold it
+    result = recover(c, "--to", str(out), nodes=3)
+    assert result.returncode == 1
+    assert re.search(r"needs 2\.\d MiB \(\d+ bytes\), 512\.0 KiB \(\d+ bytes\) free: the"
+                     r" placement does not fit", result.stderr), result.stderr
+    subprocess.run(["mount", "-o", "remount,size=64m", str(out)], check=True)
+    result = recover(c, "--to", str(out), nodes=3)
     assert result.returncode == 0, result.stdout + result.stderr
-    # node 3 is not in the job and its replica was on node 0: its part is the PFS's
-    for line in ("node 0: 9 files of node 0 from replica on node 1",
-                 "node 0: 8 files of node 3 from the PFS bundle",
-                 "node 2: 8 files of node 2 from its own spool"):
-        assert line in result.stdout, result.stdout
-    assert "not copying the parts to partners" in result.stderr, result.stderr
-    for node in range(3):           # DCP reshards: every node holds every file
-        assert files_of(c.spool(node) / "step_00004") == every_file(before), node
-    status = json.loads(c.cachex("ls", "--json").stdout)
-    assert status["checkpoints"][-1]["id"] == "step_00004"
-
-
-def test_recovery_onto_more_nodes_fills_the_new_ones(cluster):
-    c = trained(cluster, 4)
-    before = snapshot(c, "step_00004")
-    result = recover(c, "--json", nodes=5)          # scaling up: node 4 is new
-    assert result.returncode == 0, result.stdout + result.stderr
-    summary = json.loads(result.stdout)
-    assert problems("recover", summary) == []
-    assert (summary["nodes"], summary["onto"], summary["replicated_bytes"]) == (4, 5, 0)
-    assert {m["holder"] for m in summary["moves"] if m["target"] == 4} <= {0, 1, 2, 3}
-    for node in range(5):
-        assert files_of(c.spool(node) / "step_00004") == every_file(before), node
+    assert "node 1: 9 files of node 0 from its own replica" in result.stdout, result.stdout
+    assert files_of(out / "step_00004") == every_file(before)
+    for node in range(1, 3):        # the spools are left as they were
+        assert files_of(c.spool(node) / "step_00004") == expected_after(before)[node]
 
 
 def test_recover_to_a_shared_directory_from_the_survivors(cluster, tmp_path):
@@ -271,3 +254,25 @@ def test_single_process_recovery_of_a_one_node_job(cluster):
     assert result.returncode == 0, result.stdout + result.stderr
     assert "9 files of node 0 from its own stage" in result.stdout, result.stdout
     assert files_of(c.spool(0) / "step_00008") == before
+
+
+def test_the_global_manifest_is_rebuilt_from_the_survivors_when_no_holder_has_it(cluster):
+    """As the agents of issue 24 leave it: only node 0 and the holders keep the whole
+    manifest, every other journal a digest. Node 0 lost, the PFS down and the holders'
+    copies gone: the survivors' local and replica manifests rebuild it."""
+    c = trained(cluster, 4)
+    before = snapshot(c, "step_00004")
+    lose_node(c, 0)
+    unreadable_pfs(c)
+    for node in range(1, 4):
+        journal = Journal(c.journal(node))
+        for path in sorted(global_manifests_dir(c.journal(node)).glob("*.json")):
+            manifest = GlobalManifest.load(path)
+            journal.update(manifest.ckpt, **{"global": manifest.digest().to_json()})
+            path.unlink()
+    result = recover(c)
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert ("step_00004: no holder or PFS has its global manifest; rebuilt from 4 parts'"
+            " local and replica manifests") in result.stderr, result.stderr
+    for node, files in expected_after(before).items():
+        assert files_of(c.spool(node) / "step_00004") == files, node

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from cachex_agent.errors import OperationError
+from cachex_agent.errors import ConfigError, OperationError
 from cachex_agent.manifest import FileEntry, GlobalManifest, LocalManifest
 from cachex_agent.recovery.plan import (
     Copy,
@@ -131,29 +131,18 @@ def received(plan) -> dict[int, list[str]]:
     return found
 
 
-def test_dcp_onto_fewer_nodes_gives_every_node_every_file_once():
-    # node 0 lost: its part survives as a replica on node 1; node 2's only on the PFS
+def test_dcp_onto_another_node_count_needs_to_and_goes_there_once():
+    """Not whole into every spool: which files a new rank reads is in DCP's pickled
+    .metadata, which is never unpickled; so once into a directory every rank reads."""
     copies = [replica("s2", 0, 1), own("s2", 1), pfs("s2", 0), pfs("s2", 1), pfs("s2", 2)]
-    plan = choose({"s2": MANIFESTS["s2"]}, copies, nodes=2)
-    assert plan.resized and reshards(plan.manifest)
-    everything = sorted(e["path"] for e in plan.manifest.files)
-    for target, paths in received(plan).items():
-        assert sorted(paths) == everything, target        # each path once per node
-    found = sources(plan)
-    assert found[(0, 0)] == ("replica", 1) and found[(1, 0)] == ("replica", 1)
-    assert found[(1, 1)] == ("spool", 1) and found[(0, 1)] == ("spool", 1)
-    assert found[(0, 2)] == found[(1, 2)] == ("pfs", -1)
-    assert not any(plan.kept(m) for m in plan.moves)     # assembled aside, even its own
-    assert "written by 3 nodes, recovered onto 2: PyTorch DCP layout, every node gets all" \
-        " 4 files" in "\n".join(plan.describe())
-
-
-def test_dcp_onto_more_nodes_fills_the_new_nodes_too():
-    copies = [own("s2", n) for n in range(3)]
-    plan = choose({"s2": MANIFESTS["s2"]}, copies, nodes=5)
-    assert sorted(received(plan)) == [0, 1, 2, 3, 4]
-    assert all(len(paths) == 4 for paths in received(plan).values())
-    assert sources(plan)[(4, 2)] == ("spool", 2)          # new nodes read the survivors
+    for onto in (2, 5):
+        with pytest.raises(ConfigError, match=r"s2: a PyTorch DCP checkpoint of 3 nodes"
+                           f" onto {onto}: give `cachex recover --to DIR`"):
+            choose({"s2": MANIFESTS["s2"]}, copies, nodes=onto)
+    plan = choose({"s2": MANIFESTS["s2"]}, copies, nodes=2, to="/pfs/out")
+    assert plan.to == "/pfs/out" and reshards(plan.manifest)
+    assert sorted(p for m in plan.moves for p in m.paths) == sorted(
+        e["path"] for e in plan.manifest.files)                     # each path once
 
 
 def test_per_rank_files_go_to_old_node_mod_m_and_globals_everywhere():
@@ -201,10 +190,12 @@ def test_hostile_inputs_change_no_placement():
              Copy("s2", 2, "replica", 1, ("__9_0.distcp",)),
              Copy("s2", 0, "journal", 5, (".metadata",))]
     copies = [own("s2", 0), own("s2", 1), pfs("s2", 2), *bogus]
-    plan = choose({"s2": MANIFESTS["s2"]}, copies, nodes=2)
+    plan = choose({"s2": MANIFESTS["s2"]}, copies, nodes=2, to="/pfs/out")
+    assert not {m.source for m in plan.moves} & set(bogus)
+    plan = choose({"s2": MANIFESTS["s2"]}, copies, nodes=3)
     assert not {m.source for m in plan.moves} & set(bogus)
     with pytest.raises(OperationError, match="node 2's files have no verified copy left"):
-        choose({"s2": MANIFESTS["s2"]}, [own("s2", 0), own("s2", 1), *bogus], nodes=2)
+        choose({"s2": MANIFESTS["s2"]}, [own("s2", 0), own("s2", 1), *bogus], nodes=3)
 
 
 # ------------------------------------------------------------------ free space
@@ -212,8 +203,9 @@ def test_bytes_needed_counts_what_is_written_not_what_stays():
     same = choose(MANIFESTS, [own("s2", n) for n in range(3)], nodes=3)
     # same count: the own spool copies stay; nodes 1, 2 gain .metadata (3 bytes)
     assert bytes_needed(same) == {0: 0, 1: 3, 2: 3}
-    shrunk = choose({"s2": MANIFESTS["s2"]}, [own("s2", n) for n in range(3)], nodes=2)
-    assert bytes_needed(shrunk) == {0: 33, 1: 33}          # the whole checkpoint, aside
+    shrunk = choose({"s2": MANIFESTS["s2"]}, [own("s2", n) for n in range(3)], nodes=2,
+                    to="/pfs/out")
+    assert bytes_needed(shrunk) == {0: 23, 1: 10}          # the checkpoint once, in all
 
 
 def test_free_space_refusal_names_the_node_the_path_and_the_bytes():
@@ -235,7 +227,8 @@ def test_free_space_refusal_names_the_node_the_path_and_the_bytes():
 # ------------------------------------------------------------------ --to DIR
 def test_gathered_writes_each_path_once_by_its_holder():
     copies = [replica("s2", 0, 1), own("s2", 1), pfs("s2", 0), pfs("s2", 1), pfs("s2", 2)]
-    plan = gathered(choose({"s2": MANIFESTS["s2"]}, copies, nodes=2), copies, 2, "/pfs/out")
+    plan = gathered(choose({"s2": MANIFESTS["s2"]}, copies, nodes=2, to="/x"), copies, 2,
+                    "/pfs/out")
     assert plan.to == "/pfs/out" and not any(plan.kept(m) for m in plan.moves)
     assert sorted(p for m in plan.moves for p in m.paths) == sorted(
         e["path"] for e in plan.manifest.files)
@@ -255,15 +248,69 @@ def test_an_older_checkpoints_copies_are_never_a_source():
 
 
 def test_a_large_resize_is_said_in_one_line_per_target():
-    big = manifest("s9", 9, nodes=12)
-    copies = [own("s9", n) for n in range(1, 12)] + [replica("s9", 0, 1)]
-    plan = choose({"s9": big}, copies, nodes=11)
+    big = per_rank("s9", 80)
+    copies = [per_rank_copy("s9", n, "spool", n) for n in range(1, 80)] + [
+        per_rank_copy("s9", 0, "replica", 1)]
+    plan = choose({"s9": big}, copies, nodes=70)
     assert len(plan.moves) > 64
-    lines = plan.describe()
-    per_target = [line for line in lines if line.startswith("  node ")]
-    assert len(per_target) == 11
-    assert per_target[0] == ("  node 0: 13 files of 12 nodes: 2 from replica on 1 other node,"
-                             " 11 from spool on 11 other nodes")
+    per_target = [line for line in plan.describe() if line.startswith("  node ")]
+    assert len(per_target) == 70
+    assert per_target[0].startswith("  node 0: 3 files of 2 nodes: ")
+
+
+# ------------------------------------------------------------------ at scale
+def dcp_scale(nodes: int, files: int = 8) -> tuple[GlobalManifest, list[Copy]]:
+    """`nodes` nodes of `files` DCP shards each, .metadata on node 0; each part in its
+    own spool, a replica on the next node, a bundle on the PFS."""
+    parts = []
+    for node in range(nodes):
+        entries = [FileEntry(f"__{node * files + k}_0.distcp", 100, 0o644, f"{node:032x}")
+                   for k in range(files)]
+        if node == 0:
+            entries.append(FileEntry(".metadata", 7, 0o644, "m" * 32))
+        parts.append(LocalManifest(run="r", ckpt="big", seq=1, node=node, host=f"h{node}",
+                                   rank=node, files=entries))
+    big = GlobalManifest.build(parts, [".metadata"], {}, {n: f"b{n}" for n in range(nodes)})
+    copies = []
+    for node, part in enumerate(parts):
+        paths = tuple(e.path for e in part.files)
+        copies += [Copy("big", node, "spool", node, paths),
+                   Copy("big", node, "replica", (node + 1) % nodes, paths),
+                   Copy("big", node, "pfs", -1, paths)]
+        if node:
+            copies.append(Copy("big", 0, "journal", node, (".metadata",)))
+    return big, copies
+
+
+@pytest.mark.parametrize("nodes", [100, 2000])
+def test_same_count_moves_grow_with_the_nodes_not_their_square(nodes):
+    big, copies = dcp_scale(nodes)
+    plan = choose({"big": big}, copies, nodes=nodes)
+    assert len(plan.moves) == 2 * nodes - 1            # each part home, .metadata to the rest
+    assert all(plan.kept(m) for m in plan.moves if m.owner == m.target)
+    assert {m.source.kind for m in plan.moves if m.owner != m.target} == {"journal"}
+
+
+@pytest.mark.parametrize("nodes", [100, 2000])
+def test_a_lost_node_onto_one_fewer_moves_each_file_once(nodes):
+    big, copies = dcp_scale(nodes)
+    copies = [c for c in copies if c.holder != 0]              # node 0 lost, no spare
+    plan = choose({"big": big}, copies, nodes=nodes - 1, to="/pfs/out")
+    assert len(plan.moves) == nodes
+    assert sum(len(m.paths) for m in plan.moves) == 8 * nodes + 1
+    assert sum(bytes_needed(plan).values()) == big.bytes
+    assert max(bytes_needed(plan).values()) <= 2 * 800 + 7     # its own part and one more
+
+
+def test_per_rank_onto_one_fewer_at_scale_moves_o_to_o_mod_m():
+    nodes = 2000
+    big = per_rank("big", nodes)
+    copies = [per_rank_copy("big", n, "spool", n) for n in range(1, nodes)] + [
+        per_rank_copy("big", 0, "replica", 1)]
+    plan = choose({"big": big}, copies, nodes=nodes - 1)
+    # every part to one node, and the tracker to the nodes but 0 (which has node 0's part)
+    assert len(plan.moves) == nodes + (nodes - 2)
+    assert {m.target for m in plan.moves if m.owner == nodes - 1} == {0}
 
 
 def test_the_mod_map_names_at_most_eight_moved_parts():
