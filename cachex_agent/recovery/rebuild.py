@@ -39,6 +39,7 @@ unchanged resume code picks the recovered one.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -91,6 +92,7 @@ from .plan import (
 )
 from .restore_handle import open_restore
 
+log = logging.getLogger(__name__)
 SLOWEST_RATE = 10 << 20     # bytes/s: a rank moving its part slower than this is stuck
 
 
@@ -328,6 +330,23 @@ class _Restore:
         self.taken: dict[tuple[int, int, str], Copy] = {}
 
     def run(self) -> dict[str, int]:
+        try:
+            return self._run()
+        except BaseException:
+            self._discard()
+            raise
+
+    def _discard(self) -> None:
+        """A refused or failed restore takes its partial directory with it: the spool
+        may be /dev/shm, and nothing but the next recover would sweep it."""
+        if self.in_place or (self.plan.to is not None and self.comm.Get_rank() != 0):
+            return              # the checkpoint's own directory, or rank 0's to remove
+        try:
+            remove_under(self.spool, self.directory)
+        except OSError as exc:
+            log.warning("%s not removed: %s", self.directory, describe(exc))
+
+    def _run(self) -> dict[str, int]:
         work = _work_bound(self.config, self.plan)
         agree(self.comm, "restore", self._prepare, self.config.agent.timeout)
         if self.plan.to is not None:
