@@ -8,7 +8,7 @@ import shutil
 import subprocess
 
 import pytest
-from harness import BIN, Cluster
+from harness import BIN, Cluster, wait_for
 from test_hostile import CKPT, flushed_one_node
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -49,3 +49,24 @@ def test_agent_start_sweeps_a_killed_recovers_partial_directory(tmp_path):
         assert c.stop() == 0
     finally:
         c.close()
+
+
+def test_a_failed_checkpoints_complete_bundles_leave_the_pfs(cluster):
+    # node 0 commits and flushes its part; node 1 never writes one, so the checkpoint
+    # fails at the commit timeout with node 0's bundle complete on the PFS
+    c = cluster(nodes=2, rule="marker:*/COMMITTED", commit='settle = "1s"\ntimeout = "8s"',
+                agent_timeout="5s")
+    c.start_agents()
+    part = c.spool(0) / "step_1"
+    part.mkdir()
+    (part / "data.bin").write_bytes(b"node 0 data" * 1000)
+    (part / "COMMITTED").write_bytes(b"")
+    bundle = c.pfs / "ckpt" / "step_1" / "node-00000.h5"
+    wait_for(lambda: bundle.is_file() or c.levels().get("step_1") == "failed", 60,
+             "node 0's bundle")
+    assert bundle.is_file(), f"failed before node 0 flushed: {c.status()}"
+    c.wait_level("step_1", "failed", timeout=60)
+    wait_for(lambda: not (c.pfs / "ckpt" / "step_1").exists(), 10,
+             f"the failed checkpoint's PFS directory to go ({sorted(c.pfs.rglob('*'))})")
+    assert c.cachex("export", "step_1", str(c.root / "out")).returncode != 0
+    assert c.stop() == 0
