@@ -408,8 +408,21 @@ class _Restore:
                        move.source.holder == self.node) for path, why in problems.items()]
         return found
 
+    def _checked(self, count: Done) -> Done:
+        """Counts the bytes, then stops if a signal asked for it: a node's own moves (a
+        check in place, a local copy, a PFS extraction) stop within one file, not at
+        the round's end. The raise fails this rank's round, and the round's agreement
+        fails it on every rank alike."""
+        def done(size: int) -> None:
+            count(size)
+            self.check()
+        return done
+
     def _receive(self, move: Move, files: list[FileEntry]) -> transfer.Problems:
-        source, timeout, done = move.source, self.config.agent.timeout, self.progress.advance
+        source, timeout = move.source, self.config.agent.timeout
+        # a transfer between ranks stops at the round's end only: its sender cannot be
+        # told in the middle of the stream, and would wait out agent.timeout
+        done = self._checked(self.progress.advance) if move.local else self.progress.advance
         if self.plan.kept(move):
             return transfer.check_in_place(self.directory, files, done)
         if source.kind == "pfs":

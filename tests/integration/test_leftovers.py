@@ -5,10 +5,12 @@ Real agents, a real flushed checkpoint, real directories."""
 from __future__ import annotations
 
 import shutil
+import signal
 import subprocess
+import time
 
 import pytest
-from harness import BIN, Cluster, wait_for
+from harness import BIN, Cluster, kill_tree, wait_for
 from test_hostile import CKPT, flushed_one_node
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -70,3 +72,27 @@ def test_a_failed_checkpoints_complete_bundles_leave_the_pfs(cluster):
              f"the failed checkpoint's PFS directory to go ({sorted(c.pfs.rglob('*'))})")
     assert c.cachex("export", "step_1", str(c.root / "out")).returncode != 0
     assert c.stop() == 0
+
+
+def test_one_sigterm_stops_a_one_round_restore_within_a_file(tmp_path):
+    # large files: the whole restore is one round that takes seconds
+    c = flushed_one_node(tmp_path / "run", "--shard-size", "48MiB", "--chunk-size", "8MiB")
+    shutil.rmtree(c.spool(0))
+    c.spool(0).mkdir()
+    proc = subprocess.Popen([str(BIN / "cachex"), "recover", "--config", str(c.config)],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            start_new_session=True)
+    try:
+        wait_for(lambda: any(p.is_file() for p in c.spool(0).rglob("*"))
+                 or proc.poll() is not None, 120, "recover to start writing", poll=0.001)
+        assert proc.poll() is None, "recover finished before the signal"
+        sent = time.monotonic()
+        proc.send_signal(signal.SIGTERM)        # one only: a second one kills at once
+        out, _ = proc.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        kill_tree(proc)
+    assert proc.returncode == 1, out
+    assert "cancelled by a signal" in out, out
+    assert took < 10, f"{took:.1f}s after the signal"    # a second plus one 48 MiB file
+    assert sorted(c.spool(0).iterdir()) == [], sorted(c.spool(0).rglob("*"))
