@@ -9,6 +9,7 @@ import signal
 import subprocess
 import time
 
+import h5py
 import pytest
 from harness import BIN, Cluster, kill_tree, wait_for
 from test_hostile import CKPT, flushed_one_node
@@ -96,3 +97,26 @@ def test_one_sigterm_stops_a_one_round_restore_within_a_file(tmp_path):
     assert "cancelled by a signal" in out, out
     assert took < 10, f"{took:.1f}s after the signal"    # a second plus one 48 MiB file
     assert sorted(c.spool(0).iterdir()) == [], sorted(c.spool(0).rglob("*"))
+
+
+def corrupt_last_dataset(bundle) -> None:
+    with h5py.File(bundle, "r+") as h5:
+        name = sorted(h5["files"])[-1]
+        h5["files"][name][0] ^= 0xFF
+
+
+def test_a_failed_export_removes_what_it_wrote(tmp_path):
+    c = flushed_one_node(tmp_path / "run")
+    corrupt_last_dataset(c.pfs / "ckpt" / CKPT / "node-00000.h5")
+    fresh = tmp_path / "out" / "fresh"
+    result = c.cachex("export", CKPT, str(fresh))
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert "checksum" in result.stderr or "mismatch" in result.stderr, result.stderr
+    assert not (tmp_path / "out").exists(), sorted((tmp_path / "out").rglob("*"))
+
+    existing = tmp_path / "existing"
+    existing.mkdir()
+    (existing / "mine.txt").write_text("kept")
+    result = c.cachex("export", CKPT, str(existing))
+    assert result.returncode == 1, result.stdout + result.stderr
+    assert [p.name for p in existing.rglob("*") if p.is_file()] == ["mine.txt"]
