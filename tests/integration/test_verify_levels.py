@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import json
 import shutil
+import subprocess
 
+import h5py
 import pytest
 from harness import Cluster, finish
 
@@ -57,3 +59,20 @@ def test_a_missing_promised_replica_still_fails(cluster, tmpfs):
     shutil.rmtree(c.stage(1) / CKPT)        # a promised stage gone: not a skipped copy
     code, report = verify_json(c)
     assert code == 1
+
+
+def test_once_flushed_a_corrupted_bundle_is_bad(cluster, tmpfs):
+    c = replicated_on_a_full_pfs(cluster, tmpfs)
+    subprocess.run(["mount", "-o", "remount,size=64m", str(c.root / "pfs")], check=True)
+    c.wait_level(CKPT, "flushed", timeout=120)      # the flush retries, now with room
+    code, report = verify_json(c)
+    assert code == 0 and report["level"] == "flushed", report
+    assert all(x["checked"] for x in report["copies"] if x["level"] == "pfs"), report
+    bundle = c.pfs / "ckpt" / CKPT / "node-00001.h5"
+    with h5py.File(bundle, "r+") as h5:
+        h5["files"][sorted(h5["files"])[-1]][0] ^= 0xFF
+    code, report = verify_json(c)
+    assert code == 1
+    bad = [(x["level"], x["node"]) for x in report["copies"] if x["checked"] and not x["ok"]]
+    assert bad == [("pfs", 1)], report
+    assert c.stop() == 0
