@@ -300,13 +300,14 @@ def ls_command(cfg: configuration.Config, as_json: bool) -> None:
 @quiet_option
 def verify_command(cfg: configuration.Config, ckpt: str, as_json: bool, quiet: bool) -> None:
     """Check the checksums of every copy of CKPT visible from this machine."""
+    from .recovery.catalog import level_of
     from .recovery.verify import verify
     findings = verify(cfg, _checkpoint_argument(ckpt, "CKPT"),
                       _progress("cachex verify", quiet))
     bad = [f for f in findings if f.checked and f.problems]
     seen = any(f.checked for f in findings)
     if as_json:
-        _echo_json({"ckpt": ckpt, "ok": not bad and seen,
+        _echo_json({"ckpt": ckpt, "ok": not bad and seen, "level": level_of(cfg, ckpt),
                     "copies": [{"level": f.level, "node": f.node, "where": f.where,
                                 "checked": f.checked, "ok": f.ok, "problems": f.problems,
                                 "note": None if f.checked else f.note} for f in findings]})
@@ -314,7 +315,7 @@ def verify_command(cfg: configuration.Config, ckpt: str, as_json: bool, quiet: b
         _say_findings(ckpt, findings)
     if bad or not seen:
         raise OperationError(f"{ckpt}: {len(bad)} bad copies" if bad
-                             else f"{ckpt}: no copy visible from this machine")
+                             else f"{ckpt}: no promised copy visible from this machine")
     if not as_json:
         click.echo(f"{ckpt}: verified {sum(f.ok for f in findings)} copies")
 

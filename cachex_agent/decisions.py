@@ -689,6 +689,7 @@ def _fail(s: CoordinatorState, record: CheckpointRecord, reason: str, out: Effec
     out.append(Broadcast(Failed(record.id, reason)))
     out.append(SaveState())
     out.append(WriteIndex())
+    out.append(Purge([record.id]))      # bundles flushed before the failure: no checkpoint
 
 
 def _try_finalize(s: CoordinatorState, record: CheckpointRecord, now: float,

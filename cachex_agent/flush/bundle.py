@@ -26,6 +26,7 @@ PFS is down, full or unwritable; worth retrying).
 
 from __future__ import annotations
 
+import logging
 import mmap
 import os
 import threading
@@ -38,11 +39,13 @@ import h5py
 import numpy as np
 
 from ..checksum import hasher
-from ..errors import OperationError
+from ..errors import OperationError, describe
 from ..fsutil import commit_rename, create_file, fsync_dir, makedirs, temp_name, trainer_mode
 from ..manifest import FileEntry, LocalManifest
 from ..safepath import checkpoint_id, component, index, relative_path
 from .throttle import TokenBucket
+
+log = logging.getLogger(__name__)
 
 FORMAT = "cachex-bundle"
 VERSION = 1
@@ -83,7 +86,7 @@ def write_bundle(final: Path, manifest: LocalManifest, source_dir: Path, *,
                                                                writers))
         commit_rename(temp, final)
     except BaseException:
-        temp.unlink(missing_ok=True)
+        _discard(temp)
         raise
     if verify:
         problems = verify_bundle(final, manifest.files)
@@ -93,6 +96,17 @@ def write_bundle(final: Path, manifest: LocalManifest, source_dir: Path, *,
             fsync_dir(final.parent)
             raise BundleError(f"{final}: verification after write failed: "
                               + "; ".join(problems))
+
+
+def _discard(temp: Path) -> None:
+    """A failing PFS may refuse the removal too (read-only, EIO): the temporary is then
+    named in one line, and this node's agent removes it at its next start (cleanup.py);
+    the error that failed the write is the one raised."""
+    try:
+        temp.unlink(missing_ok=True)
+    except OSError as exc:
+        log.warning("temporary bundle %s left on the PFS (%s): the next agent start"
+                    " removes it", temp, describe(exc))
 
 
 def _write_temp(temp: Path, manifest: LocalManifest, source_dir: Path, copier: _Copier

@@ -16,6 +16,7 @@ import json
 
 from ..config import Config
 from ..errors import OperationError
+from ..index import read_index
 from ..layout import (
     journal_global_manifest_path,
     local_manifest_path,
@@ -50,6 +51,24 @@ def local_manifests(config: Config, ckpt: str, nodes: int) -> dict[int, LocalMan
             continue
         found.setdefault(manifest.node, manifest)
     return found
+
+
+def level_of(config: Config, ckpt: str) -> str | None:
+    """The checkpoint's level: the coordinator's newest status visible here, else the PFS
+    index, else `flushed` when its global manifest is on the PFS (written last); None
+    when none of them knows it. Never a journal's global manifest: that is kept by some
+    nodes from the coordinator's commit, before anything reached the PFS."""
+    statuses = sorted(coordinator_statuses(config), key=lambda s: s.get("updated") or 0)
+    for status in reversed(statuses):
+        for row in status.get("checkpoints") or []:
+            if isinstance(row, dict) and row.get("id") == ckpt and row.get("level"):
+                return str(row["level"])
+    pfs = config.node_paths(0).pfs
+    try:
+        return next(r.level for r in read_index(pfs).checkpoints if r.id == ckpt)
+    except (OSError, ValueError, StopIteration):
+        pass
+    return "flushed" if pfs_manifest_path(pfs, ckpt).is_file() else None
 
 
 def node_count(config: Config) -> int:

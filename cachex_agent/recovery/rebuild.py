@@ -43,6 +43,7 @@ unchanged resume code picks the recovered one.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from collections.abc import Callable
@@ -94,6 +95,7 @@ from .plan import (
 )
 from .restore_handle import open_restore
 
+log = logging.getLogger(__name__)
 SLOWEST_RATE = 10 << 20     # bytes/s: a rank moving its part slower than this is stuck
 
 
@@ -342,6 +344,23 @@ class _Restore:
         self.taken: dict[tuple[int, int, str], Copy] = {}
 
     def run(self) -> dict[str, int]:
+        try:
+            return self._run()
+        except BaseException:
+            self._discard()
+            raise
+
+    def _discard(self) -> None:
+        """A refused or failed restore takes its partial directory with it: the spool
+        may be /dev/shm, and nothing but the next recover would sweep it."""
+        if self.in_place or (self.plan.to is not None and self.comm.Get_rank() != 0):
+            return              # the checkpoint's own directory, or rank 0's to remove
+        try:
+            remove_under(self.spool, self.directory)
+        except OSError as exc:
+            log.warning("%s not removed: %s", self.directory, describe(exc))
+
+    def _run(self) -> dict[str, int]:
         work = _work_bound(self.config, self.plan)
         agree(self.comm, "restore", self._prepare, self.config.agent.timeout)
         if self.plan.to is not None:
@@ -403,8 +422,21 @@ class _Restore:
                        move.source.holder == self.node) for path, why in problems.items()]
         return found
 
+    def _checked(self, count: Done) -> Done:
+        """Counts the bytes, then stops if a signal asked for it: a node's own moves (a
+        check in place, a local copy, a PFS extraction) stop within one file, not at
+        the round's end. The raise fails this rank's round, and the round's agreement
+        fails it on every rank alike."""
+        def done(size: int) -> None:
+            count(size)
+            self.check()
+        return done
+
     def _receive(self, move: Move, files: list[FileEntry]) -> transfer.Problems:
-        source, timeout, done = move.source, self.config.agent.timeout, self.progress.advance
+        source, timeout = move.source, self.config.agent.timeout
+        # a transfer between ranks stops at the round's end only: its sender cannot be
+        # told in the middle of the stream, and would wait out agent.timeout
+        done = self._checked(self.progress.advance) if move.local else self.progress.advance
         if self.plan.kept(move):
             return transfer.check_in_place(self.directory, files, done)
         if source.kind == "pfs":

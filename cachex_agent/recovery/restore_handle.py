@@ -4,7 +4,9 @@ stage: the same verbs, the same states, persisted in the node's journal before i
 the node's events.jsonl, with `stage`, `state`, `ckpt`, `seq`).
 
 The work itself is collective over the recovery job, so it runs in the recovering rank's
-own thread (`run`); a signal cancels it between two rounds of moves, on every rank alike.
+own thread (`run`); a signal cancels it after the file in hand of a node's own moves
+(a check in place, a local copy, a PFS extraction), else between two rounds of moves (a
+transfer between ranks), on every rank alike: the round's agreement fails it everywhere.
 A recovery that finds its node's restore of the same checkpoint still `queued` or
 `running` in the journal says so: the earlier one was cut short (its hidden partial
 directory is removed, and the restore runs again from the start).
@@ -65,7 +67,8 @@ class RestoreHandle(Handle):
         return result
 
     def check(self) -> None:
-        """Between two rounds of moves: stop here if a signal asked for it."""
+        """After a file of a node's own moves, or between two rounds: stop here if a
+        signal asked for it."""
         if self.cancelled.is_set():
             raise OperationError(f"restore of {self.ckpt} cancelled by a signal")
 
@@ -88,7 +91,7 @@ def open_restore(config: Config, placement: Placement, ckpt: str, seq: int | Non
 @contextmanager
 def _cancel_on_signals(handle: RestoreHandle) -> Iterator[None]:
     """SIGTERM / SIGINT (a job's end, Ctrl-C through the launcher) cancel the restore at
-    the next round instead of killing the rank mid-write; a second one ends it at once."""
+    the next check instead of killing the rank mid-write; a second one ends it at once."""
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGINT)}
 
     def on_signal(signum: int, _frame: Any) -> None:

@@ -16,7 +16,14 @@ from ..manifest import FileEntry
 from ..peer.parity import ParityManifest, check_member
 from ..peer.partners import replication_map
 from ..progress import Done, Progress, quiet
-from .catalog import global_manifest, local_manifests, node_count
+from .catalog import global_manifest, level_of, local_manifests, node_count
+
+# What each level promises (docs/levels.md): a copy the level does not promise is skipped
+# with the reason, never judged, so a checkpoint still flushing (or on a full PFS) passes.
+_RANK = {"written": 0, "captured": 1, "replicated": 2, "flushed": 3}
+_PROMISED_AT = {"stage": 1, "replica": 2, "parity": 2, "pfs": 3}
+_NOT_YET = {"stage": "not yet captured", "replica": "not yet replicated",
+            "parity": "not yet encoded", "pfs": "not yet flushed"}
 
 
 @dataclass
@@ -24,7 +31,7 @@ class Finding:
     level: str              # stage | replica | parity | pfs
     node: int               # whose data
     where: str
-    checked: bool           # False: not visible from this machine, or not kept
+    checked: bool           # False: not visible here, not kept, or not promised
     problems: list[str] = field(default_factory=list)
     note: str = "not visible here"
     bytes: int = 0          # what checking it reads
@@ -54,8 +61,28 @@ def verify(config: Config, ckpt: str, progress: Progress | None = None) -> list[
         findings += [_parity(config, ckpt, node, hosts.get(node)) for node in sorted(expected)]
     if gm:
         findings += [_bundle(config, ckpt, node, files) for node, files in sorted(expected.items())]
+    _skip_unpromised(findings, level_of(config, ckpt))
     _check_all(ckpt, [f for f in findings if f.checked], progress)
     return findings
+
+
+def _skip_unpromised(findings: list[Finding], level: str | None) -> None:
+    """Unchecks each copy `level` does not promise, naming why."""
+    for finding in findings:
+        note = _unpromised(finding.level, level)
+        if note and finding.checked:
+            finding.checked, finding.check, finding.note = False, None, note
+
+
+def _unpromised(kind: str, level: str | None) -> str | None:
+    """Why a copy of `kind` is not expected at `level`, or None when it is promised.
+    `level` None: no status or index visible here and no global manifest on the PFS (it
+    is written only once every bundle is), so no bundle is promised."""
+    if level is None:
+        return "not yet flushed (no global manifest on the PFS)" if kind == "pfs" else None
+    if level in _RANK:
+        return None if _RANK[level] >= _PROMISED_AT[kind] else _NOT_YET[kind]
+    return f"not expected ({level})"        # failed, evicted, purged: nothing is promised
 
 
 def _check_all(ckpt: str, findings: list[Finding], progress: Progress) -> None:

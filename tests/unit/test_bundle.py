@@ -409,3 +409,38 @@ def test_reading_a_large_bundle_holds_one_window_not_the_bundle(tmp_path: Path) 
     growth = json.loads(done.stdout)
     assert all(ok for _, ok in growth.values()), growth
     assert max(peak for peak, _ in growth.values()) < 32 * 1024 * 1024, growth
+
+
+def test_a_temporary_the_pfs_will_not_remove_is_named_then_swept(
+        tmp_path: Path, staged: tuple[Path, LocalManifest],
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Mid-write the bundle's directory becomes immutable (a real `chattr +i`, as a PFS
+    gone read-only refuses the rename and the removal alike): the write fails with the
+    rename's error, the temporary is named in one line, the next start removes it."""
+    from cachex_agent.cleanup import remove_stale
+    from cachex_agent.layout import NodePaths
+    source, manifest = staged
+    pfs = tmp_path / "pfs"
+    out = pfs / "ckpt" / manifest.ckpt
+    out.mkdir(parents=True)
+    frozen = []
+
+    def freeze(_n: int) -> None:
+        if not frozen:
+            subprocess.run(["chattr", "+i", str(out)], check=True)
+            frozen.append(out)
+    try:
+        with pytest.raises(OSError) as raised:
+            write_bundle(out / bundle_name(manifest.node), manifest, source, chunk=CHUNK,
+                         on_bytes=freeze)
+        assert raised.value.filename and "tmp-cachex" in str(raised.value.filename)
+        left = list(out.iterdir())
+        assert len(left) == 1 and ".tmp-cachex-" in left[0].name
+        lines = [r.getMessage() for r in caplog.records if str(left[0]) in r.getMessage()]
+        assert len(lines) == 1 and "next agent start removes it" in lines[0], lines
+    finally:
+        for path in frozen:
+            subprocess.run(["chattr", "-i", str(path)], check=True)
+    paths = NodePaths(tmp_path / "spool", tmp_path / "nostage", tmp_path / "cache", pfs)
+    assert remove_stale(paths, manifest.node, coordinator=False) == [str(left[0])]
+    assert list(out.iterdir()) == []
