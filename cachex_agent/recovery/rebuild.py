@@ -256,18 +256,8 @@ def _shared_manifests(comm: Any, config: Config, paths: Any, exclude: frozenset[
         paths, node, comm.Get_rank() == 0 and "pfs" not in exclude), config.agent.timeout)
     _arrive(comm, config, "manifests")
     reports = comm.gather(mine, root=0)
-    merged: discover.Merged | tuple[bool, str] = (False, "")
-    if comm.Get_rank() == 0:
-        try:
-            merged = discover.merge(reports)
-        except ConfigError as exc:
-            merged = (True, str(exc))
-        except OperationError as exc:
-            merged = (False, str(exc))
-    _arrive(comm, config, "merged manifests")
-    merged = comm.bcast(merged, root=0)
-    if isinstance(merged, tuple):
-        raise (ConfigError if merged[0] else OperationError)(merged[1])
+    merged = _decided_on_rank0(comm, config, "merged manifests",
+                               lambda: discover.merge(reports))
     for note in merged.notes:
         progress.step(note)
     return merged.manifests
@@ -288,18 +278,23 @@ def _all_copies(comm: Any, config: Config, paths: Any, placement: Placement,
 def _plan(comm: Any, config: Config, manifests: dict[str, GlobalManifest],
           copies: list[Copy], nodes: int, want: str | None, exclude: frozenset[str],
           to: Path | None = None) -> Plan:
-    """Rank 0 decides; every rank gets the plan, or raises the same error (a usage
-    error stays one: exit 2 on every rank)."""
-    answer: Plan | tuple[bool, str] = (False, "")
+    """Rank 0 decides; every rank gets the plan, or raises the same error."""
+    return _decided_on_rank0(comm, config, "plan", lambda: choose(
+        manifests, copies, nodes, want, exclude, None if to is None else str(to)))
+
+
+def _decided_on_rank0(comm: Any, config: Config, step: str, decide: Callable[[], Any]) -> Any:
+    """What rank 0's `decide` returns, on every rank; or its error raised on every rank
+    (a usage error stays one: exit 2 everywhere)."""
+    answer: Any = (False, "")
     if comm.Get_rank() == 0:
         try:
-            answer = choose(manifests, copies, nodes, want, exclude,
-                            None if to is None else str(to))
-        except OperationError as exc:
-            answer = (False, str(exc))
+            answer = decide()
         except ConfigError as exc:
             answer = (True, str(exc))
-    _arrive(comm, config, "plan")
+        except OperationError as exc:
+            answer = (False, str(exc))
+    _arrive(comm, config, step)
     answer = comm.bcast(answer, root=0)
     if isinstance(answer, tuple):
         raise (ConfigError if answer[0] else OperationError)(answer[1])
