@@ -58,7 +58,7 @@ SHAPES: dict[str, Shape] = {
     "status": _shape(
         "schema format version run updated state recorded_state live heartbeat nodes"
         " redundancy notes checkpoints", checkpoints=_STATUS_ROW),
-    "verify": _shape("schema ckpt ok copies", copies=_shape(
+    "verify": _shape("schema ckpt ok copies", "level", copies=_shape(
         "level node where checked ok problems note")),
     "export": _shape("schema ckpt dest files bytes seconds"),
     "recover": _shape(
