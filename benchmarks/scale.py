@@ -38,12 +38,14 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from coordinator_scale import Clock  # noqa: E402
+
 from cachex_agent import relay  # noqa: E402
 from cachex_agent.config import load  # noqa: E402
 from cachex_agent.coordinator import Coordinator  # noqa: E402
 from cachex_agent.events import EventLog  # noqa: E402
 from cachex_agent.journal import Journal  # noqa: E402
-from cachex_agent.layout import JOURNAL_STATE  # noqa: E402
+from cachex_agent.layout import JOURNAL_STATE, journal_global_manifest_path  # noqa: E402
 from cachex_agent.manifest import FileEntry, LocalManifest  # noqa: E402
 from cachex_agent.messages import Finalized, HoldManifest, ManifestReady, Tag, decode  # noqa: E402
 from cachex_agent.peer.partners import metadata_holders  # noqa: E402
@@ -51,14 +53,6 @@ from cachex_agent.peer.partners import metadata_holders  # noqa: E402
 PICKLE = pickle.HIGHEST_PROTOCOL
 TARGETS = {"agent_cpu_s": 0.050, "agent_received_bytes": 64 * 1024,
            "coordinator_sent_bytes_per_node": 2 * 1024, "coordinator_cpu_s": 2.0}
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Observed:
@@ -95,7 +89,7 @@ class Observed:
 
     def _journaled(self, write: Callable[[], None], whole: str | None = None) -> None:
         write()
-        path = (self.journal.root / "global" / f"{whole}.json" if whole
+        path = (journal_global_manifest_path(self.journal.root, whole) if whole
                 else self.journal.root / JOURNAL_STATE)
         self.journal_bytes += path.stat().st_size
 
