@@ -100,11 +100,12 @@ class Writes:
     def watching(self) -> Iterator[None]:
         real = coordinator_module.write_json
 
-        def counted(path: Any, data: Any, compact: bool = False) -> None:
-            real(path, data, compact)
+        def counted(path: Any, data: Any, compact: bool = False) -> int:
+            size = real(path, data, compact)
             name = _kind(Path(path))
             self.count[name] += 1
-            self.bytes[name] += Path(path).stat().st_size
+            self.bytes[name] += size
+            return size
         coordinator_module.write_json = journal_module.write_json = counted
         try:
             yield

@@ -6,8 +6,14 @@ their CPU counts) hears N agents' reports; the agents observed here (an interior
 the broadcast tree, a leaf, a metadata holder) take what reaches them as the real agent
 does (`relay.parse`, their next hops, `relay.message`, `messages.decode`, the journal
 write). What crossing MPI costs is paid, not counted once per distinct message:
-  - every report to the coordinator is pickled by its agent (mpi4py's `isend` pickles on
-    each call) and unpickled and checked (`messages.decode`) by the coordinator;
+  - a `captured` report (the part's manifest) is pickled by its agent (mpi4py's `isend`
+    pickles on each call) and unpickled and checked (`messages.decode`) by the coordinator;
+  - every other report goes up the same tree (uplink.py): each node pickles one batch of
+    its subtree's reports for its parent, which unpickles and checks it, adds its own and
+    sends one batch on; the observed agents do it with the real `Uplink`, the coordinator
+    hears a batch from each of its children (every node's marker, replicated and flushed
+    reports are sent: one batch per level per hop, as when a level's reports arrive
+    together);
   - every direct send of the coordinator is pickled on its own;
   - a relay frame is pickled once (relay.frame) and its bytes counted on every hop.
 Each node's part: `--files` files (8: one DCP shard per GPU), a partner replica.
@@ -49,6 +55,7 @@ from cachex_agent.layout import JOURNAL_STATE, journal_global_manifest_path  # n
 from cachex_agent.manifest import FileEntry, LocalManifest  # noqa: E402
 from cachex_agent.messages import Finalized, HoldManifest, ManifestReady, Tag, decode  # noqa: E402
 from cachex_agent.peer.partners import metadata_holders  # noqa: E402
+from cachex_agent.uplink import Uplink  # noqa: E402
 
 PICKLE = pickle.HIGHEST_PROTOCOL
 TARGETS = {"agent_cpu_s": 0.050, "agent_received_bytes": 64 * 1024,
@@ -103,7 +110,7 @@ class Observed:
 
 class Simulation:
     def __init__(self, root: Path, nodes: int, files: int, fanout: int) -> None:
-        self.root, self.nodes, self.files = root, nodes, files
+        self.root, self.nodes, self.files, self.fanout = root, nodes, files, fanout
         self.random = random.Random(7)
         (root / "cfg.toml").write_text(
             f'run = "scale"\n[paths]\nspool = "{root}/spool"\npfs = "{root}/pfs"\n'
@@ -120,6 +127,7 @@ class Simulation:
                          ((1, "interior"), (leaf, "leaf"), (self.holders[0], "holder"))}
         self.coord_cpu = 0.0
         self.coord_sent = 0
+        self.coord_messages = 0
         self.frames: list[tuple[bytes, list[int], bool]] = []
 
     # ------------------------------------------------------- the coordinator's MPI
@@ -149,6 +157,42 @@ class Simulation:
         self.coord.handle(node, raw)
         self.coord_cpu += time.process_time() - cpu
 
+    def _level(self, make: Callable[[int], dict[str, Any]]) -> None:
+        """One report from every node, up the tree: leaves first, each node's batch
+        pickled once for its parent; the coordinator decodes its children's batches."""
+        up: dict[int, bytes] = {}
+        for node in range(self.nodes - 1, 0, -1):       # no skip: a child's number > its parent's
+            up[node] = self._batch(node, {**make(node), "node": node}, up)
+        cpu = time.process_time()
+        self.coord.handle(0, {**make(0), "node": 0})    # node 0's own: in its process
+        for child in relay.children(0, self.nodes, self.fanout):
+            raw = decode(pickle.loads(up.pop(child)), f"message from rank {child}",
+                         Tag.COORDINATOR)
+            self.coord_messages += 1
+            for report in raw["reports"]:
+                self.coord.handle(report["node"], report)
+        self.coord_cpu += time.process_time() - cpu
+
+    def _batch(self, node: int, own: dict[str, Any], up: dict[int, bytes]) -> bytes:
+        """What `node` sends its parent: its own report and its children's batches,
+        reduced by the real Uplink; CPU and bytes counted for the observed agents."""
+        agent = self.observed.get(node)
+        cpu = time.process_time()
+        link = Uplink(node, self.nodes, self.fanout)
+        link.add(own)
+        for kid in relay.children(node, self.nodes, self.fanout):
+            data = up.pop(kid)
+            if agent is not None:
+                agent.received += len(data)
+            for report in decode(pickle.loads(data), f"message from rank {kid}",
+                                 Tag.COORDINATOR)["reports"]:
+                link.add(report)
+        data = pickle.dumps({"type": "batch", "node": node, "reports": link.due()}, PICKLE)
+        if agent is not None:
+            agent.sent += len(data)
+            agent.cpu += time.process_time() - cpu
+        return data
+
     def _tick(self, seconds: float = 1.0) -> None:
         self.clock.now += seconds
         cpu = time.process_time()
@@ -169,9 +213,9 @@ class Simulation:
         for agent in self.observed.values():
             agent.journal.set_stage(ckpt, "capture", "done", seq=seq)   # not metadata
             agent.take()
-        self.coord_cpu, self.coord_sent = 0.0, 0
-        self._hear(0, {"type": "marker", "ckpt": ckpt, "global_files": [".metadata"],
-                       "t": self.clock()})
+        self.coord_cpu, self.coord_sent, self.coord_messages = 0.0, 0, 0
+        self._level(lambda node: {"type": "marker", "ckpt": ckpt, "t": self.clock(),
+                                  "global_files": [".metadata"] if node == 0 else []})
         self._tick()
         for node in range(self.nodes):
             self._hear(node, {"type": "captured", "ckpt": ckpt, "mode": "copy",
@@ -179,18 +223,16 @@ class Simulation:
                               "duration": 0.05, "global_files": [".metadata"] if node == 0
                               else []})
         self._tick()
-        for node in range(self.nodes):
-            self._hear(node, {"type": "replicated", "ckpt": ckpt, "ok": True,
-                              "partners": [(node + 1) % self.nodes], "errors": {},
-                              "duration": 0.1, "dead": []})
+        self._level(lambda node: {"type": "replicated", "ckpt": ckpt, "ok": True,
+                                  "partners": [(node + 1) % self.nodes], "errors": {},
+                                  "duration": 0.1, "dead": []})
         self._tick()
-        for node in range(self.nodes):
-            self._hear(node, {"type": "flushed", "ckpt": ckpt,
-                              "bundle": f"node-{node:05d}.h5", "duration": 0.5})
+        self._level(lambda node: {"type": "flushed", "ckpt": ckpt,
+                                  "bundle": f"node-{node:05d}.h5", "duration": 0.5})
         self._tick()
         level = self.coord.ckpts[ckpt].level
         return {"seq": seq, "level": level, "coordinator_cpu": self.coord_cpu,
-                "coordinator_sent": self.coord_sent,
+                "coordinator_sent": self.coord_sent, "coordinator_heard": self.coord_messages,
                 "agents": [a.take() for a in self.observed.values()]}
 
 
@@ -210,6 +252,9 @@ def run(nodes: int, checkpoints: int, files: int, fanout: int) -> dict[str, Any]
             "levels": Counter(r["level"] for r in rows),
             "coordinator_cpu": sum(r["coordinator_cpu"] for r in steady) / len(steady),
             "coordinator_sent": sum(r["coordinator_sent"] for r in steady) / len(steady),
+            # batches up the tree per checkpoint (marker, replicated, flushed); `captured`
+            # reports come straight, one per node
+            "coordinator_batches": sum(r["coordinator_heard"] for r in steady) / len(steady),
             "agents": {role: dict(v) for role, v in per_role.items()}}
 
 
@@ -228,7 +273,8 @@ def targets(result: dict[str, Any]) -> dict[str, Any]:
 def _line(r: dict[str, Any]) -> str:
     a = r["agents"]
     return (f"{r['nodes']:>6} depth {r['depth']}  coordinator {r['coordinator_cpu']:7.3f} s CPU"
-            f" {r['coordinator_sent'] / r['nodes']:7.0f} B/node sent | "
+            f" {r['coordinator_sent'] / r['nodes']:7.0f} B/node sent"
+            f" {r['coordinator_batches']:4.0f} batches heard | "
             + "  ".join(f"{role} {v['received'] / 1024:6.1f} KiB in {v['cpu'] * 1e3:6.2f} ms"
                         f" journal {v['journal_bytes'] / 1024:7.1f} KiB"
                         for role, v in a.items()))

@@ -29,9 +29,11 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import resource
 import signal
 import threading
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -70,6 +72,7 @@ from .messages import (
     GlobalFile,
     HoldManifest,
     ManifestReady,
+    Reroute,
     Tag,
     ToNode,
     decode,
@@ -88,6 +91,7 @@ from .stage.rules import make_rule, natural_key
 from .stage.watch import SpoolWatcher
 from .stage.worker import CaptureWorker, global_candidates
 from .topology import place_checked
+from .uplink import DIRECT, Uplink
 
 log = logging.getLogger(__name__)
 IDLE_AFTER = 2.0    # seconds without a message or work in flight before the loop slows down
@@ -145,6 +149,8 @@ class Agent:
         self._dead_agents: list[int] = []
         self._own_frames: list[bytes] = []      # the coordinator's, for this node's agent
         self.ranks_by_node = self._ranks_by_node()
+        self.uplink = Uplink(self.node, len(self.ranks_by_node), config.agent.fanout)
+        self.received: Counter[str] = Counter()     # bytes by tag (`counters` event)
         self.node_of_rank = {r: n for n, r in enumerate(self.ranks_by_node)}
         self.replicator = agree(comm, "peer set-up", self._make_replicator)
         self.encoder = start_encoder(comm, config, groups, self.node, self.paths,
@@ -167,7 +173,8 @@ class Agent:
         self._from_coordinator = {
             Commit: self._on_commit, ManifestReady: self._on_manifest,
             HoldManifest: self._on_hold, Finalized: self._on_finalized,
-            Failed: self._on_failed, Drain: self._on_drain, Exit: self._on_exit}
+            Failed: self._on_failed, Drain: self._on_drain, Exit: self._on_exit,
+            Reroute: lambda _msg: None}     # the frame's route was the news (uplink.py)
         self._preexisting = set(self._committed_now())
 
     def _remove_stale(self) -> None:
@@ -241,10 +248,12 @@ class Agent:
         """How long the main loop sleeps (a worker's message ends the sleep at once)."""
         if (due := peer_tick(self.replicator)) is not None:
             return due
-        if time.monotonic() - self._active < IDLE_AFTER:
-            return self.config.agent.poll
-        # nothing for a while: fewer wake-ups, each costs as much as a step
-        return max(self.config.agent.poll, IDLE_TICK)
+        tick = self.config.agent.poll
+        if time.monotonic() - self._active >= IDLE_AFTER:
+            # nothing for a while: fewer wake-ups, each costs as much as a step
+            tick = max(tick, IDLE_TICK)
+        held = self.uplink.next_due()       # reports waiting for the rest of a subtree
+        return tick if held is None else min(tick, held)
 
     def _busy(self) -> bool:
         """Work in flight that messages from other agents move on."""
@@ -268,6 +277,7 @@ class Agent:
             self.events.emit("global_file", ckpt=header.ckpt, path=header.path,
                              bytes=header.size)
             self.mirror.mirror(header.ckpt)
+        self._send_up()
         if self.coordinator:
             self.coordinator.tick()
         self._check_stop_files()
@@ -336,7 +346,25 @@ class Agent:
         self._send(rank, msg, Tag.PEER)
 
     def _to_coordinator(self, msg: dict[str, Any]) -> None:
-        self._send(0, {**msg, "node": self.node})
+        """A report: a part's manifest straight to node 0, the rest up the tree."""
+        report = {**msg, "node": self.node}
+        if report["type"] in DIRECT:
+            self._send(0, report)
+        else:
+            self.uplink.add(report)
+
+    def _send_up(self) -> None:
+        """The reports due (uplink.py): one batch to this node's parent; on node 0, to
+        the coordinator in this process."""
+        reports = self.uplink.due()
+        if not reports:
+            return
+        if self.coordinator:
+            for report in reports:
+                self.coordinator.handle(report["node"], report)
+        else:
+            self._send(self.ranks_by_node[self.uplink.parent],
+                       {"type": "batch", "node": self.node, "reports": reports})
 
     def _forward(self, frame: bytes, nodes: list[int], local: bool = False) -> None:
         """A relay frame's bytes as they are, to the next hops (relay.py)."""
@@ -353,6 +381,7 @@ class Agent:
         for tag in (Tag.PEER, Tag.COORDINATOR):
             while self._probe(tag, status):
                 source = status.Get_source()
+                self.received[tag.name] += status.Get_count(MPI.BYTE)
                 raw = self.comm.recv(source=source, tag=tag)
                 count += 1
                 try:
@@ -374,11 +403,14 @@ class Agent:
             source = status.Get_source()
             buf = bytearray(status.Get_count(MPI.BYTE))
             self.comm.Recv([buf, MPI.BYTE], source=source, tag=Tag.RELAY)
+            self.received[Tag.RELAY.name] += len(buf)
             frames.append((source, buf, True))
         for source, frame, onward in frames:
             where = f"relay frame from rank {source}"
             try:
                 route, body = relay.parse(frame, len(self.ranks_by_node), where)
+                if route.kind == "tree":
+                    self.uplink.reroute(route.skip)
                 if onward:
                     self._forward(frame, relay.next_hops(route, self.node,
                                                          len(self.ranks_by_node)))
@@ -392,7 +424,12 @@ class Agent:
 
     def _dispatch(self, source: int, msg: Any) -> None:
         """One message from another agent to the part of this one that takes it."""
-        if isinstance(msg, dict):           # a report to the coordinator (rank 0)
+        if isinstance(msg, dict) and msg["type"] == "batch":   # a child's, on its way up
+            for report in msg["reports"]:
+                if not self.uplink.add(report):
+                    self.events.emit("refused", error=f"report from rank {source} names"
+                                     f" a node beyond {len(self.ranks_by_node)}")
+        elif isinstance(msg, dict):         # a report to the coordinator (rank 0)
             if self.coordinator:
                 self.coordinator.handle(msg["node"], msg)
         elif isinstance(msg, GlobalFile):
@@ -547,16 +584,28 @@ class Agent:
         self.flusher.submit(manifest, Path(entry["source"]))
 
     def _on_finalized(self, msg: Finalized) -> None:
+        self.uplink.forget(msg.ckpt)
+        self._emit_counters(msg.ckpt)
         entry = self.journal.get(msg.ckpt) or {}
         if stage_state(entry, Stage.COMMIT) not in ENDED:
             self.stages.record(Stage.COMMIT, State.DONE, msg.ckpt, entry.get("seq"),
                                persist={"global": msg.digest.to_json()})
         self._retain_stage()
 
+    def _emit_counters(self, ckpt: str) -> None:
+        """What this agent has spent since it started, at each checkpoint's end: the
+        metadata's bytes received by tag, the journal's bytes written, CPU seconds of
+        every thread (benchmarks/scale_agents.py takes differences between two)."""
+        usage = resource.getrusage(resource.RUSAGE_SELF)
+        self.events.emit("counters", ckpt=ckpt, received=dict(self.received),
+                         journal_written=self.journal.written,
+                         cpu=round(usage.ru_utime + usage.ru_stime, 6))
+
     def _on_failed(self, msg: Failed) -> None:
         """The coordinator gave up on `ckpt`: every stage of it here stops."""
         ckpt = msg.ckpt
         entry = self.journal.get(ckpt)
+        self.uplink.forget(ckpt)
         self.capture.cancel(ckpt)
         self.flusher.cancel(ckpt)
         if self.replicator is not None:

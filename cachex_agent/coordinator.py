@@ -77,6 +77,7 @@ from .manifest import GlobalManifest
 from .messages import wire
 from .model.choose import LEARNED, PathChooser, fixed_choice
 from .peer.groups import redundancy
+from .uplink import expand
 
 __all__ = ["HEARTBEAT", "HISTORY", "Coordinator"]
 log = logging.getLogger(__name__)
@@ -162,6 +163,14 @@ class Coordinator:
 
     # ------------------------------------------------------------- the loop's calls
     def handle(self, node: int, msg: dict[str, Any]) -> None:
+        if msg["type"] == "reduced":        # a subtree's reports of one level (uplink.py)
+            for one in expand(msg):
+                self.handle(one["node"], one)
+            return
+        if not 0 <= node < self.nodes:
+            log.warning("coordinator: a %r report names node %d of %d", msg["type"], node,
+                        self.nodes)
+            return
         event = from_wire(node, msg, self.clock())
         if event is None:
             log.warning("coordinator: unknown message %r from node %d", msg["type"], node)

@@ -40,7 +40,7 @@ from typing import Any
 from . import layout
 from .index import Row, state_of_level
 from .manifest import GlobalManifest, LocalManifest, ManifestDigest
-from .messages import Commit, Drain, Exit, Failed, Finalized, HoldManifest, ManifestReady
+from .messages import Commit, Drain, Exit, Failed, Finalized, HoldManifest, ManifestReady, Reroute
 from .safepath import checkpoint_id, relative_paths
 
 LEVELS = ("written", "captured", "replicated", "flushed")   # plus failed, evicted, purged
@@ -483,9 +483,11 @@ def _on_captured(s: CoordinatorState, e: Captured, out: Effects) -> None:
 
 
 def _on_replicated(s: CoordinatorState, e: Replicated, out: Effects) -> None:
-    for dead in e.dead:
-        if 0 <= dead < len(s.nodes):
-            s.nodes[dead].dead = True
+    newly = [d for d in e.dead if 0 <= d < len(s.nodes) and not s.nodes[d].dead]
+    for dead in newly:
+        s.nodes[dead].dead = True
+    if newly:           # the reports that went to a dead parent come again by others
+        out.append(Broadcast(Reroute()))
     record = s.ckpts.get(e.ckpt)
     if record is not None and record.level == "flushed" and e.ok and not e.adopted:
         _late_replica(s, record, e, out)

@@ -166,13 +166,15 @@ def atomic_open(path: str | os.PathLike[str], mode: int | None = None
         raise
 
 
-def write_json(path: str | os.PathLike[str], data: Any, compact: bool = False) -> None:
+def write_json(path: str | os.PathLike[str], data: Any, compact: bool = False) -> int:
     """No indent: json's C encoder handles only that; the pure-Python one it falls back
     to was most of an agent's CPU per checkpoint. `compact` also drops the spaces, for
     large machine-read files (a global manifest, coordinator.json: O(nodes))."""
     separators = (",", ":") if compact else None
+    text = json.dumps(data, sort_keys=True, separators=separators).encode() + b"\n"
     with atomic_open(path) as handle:
-        handle.write(json.dumps(data, sort_keys=True, separators=separators).encode() + b"\n")
+        handle.write(text)
+    return len(text)
 
 
 def read_json(path: str | os.PathLike[str]) -> Any:

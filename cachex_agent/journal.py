@@ -41,6 +41,8 @@ class Journal:
         makedirs(local_manifests_dir(root))
         makedirs(global_manifests_dir(root))
         self._lock = threading.Lock()
+        self._written = 0               # bytes this process wrote here (`written`)
+        self._counted = threading.Lock()
         self.entries: dict[str, dict[str, Any]] = self._load(JOURNAL_STATE).get("ckpts", {})
         self._check(root / JOURNAL_STATE, places)
 
@@ -56,6 +58,16 @@ class Journal:
                     str(ckpt_dir(place, ckpt)) for place in places}:
                 raise UnsafeInput(f"{where}: unsafe source {source!r} of {ckpt} (not in"
                                   f" {' or '.join(map(str, places))})")
+
+    @property
+    def written(self) -> int:
+        """Bytes of JSON this process has written into the journal (the agent's
+        `counters` event: what the metadata costs a node per checkpoint)."""
+        return self._written
+
+    def _add(self, size: int) -> None:
+        with self._counted:
+            self._written += size
 
     def _load(self, name: str) -> dict[str, Any]:
         path = self.root / name
@@ -84,10 +96,11 @@ class Journal:
             local_manifest_path(self.root, ckpt).unlink(missing_ok=True)
 
     def _save(self) -> None:
-        write_json(self.root / JOURNAL_STATE, {"version": 1, "ckpts": self.entries})
+        self._add(write_json(self.root / JOURNAL_STATE,
+                                   {"version": 1, "ckpts": self.entries}))
 
     def save_manifest(self, manifest: LocalManifest) -> None:
-        manifest.save(local_manifest_path(self.root, manifest.ckpt))
+        self._add(manifest.save(local_manifest_path(self.root, manifest.ckpt)))
 
     def manifest(self, ckpt: str) -> LocalManifest | None:
         path = local_manifest_path(self.root, ckpt)
@@ -99,8 +112,8 @@ class Journal:
         return ManifestDigest.from_json(data, self.root / JOURNAL_STATE, ckpt) if data else None
 
     def save_global(self, manifest: GlobalManifest) -> None:
-        write_json(journal_global_manifest_path(self.root, manifest.ckpt), manifest.to_json(),
-                   compact=True)
+        self._add(write_json(journal_global_manifest_path(self.root, manifest.ckpt),
+                                   manifest.to_json(), compact=True))
 
     def global_manifest(self, ckpt: str) -> GlobalManifest | None:
         path = journal_global_manifest_path(self.root, ckpt)
@@ -110,4 +123,4 @@ class Journal:
         return self._load(name)
 
     def write(self, name: str, data: dict[str, Any], compact: bool = False) -> None:
-        write_json(self.root / name, data, compact)
+        self._add(write_json(self.root / name, data, compact))

@@ -96,8 +96,8 @@ class LocalManifest:
             if not isinstance(entry["checksum"], str):
                 raise UnsafeInput(f"{source}: checksum of {entry['path']!r} is not text")
 
-    def save(self, path: Path) -> None:
-        write_json(path, self.to_json())
+    def save(self, path: Path) -> int:
+        return write_json(path, self.to_json())
 
     @classmethod
     def load(cls, path: Path, directory: str | None = None) -> LocalManifest:

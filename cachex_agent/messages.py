@@ -10,11 +10,12 @@ raises UnsafeInput, which the agent refuses with one line.
 
 Protocols (docs/architecture.md draws them):
   Tag.RELAY        coordinator -> agents: Commit, ManifestReady, Finalized, Failed,
-                   Drain, Exit down the broadcast tree, HoldManifest down the holders'
+                   Drain, Reroute, Exit down the broadcast tree, HoldManifest down the holders'
                    chain (relay.py: serialized once, forwarded as bytes)
   Tag.COORDINATOR  coordinator -> one agent: Commit again (a restarted agent);
                    agents -> coordinator: the names in TO_COORDINATOR, typed by
-                   decisions.from_wire (the coordinator's events)
+                   decisions.from_wire (the coordinator's events); all but `captured`
+                   go up the tree as a `batch` to the node's parent (uplink.py)
   Tag.PEER         replication between an owner and its partner: Begin, File, Slot, End
                    (owner -> partner), Credit, Ack (partner -> owner); GlobalFile headers
   Tag.GLOBAL_DATA  a global file's bytes after its GlobalFile header (peer/globals.py)
@@ -25,6 +26,7 @@ Protocols (docs/architecture.md draws them):
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
@@ -94,6 +96,14 @@ class Drain:
     """Finish pending work (flush the checkpoints in `flush`), then report drained."""
     TYPE: ClassVar[str] = "drain"
     flush: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Reroute:
+    """A node was found dead: the frame's route, which leaves it out, is the news. Each
+    agent's reports go to its parent in the new tree, those of the checkpoints in
+    flight again (uplink.py), not to a parent that died holding them."""
+    TYPE: ClassVar[str] = "reroute"
 
 
 @dataclass(frozen=True, slots=True)
@@ -198,11 +208,13 @@ class ToNode:
 
 
 TO_AGENT: dict[str, type] = {c.TYPE: c for c in (
-    Commit, ManifestReady, HoldManifest, Finalized, Failed, Drain, Exit)}
+    Commit, ManifestReady, HoldManifest, Finalized, Failed, Drain, Reroute, Exit)}
 PEER: dict[str, type] = {c.TYPE: c for c in (
     Begin, File, Slot, End, Credit, Ack, GlobalFile)}
 # typed on arrival by decisions.from_wire (the coordinator's events); a test keeps the
 # two lists equal
+MAX_BATCH = 1 << 20      # reports in one batch: every node of a 100,000-node job, ten times
+MAX_SAMPLES = 64         # durations in a reduced report (uplink.SAMPLES sends 8)
 TO_COORDINATOR = frozenset({
     "marker", "captured", "capture_failed", "replicated", "flushed", "flush_error",
     "progress", "evicted", "unprotected", "stop", "drained"})
@@ -226,6 +238,8 @@ def decode(raw: Any, source: str, tag: Tag) -> Any:
     if not isinstance(raw, dict) or not isinstance(raw.get("type"), str):
         raise UnsafeInput(f"{source}: not a cachex message: {_short(raw)}")
     name = raw["type"]
+    if tag == Tag.COORDINATOR and name == "batch":
+        return _checked_batch(raw, source)
     if tag == Tag.COORDINATOR and name in TO_COORDINATOR:
         return _checked_report(raw, source)
     kind = (TO_AGENT if tag in (Tag.COORDINATOR, Tag.RELAY) else PEER if tag == Tag.PEER
@@ -289,6 +303,69 @@ def _checked_report(raw: dict[str, Any], source: str) -> dict[str, Any]:
     if "manifest" in raw:
         LocalManifest.check_json(raw["manifest"], what, raw.get("ckpt"))
     return raw
+
+
+def _checked_batch(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """Reports of a subtree on their way up (uplink.py): each one checked as if it came
+    alone; a batch holds no batch."""
+    what = f"{source} (batch)"
+    index(raw.get("node"), what)
+    reports = _list(raw.get("reports"), "reports", what)
+    if len(reports) > MAX_BATCH:
+        raise UnsafeInput(f"{what}: {len(reports)} reports, more than {MAX_BATCH}")
+    for report in reports:
+        kind = report.get("type") if isinstance(report, dict) else None
+        if kind == "reduced":
+            _checked_reduced(report, what)
+        elif kind in TO_COORDINATOR and kind != "captured":
+            _checked_report(report, what)
+        else:
+            raise UnsafeInput(f"{what}: not a report: {_short(report)}")
+    return raw
+
+
+def _checked_reduced(raw: dict[str, Any], source: str) -> dict[str, Any]:
+    """A subtree's reports of one level, reduced (uplink.reduce): runs of node numbers
+    sorted and apart, a bounded sample of durations, the dead, a marker's files."""
+    what = f"{source} (reduced)"
+    index(raw.get("node"), what)
+    if raw.get("kind") not in ("marker", "replicated", "flushed"):
+        raise UnsafeInput(f"{what}: kind {_short(raw.get('kind'))}")
+    checkpoint_id(raw.get("ckpt"), what)
+    previous, total = -2, 0
+    for run in _list(raw.get("runs"), "runs", what):
+        if not isinstance(run, list) or len(run) != 2:
+            raise UnsafeInput(f"{what}: run {_short(run)} is not [first, last]")
+        first, last = index(run[0], what), index(run[1], what)
+        if first <= previous + 1 or last < first:
+            raise UnsafeInput(f"{what}: runs not sorted and apart at {run}")
+        previous, total = last, total + last - first + 1
+    if total > MAX_BATCH:
+        raise UnsafeInput(f"{what}: {total} nodes, more than {MAX_BATCH}")
+    samples = _list(raw.get("samples"), "samples", what)
+    if len(samples) > MAX_SAMPLES:
+        raise UnsafeInput(f"{what}: {len(samples)} samples, more than {MAX_SAMPLES}")
+    for sample in samples:
+        if not isinstance(sample, list) or len(sample) != 2:
+            raise UnsafeInput(f"{what}: sample {_short(sample)} is not [node, seconds]")
+        index(sample[0], what)
+        _seconds(sample[1], "sample", what)
+    for node in _list(raw.get("dead", []), "dead", what):
+        index(node, what)
+    relative_paths(_list(raw.get("global_files", []), "global_files", what), what,
+                   "global file path")
+    if raw.get("t") is not None:
+        _seconds(raw["t"], "t", what)
+    if not isinstance(raw.get("rule"), (str, type(None))):
+        raise UnsafeInput(f"{what}: rule must be text, not {_short(raw.get('rule'))}")
+    return raw
+
+
+def _seconds(value: Any, name: str, what: str) -> float:
+    if (isinstance(value, bool) or not isinstance(value, (int, float))
+            or not math.isfinite(value) or value < 0):
+        raise UnsafeInput(f"{what}: {name} must be seconds >= 0, not {_short(value)}")
+    return value
 
 
 def _list(value: Any, name: str, what: str) -> list[Any]:

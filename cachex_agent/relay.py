@@ -7,6 +7,7 @@ pickled once into a frame and goes down a tree of `agent.fanout` children per ag
 reads the message itself, so no agent sends more than `fanout` copies and the depth is
 log_fanout(N). A message for a few (the whole global manifest for the metadata holders)
 goes down a `chain`: each holder forwards it to the next, so the coordinator sends it once.
+Reports go back up the same tree (`parent`, `subtree`; the batching is uplink.py).
 
 A frame is `<4-byte header length><pickled header><pickled message>`; the header says the
 route and is checked (`parse`) before anything is forwarded: it comes from another rank.
@@ -103,6 +104,29 @@ def children(node: int, nodes: int, fanout: int, skip: tuple[int, ...] = ()) -> 
     live = nodes - len(skip)
     first = fanout * position + 1
     return [_node_at(p, skip) for p in range(first, min(first + fanout, live))]
+
+
+def parent(node: int, nodes: int, fanout: int, skip: tuple[int, ...] = ()) -> int:
+    """Where `node` sends its reports up the same tree (relay.py's children, inverted);
+    a node the tree leaves out, and the root's children, report to node 0 directly."""
+    if node == 0 or _skipped(node, skip):
+        return 0
+    position = node - bisect_left(skip, node)
+    return _node_at((position - 1) // fanout, skip)
+
+
+def subtree(node: int, nodes: int, fanout: int, skip: tuple[int, ...] = ()) -> int:
+    """How many live nodes report through `node` (itself included): 1 for a leaf and for
+    a node the tree leaves out. O(depth): the subtree is one range of positions a level."""
+    if _skipped(node, skip):
+        return 1
+    live = nodes - len(skip)
+    low = high = node - bisect_left(skip, node)
+    count = 0
+    while low < live:
+        count += min(high, live - 1) - low + 1
+        low, high = fanout * low + 1, fanout * high + fanout
+    return count
 
 
 def depth(nodes: int, fanout: int) -> int:

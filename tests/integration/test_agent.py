@@ -61,7 +61,9 @@ def test_checkpoints_flow_to_the_pfs_and_export_byte_for_byte(cluster, tmp_path,
 def test_sigkilled_trainer_leaves_no_committed_half_checkpoint(cluster):
     c = cluster()
     c.start_agents()
-    trainer = c.trainer("--steps", "12", "--every", "4", "--write-delay", "0.2", *TRAIN)
+    # each chunk of a shard waits 0.5 s: the kill below lands long before the commit,
+    # even when a loaded machine slows this process between its look and the kill
+    trainer = c.trainer("--steps", "12", "--every", "4", "--write-delay", "0.5", *TRAIN)
     c.wait_level("step_00004", "flushed", timeout=90)
     wait_for(lambda: (c.spool(1) / "step_00008" / "__2_0.distcp").exists(), 60,
              "the trainer to start writing step_00008")

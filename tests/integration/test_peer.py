@@ -128,7 +128,8 @@ def test_dead_partner_is_detected_and_the_owner_flushes(cluster):
 def test_global_metadata_reaches_every_journal_the_whole_manifest_only_the_holders(cluster):
     """Down a tree of two children per agent (node 0 -> 1, 2; node 1 -> 3): every journal
     gets the global files and the manifest's digest, the whole manifest only node 0 and
-    the metadata holders (nodes 1 and 3 of 4: peer.partners.metadata_holders)."""
+    the metadata holders (nodes 1 and 3 of 4: peer.partners.metadata_holders). The
+    reports go back up the same tree."""
     c = cluster(extra="fanout = 2")        # in [agent]
     c.start_agents()
     finish(c.trainer("--steps", "4", "--every", "4", *TRAIN))
@@ -147,6 +148,13 @@ def test_global_metadata_reaches_every_journal_the_whole_manifest_only_the_holde
         if whole.exists():
             assert GlobalManifest.from_json(json.loads(whole.read_text())).digest().hash \
                 == digest["hash"]
+        # node 3's reports reached the coordinator only through node 1 (uplink.py); each
+        # agent counted what the checkpoint's metadata cost it
+        spent = wait_for(lambda n=node: [e for e in c.events(n) if e["event"] == "counters"
+                                         and e["ckpt"] == "step_00004"], 30, "counters")
+        tag = "COORDINATOR" if node == 0 else "RELAY"      # node 0 is the tree's root
+        assert spent[0]["received"][tag] > 0 and spent[0]["journal_written"] > 0
+        assert spent[0]["cpu"] > 0
     assert c.stop() == 0
 
 

@@ -355,3 +355,14 @@ def test_wire_messages_become_typed_events():
     captured = d.from_wire(1, {"type": "captured", "ckpt": "s1", "manifest": {"files": []}},
                            2.0)
     assert captured == d.Captured(1, 2.0, "s1", {"files": []}, "copy", "", 0.0)
+
+
+def test_a_node_found_dead_reroutes_the_tree_once():
+    """The reports its children sent it are lost: a frame with the new route makes them
+    send again (uplink.py), once per newly dead node."""
+    s = state()
+    feed(s, d.Marker(0, 1.0, "s1", []))
+    captured_all(s, "s1")
+    first = feed(s, replicated(1, dead=2))
+    again = feed(s, replicated(3, dead=2))
+    assert len(broadcasts(first, "reroute")) == 1 and broadcasts(again, "reroute") == []

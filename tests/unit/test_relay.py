@@ -6,7 +6,18 @@ import pickle
 
 import pytest
 
-from cachex_agent.relay import HEADER, Route, children, depth, frame, message, next_hops, parse
+from cachex_agent.relay import (
+    HEADER,
+    Route,
+    children,
+    depth,
+    frame,
+    message,
+    next_hops,
+    parent,
+    parse,
+    subtree,
+)
 from cachex_agent.safepath import UnsafeInput
 
 
@@ -63,3 +74,16 @@ def test_a_hostile_header_is_refused_naming_the_sender(header, error):
     assert "rank 3" in str(raised.value)
     with pytest.raises(UnsafeInput, match="relay header of"):
         parse(HEADER.pack(1 << 30) + head, 8, "rank 3")
+
+
+@pytest.mark.parametrize("nodes,fanout,skip", [(1, 2, ()), (17, 16, ()), (40, 2, (1, 2, 5, 6)),
+                                               (10_000, 16, (3, 17, 4000)), (1000, 3, (999,))])
+def test_parent_inverts_children_and_subtree_counts_the_nodes_below(nodes, fanout, skip):
+    below: dict[int, int] = {}
+    for node in sorted(set(range(nodes)) - set(skip), reverse=True):
+        kids = children(node, nodes, fanout, skip)
+        assert all(parent(kid, nodes, fanout, skip) == node for kid in kids)
+        below[node] = 1 + sum(below[kid] for kid in kids)
+        assert subtree(node, nodes, fanout, skip) == below[node]
+    assert all(parent(n, nodes, fanout, skip) == 0 and subtree(n, nodes, fanout, skip) == 1
+               for n in skip)

@@ -1,0 +1,180 @@
+"""Real agents at N = 2, 4, 8, 16, 32 virtual nodes: what the metadata costs each agent per
+checkpoint, and whether that stays flat as the job grows.
+
+`mpiexec -n N cachex-agent` on this machine, one virtual node per rank (topology domain
+`rank`), `agent.fanout = 4` so that the tree has interior nodes at these sizes (depth 3 at
+32 nodes). Each checkpoint: `--files` files of `--size` bytes per node written into every
+node's spool, committed by DCP's `.metadata` on node 0, replicated to a partner and
+flushed (every checkpoint). Each agent emits a `counters` event when it hears a
+checkpoint finalized: the bytes it received on the metadata tags (RELAY: the
+coordinator's frames; COORDINATOR: reports and batches), the bytes it wrote into its
+journal, its CPU seconds (every thread). Per checkpoint = (last - second) / (checkpoints
+- 2), so start-up and the first checkpoint do not count.
+
+Printed per N: the mean and the largest of the non-coordinator agents, and node 0
+(agent + coordinator). Last, as JSON: the ratio at the largest N over N = 4 of the
+mean and of the largest (target <= 1.2: flat). On 2 cores, 32 agents contend for the
+CPU, so CPU per checkpoint also grows with waiting that is not the metadata's: bytes
+received and journal bytes are the cleaner measures of the path's growth.
+
+    python benchmarks/scale_agents.py [--nodes 2,4,8,16,32] [--checkpoints 6]
+                                      [--files 8] [--size 64KiB] [--dir /dev/shm]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from agents import AgentJob  # noqa: E402
+from capture import write_files  # noqa: E402
+
+from cachex_agent.config import parse_size  # noqa: E402
+
+RUN = "scale"
+METADATA_TAGS = ("RELAY", "COORDINATOR")
+TARGET = 1.2
+
+
+def write_config(root: Path, nodes: int) -> Path:
+    path = root / "scale.toml"
+    path.write_text(f'''run = "{RUN}"
+[paths]
+spool = "{root}/node{{node}}/spool"
+stage = "{root}/node{{node}}/shm"
+cache = "{root}/node{{node}}/nvme"
+pfs = "{root}/pfs"
+[topology]
+domain = "rank"
+[model]
+path = "peer"
+[commit]
+rule = "dcp"
+[flush]
+every = 1
+[keep]
+stage = 1
+replica = 1
+[agent]
+timeout = "120s"
+fanout = 4
+''')
+    (root / "pfs").mkdir()
+    for node in range(nodes):
+        (root / f"node{node}" / "spool").mkdir(parents=True)
+    return path
+
+
+def checkpoint(agents: AgentJob, root: Path, nodes: int, seq: int, files: int,
+               size: int) -> dict[int, dict[str, Any]]:
+    """One checkpoint through every level; each node's `counters` event after it."""
+    ckpt = f"step_{seq:05d}"
+    for node in range(nodes):
+        part = root / f"node{node}" / "spool" / ckpt
+        write_files(part, size * files, files, seed=seq * nodes + node)
+        if node == 0:
+            (part / ".metadata.tmp").write_bytes(b"{}")
+    time.sleep(0.3)         # the watchers' look at the new files passes before the commit
+    part = root / "node0" / "spool" / ckpt
+    os.rename(part / ".metadata.tmp", part / ".metadata")
+    agents.wait_event(0, lambda e: e["event"] == "level_flushed" and e.get("ckpt") == ckpt,
+                      600)
+    counters = {node: agents.wait_event(node, lambda e: e["event"] == "counters"
+                                        and e.get("ckpt") == ckpt, 120)
+                for node in range(nodes)}
+    if seq > 2:             # the spool is the trainer's: keep it small
+        for node in range(nodes):
+            shutil.rmtree(root / f"node{node}" / "spool" / f"step_{seq - 2:05d}",
+                          ignore_errors=True)
+    return counters
+
+
+def cost(first: dict[str, Any], last: dict[str, Any], intervals: int) -> dict[str, float]:
+    def metadata(e: dict[str, Any]) -> int:
+        return sum(e["received"].get(tag, 0) for tag in METADATA_TAGS)
+    return {"received": (metadata(last) - metadata(first)) / intervals,
+            "journal": (last["journal_written"] - first["journal_written"]) / intervals,
+            "cpu": (last["cpu"] - first["cpu"]) / intervals}
+
+
+def run(nodes: int, checkpoints: int, files: int, size: int, base: Path) -> dict[str, Any]:
+    root = Path(tempfile.mkdtemp(prefix="cachex-scale-agents-", dir=base))
+    try:
+        config = write_config(root, nodes)
+        agents = AgentJob(config, nodes, root / "agents.log",
+                          lambda node: root / f"node{node}" / "nvme" / RUN / "journal"
+                          / "events.jsonl", poll=0.05)
+        try:
+            agents.started(300)
+            rows = [checkpoint(agents, root, nodes, seq, files, size)
+                    for seq in range(1, checkpoints + 1)]
+        finally:
+            agents.close()
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    intervals = checkpoints - 2
+    per_node = {node: cost(rows[1][node], rows[-1][node], intervals) for node in range(nodes)}
+    others = [per_node[n] for n in range(1, nodes)]
+    return {"nodes": nodes, "coordinator": per_node[0],
+            "mean": {k: statistics.fmean(o[k] for o in others) for k in others[0]},
+            "largest": {k: max(o[k] for o in others) for k in others[0]}}
+
+
+def ratios(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The largest N over N = 4 (or the smallest above 2), per measure."""
+    base = next((r for r in results if r["nodes"] == 4), results[0])
+    top = results[-1]
+    out: dict[str, Any] = {"over": [base["nodes"], top["nodes"]], "target": TARGET}
+    for which in ("mean", "largest"):
+        for key in ("received", "journal", "cpu"):
+            value = top[which][key] / base[which][key] if base[which][key] else None
+            out[f"{which}_{key}"] = None if value is None else round(value, 3)
+    out["flat"] = all(v is not None and v <= TARGET for k, v in out.items()
+                      if k.startswith(("mean_", "largest_")) and not k.endswith("cpu"))
+    return out
+
+
+def _line(r: dict[str, Any]) -> str:
+    def part(name: str, c: dict[str, float]) -> str:
+        return (f"{name} {c['received'] / 1024:6.1f} KiB in, journal {c['journal'] / 1024:6.1f}"
+                f" KiB, {c['cpu'] * 1e3:6.1f} ms CPU")
+    return (f"{r['nodes']:>3} nodes | " + part("agents (mean)", r["mean"]) + " | "
+            + part("largest", r["largest"]) + " | " + part("node 0", r["coordinator"]))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nodes", default="2,4,8,16,32")
+    parser.add_argument("--checkpoints", type=int, default=6)
+    parser.add_argument("--files", type=int, default=8)
+    parser.add_argument("--size", default="64KiB", help="each file's size")
+    parser.add_argument("--dir", type=Path, default=Path("/dev/shm"))
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    if args.checkpoints < 3:
+        parser.error("--checkpoints: at least 3 (the first two are not counted)")
+    results = []
+    for nodes in (int(n) for n in args.nodes.split(",")):
+        results.append(run(nodes, args.checkpoints, args.files, parse_size(args.size),
+                           args.dir))
+        print(_line(results[-1]), flush=True)
+    summary = {"date": time.strftime("%Y-%m-%d"), "results": results,
+               "ratios": ratios(results)}
+    print(json.dumps(summary["ratios"]))
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=1))
+
+
+if __name__ == "__main__":
+    main()
