@@ -465,12 +465,24 @@ class _Restore:
                 problems = transfer.send_files(
                     self.comm, holdings.source_dir(self.config, move.source), files,
                     self.work.ranks[move.target], self.config.agent.timeout,
-                    f"node {move.target}")
+                    f"node {move.target}", stop=self._stopping)
             else:
                 continue
             found += [(move.target, move.owner, path, move.source, why,
                        move.source.holder == self.node) for path, why in problems.items()]
+        self.check()        # a signal that stopped this rank's transfers fails its round
         return found
+
+    def _stopping(self) -> bool:
+        """Before each file of a transfer between ranks: was this rank asked to stop?
+        Its peer hears it and stops too, at that file (transfer._Ends); the rank goes on
+        to its next transfers (each stops at its first file, so no peer is left waiting
+        for it) and fails its round at the end."""
+        try:
+            self.check()
+        except OperationError:
+            return True
+        return False
 
     def _checked(self, count: Done) -> Done:
         """Counts the bytes, then stops if a signal asked for it: a node's own moves (a
@@ -484,8 +496,8 @@ class _Restore:
 
     def _receive(self, move: Move, files: list[FileEntry]) -> transfer.Problems:
         source, timeout = move.source, self.config.agent.timeout
-        # a transfer between ranks stops at the round's end only: its sender cannot be
-        # told in the middle of the stream, and would wait out agent.timeout
+        # a transfer between ranks stops with its peer, before a file (`stop`): a raise
+        # in the middle of the stream would leave the sender waiting out agent.timeout
         done = self._checked(self.progress.advance) if move.local else self.progress.advance
         if self.plan.kept(move):
             return transfer.check_in_place(self.directory, files, done)
@@ -497,7 +509,8 @@ class _Restore:
                                        self.directory, done=done)
         return transfer.receive_files(self.comm, files, self.directory,
                                       self.work.ranks[source.holder], timeout,
-                                      f"node {source.holder}", done=done)
+                                      f"node {source.holder}", done=done,
+                                      stop=self._stopping)
 
     def _retries(self, found: list[Problem]) -> list[Work]:
         """Rank 0: the next copy of each file that failed (every rank's problems, in
