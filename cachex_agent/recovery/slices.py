@@ -129,7 +129,8 @@ def plan_shares(plan: Plan, copies: list[Copy], rank_of: dict[int, int], size: i
     for c in copies:
         if c.kind == "replica" and c.ckpt == plan.ckpt and c.holder in rank_of:
             held[rank_of[c.holder]][c.owner] = parts.of(c.owner)
-    works = split(plan.moves, index(plan.manifest), rank_of, size)
+    entries = {(owner, e.path): e for owner, files in parts.files.items() for e in files}
+    works = split(plan.moves, entries, rank_of, size)
     return [Share(plan.ckpt, plan.seq, plan.manifest.run, plan.to, plan.resized,
                   len(plan.manifest.files), parts.count, largest, work, held[rank])
             for rank, work in enumerate(works)]
