@@ -1,5 +1,9 @@
 """What one node holds: the input of a recovery plan (recovery/plan.py).
 
+A node looks for what rank 0 tells it (`Wanted`, built from the merged manifests by
+`wanted`), never the whole manifest: its part's files, the global files, the parts of
+the replicas it holds.
+
 Global manifests come from the node's journal (every agent keeps them from the moment
 a checkpoint is captured everywhere) and, on rank 0, from the PFS. A copy is reported
 when every file of it is present with the size of the manifest; checksums are not read

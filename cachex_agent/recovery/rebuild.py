@@ -5,15 +5,18 @@ process for one node). Call order, every rank:
   1. manifests   each rank's whole manifests (node 0, the metadata holders, the PFS on
                  rank 0), digests, local and replica manifests gathered onto rank 0
                  only; rank 0 takes the newest whole one, or rebuilds it from the parts
-                 when it matches a survivor's digest (discover.py), and shares it
+                 when it matches a survivor's digest (discover.py), and sends each rank
+                 only what its node looks for (slices.py)
   2. holdings    each rank lists what it holds (spool, stage, replicas, journal) whole,
-                 by size: checksums are read once, in step 4
-  3. plan        rank 0 picks the checkpoint and the source of every part; shared
+                 by size, gathered onto rank 0: checksums are read once, in step 4
+  3. plan        rank 0 picks the checkpoint and the source of every part; each rank is
+                 sent its slice: its moves, their files, its peers' ranks
   4. moves       in the plan's order: checks in place, local copies, PFS extraction,
                  and transfers from a surviving holder to the target over MPI (raw
                  buffers, bounded waits), each file checksummed as it is moved
                  (transfer.py); files that fail come from their next copy in another
-                 round, until none fails or one has no copy left
+                 round (rank 0 decides from the problems gathered, scatters the
+                 retries), until none fails or one has no copy left
   5. redundancy  every node's restored part is copied to its partners' replica stores
                  (a replica not read in step 4 is checked first); with erasure groups
                  (`peer.scheme` xor, rs:K+M), lost members' parts are rebuilt from their
