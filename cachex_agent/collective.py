@@ -31,9 +31,10 @@ def agree(comm, step: str, action: Callable[[], T],  # noqa: ANN001 (mpi4py comm
         failure = _failure(exc)
     if timeout is not None:
         arrive(comm, step, timeout)
-    failures = [(rank, f) for rank, f in enumerate(comm.allgather(failure)) if f]
-    if not failures:
+    # a count first (a reduction: a few bytes a rank), the list of N only on a failure
+    if not comm.allreduce(int(failure is not None)):
         return result  # type: ignore[return-value]
+    failures = [(rank, f) for rank, f in enumerate(comm.allgather(failure)) if f]
     code = max(f[2] for _, f in failures)
     by_text: dict[str, list[int]] = {}      # the same error on many agents is said once
     for rank, f in failures:

@@ -20,6 +20,8 @@ Protocols (docs/architecture.md draws them):
                    (owner -> partner), Credit, Ack (partner -> owner); GlobalFile headers
   Tag.GLOBAL_DATA  a global file's bytes after its GlobalFile header (peer/globals.py)
   Tag.RECOVERY     file bytes between the ranks of `cachex recover` (recovery/transfer.py)
+  Tag.RECOVERY_STOP  a 1-byte word each way before each file of such a transfer: go on,
+                   or stop (a signal on either end)
   Tag.ARRIVE       the bounded start-up agreement (collective.py)
 """
 
@@ -42,6 +44,7 @@ class Tag(IntEnum):
     GLOBAL_DATA = 9
     RELAY = 10
     RECOVERY = 21
+    RECOVERY_STOP = 22
     ARRIVE = 31
 
 

@@ -46,19 +46,21 @@ class Rebuild:
     notes: list[str] = field(default_factory=list)
 
 
-def rebuild_lost(comm: Any, config: Config, node: int, manifests: dict[str, GlobalManifest],
-                 copies: list[Copy], want: str | None, exclude: frozenset[str],
-                 dry_run: bool, bound: float) -> Rebuild:
+def rebuild_lost(comm: Any, config: Config, node: int, ckpts: list[str],
+                 manifests: dict[str, GlobalManifest], copies: list[Copy], want: str | None,
+                 exclude: frozenset[str], dry_run: bool, bound: float) -> Rebuild:
     """Collective: decide (rank 0) and rebuild; every rank returns the same decision, its
-    notes saying what was rebuilt and what falls back."""
+    notes saying what was rebuilt and what falls back. `ckpts`: the checkpoints of the
+    job's node count; `manifests` and `copies`: rank 0's whole view of them (the other
+    ranks: none, and their own copies)."""
     if config.peer.scheme == "copy" or "parity" in exclude:
         return Rebuild()
     paths = config.node_paths(node)
-    mine = agree(comm, "erasure groups", lambda: _groups_held(paths.parity, manifests),
+    mine = agree(comm, "erasure groups", lambda: _groups_held(paths.parity, ckpts),
                  config.agent.timeout)
     arrive(comm, "recovery erasure groups", config.agent.timeout)
     groups: Groups = {}
-    for part in comm.allgather(mine):
+    for part in comm.gather(mine, root=0) or []:       # rank 0 decides alone
         for ckpt, (group, m, scheme) in part.items():
             groups.setdefault(ckpt, {})[tuple(group)] = (m, scheme)
     decision = _decide(manifests, copies, groups, want) if comm.Get_rank() == 0 else None
@@ -72,11 +74,10 @@ def rebuild_lost(comm: Any, config: Config, node: int, manifests: dict[str, Glob
     return decision
 
 
-def _groups_held(root: Path, manifests: dict[str, GlobalManifest]
-                 ) -> dict[str, tuple[list[int], int, str]]:
+def _groups_held(root: Path, ckpts: list[str]) -> dict[str, tuple[list[int], int, str]]:
     """(group, M, scheme) of every checkpoint this node holds a parity manifest of."""
     found = {}
-    for ckpt in manifests:
+    for ckpt in ckpts:
         try:
             parity = ParityManifest.load(root, ckpt)
         except UnsafeInput:
@@ -186,7 +187,8 @@ def _run(comm: Any, config: Config, node: int, decision: Rebuild, copies: list[C
         return None
     failures = agree(comm, "erasure rebuild", rebuild, 2 * bound)
     arrive(comm, "recovery erasure rebuilt", config.agent.timeout)
-    return sorted({f for f in comm.allgather(failures) if f})
+    failed = comm.gather(failures, root=0)      # the lines once, not every rank's to all
+    return comm.bcast(sorted({f for f in failed if f}) if failed else None, root=0)
 
 
 def _encode_again(comm: Any, config: Config, ckpt: str, group: list[int], node: int,

@@ -84,8 +84,7 @@ class Plan:
         """A part checked where it lies, in its own node's spool. Not on a resize: each
         node's checkpoint is then assembled aside whole, so that its name (and the
         `.metadata` a mirror left there) never shows a checkpoint half restored."""
-        return (not self.resized and self.to is None and move.source.kind == "spool"
-                and move.source.holder == move.target == move.owner)
+        return kept(self.resized, self.to, move)
 
     def describe(self) -> list[str]:
         lines = [f"{ckpt}: not recoverable: {why}" for ckpt, why in self.skipped.items()]
@@ -99,6 +98,12 @@ class Plan:
             lines.append(f"  node {move.target}: {_files(len(move.paths))} of node"
                          f" {move.owner} from {where(move.source, move.target)}")
         return lines
+
+
+def kept(resized: bool, to: str | None, move: Move) -> bool:
+    """Plan.kept, for a rank that holds its slice of the plan (slices.Share)."""
+    return (not resized and to is None and move.source.kind == "spool"
+            and move.source.holder == move.target == move.owner)
 
 
 DETAIL = 64     # moves: more (a resize of many nodes) are said in one line per target

@@ -5,15 +5,18 @@ process for one node). Call order, every rank:
   1. manifests   each rank's whole manifests (node 0, the metadata holders, the PFS on
                  rank 0), digests, local and replica manifests gathered onto rank 0
                  only; rank 0 takes the newest whole one, or rebuilds it from the parts
-                 when it matches a survivor's digest (discover.py), and shares it
+                 when it matches a survivor's digest (discover.py), and sends each rank
+                 only what its node looks for (slices.py)
   2. holdings    each rank lists what it holds (spool, stage, replicas, journal) whole,
-                 by size: checksums are read once, in step 4
-  3. plan        rank 0 picks the checkpoint and the source of every part; shared
+                 by size, gathered onto rank 0: checksums are read once, in step 4
+  3. plan        rank 0 picks the checkpoint and the source of every part; each rank is
+                 sent its slice: its moves, their files, its peers' ranks
   4. moves       in the plan's order: checks in place, local copies, PFS extraction,
                  and transfers from a surviving holder to the target over MPI (raw
                  buffers, bounded waits), each file checksummed as it is moved
                  (transfer.py); files that fail come from their next copy in another
-                 round, until none fails or one has no copy left
+                 round (rank 0 decides from the problems gathered, scatters the
+                 retries), until none fails or one has no copy left
   5. redundancy  every node's restored part is copied to its partners' replica stores
                  (a replica not read in step 4 is checked first); with erasure groups
                  (`peer.scheme` xor, rs:K+M), lost members' parts are rebuilt from their
@@ -80,7 +83,7 @@ from ..progress import Done, Progress, quiet
 from ..stage.rules import checkpoint_names, natural_key, tracker_text
 from ..status import human_size
 from ..topology import Placement, place_checked
-from . import discover, holdings, transfer
+from . import discover, holdings, slices, transfer
 from .erasure_recover import rebuild_lost
 from .plan import (
     Copy,
@@ -94,6 +97,7 @@ from .plan import (
     where,
 )
 from .restore_handle import open_restore
+from .slices import Entries, Known, Share, Work
 
 log = logging.getLogger(__name__)
 SLOWEST_RATE = 10 << 20     # bytes/s: a rank moving its part slower than this is stuck
@@ -101,7 +105,7 @@ SLOWEST_RATE = 10 << 20     # bytes/s: a rank moving its part slower than this i
 
 @dataclass
 class Outcome:
-    plan: Plan
+    plan: Plan | None               # rank 0's (the whole); None on the others
     bytes_by_kind: dict[str, int] = field(default_factory=dict)
     replicated_bytes: int = 0
     seconds: float = 0.0            # the whole recovery
@@ -117,7 +121,8 @@ def recover(config: Config, comm: Any, want: str | None = None,
             progress: Progress | None = None, to: Path | None = None) -> Outcome:
     """`progress`: where this rank says its steps and the bytes its node receives (the
     command gives one to rank 0 only). `to`: assemble the checkpoint in that shared
-    directory instead of the spools."""
+    directory instead of the spools. Rank 0 holds the whole view (the manifests, every
+    copy, the plan); every other rank is sent its own slice of it (slices.py)."""
     progress = progress or quiet()
     start = time.monotonic()
     placement = place_checked(comm, config.topology)
@@ -127,72 +132,73 @@ def recover(config: Config, comm: Any, want: str | None = None,
         agree(comm, "--to", lambda: _check_to(paths, to), config.agent.timeout)
     progress.step(f"listing the copies held by {placement.nodes}"
                   f" node{'s' if placement.nodes > 1 else ''} and the PFS")
-    manifests = _shared_manifests(comm, config, paths, exclude, node, progress)
-    copies = _all_copies(comm, config, paths, placement, manifests, exclude)
+    known, manifests = _shared_manifests(comm, config, paths, exclude, placement, progress)
+    copies = _all_copies(comm, config, paths, node, known, manifests, exclude)
     if want is None and comm.Get_rank() == 0:      # only rank 0 plans
         want = pinned_current(config.node_paths(0).pfs)
         if want:
             progress.step(f"{want}: pinned as current by `cachex index --current`")
     # parity rebuilds a lost member's part onto its replacement: same node count only
-    same_count = {k: m for k, m in manifests.items() if len(m.nodes) == placement.nodes}
-    erasure = rebuild_lost(comm, config, node, same_count, copies, want, exclude, dry_run,
-                           _verify_bound(config, manifests))
+    same_count = [k for k, count in known.counts.items() if count == placement.nodes]
+    erasure = rebuild_lost(comm, config, node, same_count,
+                           {k: manifests[k] for k in same_count if k in manifests}, copies,
+                           want, exclude, dry_run, _verify_bound(config, known))
     for note in erasure.notes:
         progress.step(note)
     if erasure.groups and not dry_run:      # the rebuilt parts are staged copies now
-        copies = _all_copies(comm, config, paths, placement, manifests, exclude)
-    plan = _plan(comm, config, manifests, copies, placement.nodes, want, exclude, to)
-    _check_space(comm, config, placement, plan, to or paths.spool)
-    outcome = Outcome(plan, plan_seconds=time.monotonic() - start, erasure=erasure.notes)
+        copies = _all_copies(comm, config, paths, node, known, manifests, exclude)
+    share, lead = _plan(comm, config, placement, manifests, copies, want, exclude, to)
+    _check_space(comm, config, placement, share, lead, to or paths.spool)
+    outcome = Outcome(lead.plan if lead else None, plan_seconds=time.monotonic() - start,
+                      erasure=erasure.notes)
     if dry_run:
         return outcome
-    _arrive(comm, config, "rank exchange")
-    rank_of = dict(comm.allgather((node, placement.rank)))
     if to is not None:
-        return _gather(comm, config, node, rank_of, plan, copies, progress, outcome, start)
-    handle = open_restore(config, placement, plan.ckpt, plan.seq)
+        return _gather(comm, config, node, share, lead, progress, outcome, start)
+    handle = open_restore(config, placement, share.ckpt, share.seq)
     if handle.interrupted():
-        progress.step(f"node {node}: an earlier restore of {plan.ckpt} was cut short;"
+        progress.step(f"node {node}: an earlier restore of {share.ckpt} was cut short;"
                       " restoring it again")
-    restore = _Restore(comm, config, node, rank_of, plan, copies, progress, handle.check)
-    handle.submit(persist={"seq": plan.seq})
-    moved = handle.run(restore.run, sources=sorted({m.source.kind for m in plan.moves
+    restore = _Restore(comm, config, node, share, lead, progress, handle.check)
+    handle.submit(persist={"seq": share.seq})
+    moved = handle.run(restore.run, sources=sorted({m.source.kind for m in share.work.moves
                                                     if m.target == node}))
     outcome.fallbacks = restore.notes()
     outcome.move_seconds = time.monotonic() - start - outcome.plan_seconds
-    outcome.moved_aside = agree(comm, "set aside", lambda: _set_aside(paths.spool, plan,
-                                                                    manifests),
-                                config.agent.timeout)
+    outcome.moved_aside = agree(comm, "set aside", lambda: _set_aside(
+        paths.spool, share.ckpt, share.seq, known.seqs), config.agent.timeout)
     replicated = 0
-    if plan.resized:
-        progress.step(f"not copying the parts to partners: they were {len(plan.manifest.nodes)}"
+    if share.resized:
+        progress.step(f"not copying the parts to partners: they were {share.parts}"
                       f" nodes' parts, the job now has {placement.nodes} nodes")
     else:
         progress.step("copying each node's restored part to its partners")
-        replicated = _rereplicate(comm, config, placement, rank_of, plan, copies,
+        replicated = _rereplicate(comm, config, placement, share, lead, copies,
                                   restore.verified())
     return _totals(comm, config, moved, outcome, start, replicated)
 
 
 def _totals(comm: Any, config: Config, moved: dict[str, int], outcome: Outcome,
             start: float, replicated: int = 0) -> Outcome:
-    """Every rank's bytes moved, by the kind of copy they came from, and re-replicated."""
+    """Every rank's bytes moved, by the kind of copy they came from, and re-replicated:
+    summed on rank 0, the sums (one per kind) shared."""
     _arrive(comm, config, "recovery totals")
-    for part in comm.allgather(moved):
+    summed: dict[str, int] = {}
+    for part in comm.gather(moved, root=0) or []:
         for kind, count in part.items():
             if count:
-                outcome.bytes_by_kind[kind] = outcome.bytes_by_kind.get(kind, 0) + count
+                summed[kind] = summed.get(kind, 0) + count
+    outcome.bytes_by_kind = comm.bcast(summed, root=0)
     outcome.replicated_bytes = comm.allreduce(replicated)
     outcome.seconds = time.monotonic() - start
     return outcome
 
 
-def _gather(comm: Any, config: Config, node: int, rank_of: dict[int, int], plan: Plan,
-            copies: list[Copy], progress: Progress, outcome: Outcome, start: float
-            ) -> Outcome:
+def _gather(comm: Any, config: Config, node: int, share: Share, lead: _Lead | None,
+            progress: Progress, outcome: Outcome, start: float) -> Outcome:
     """`--to DIR`: every file once into DIR; the spools, journals and replicas stay."""
-    assert plan.to is not None
-    restore = _Restore(comm, config, node, rank_of, plan, copies, progress)
+    assert share.to is not None
+    restore = _Restore(comm, config, node, share, lead, progress)
     moved = restore.run()
     outcome.fallbacks = restore.notes()
     outcome.move_seconds = time.monotonic() - start - outcome.plan_seconds
@@ -211,20 +217,22 @@ def _check_to(paths: Any, to: Path) -> None:
                               " its own")
 
 
-def _check_space(comm: Any, config: Config, placement: Placement, plan: Plan,
-                 directory: Path) -> None:
-    """Every rank measures where it writes; every rank checks the whole placement, so
-    all refuse alike (one line naming the node and the path) before anything moves."""
+def _check_space(comm: Any, config: Config, placement: Placement, share: Share,
+                 lead: _Lead | None, directory: Path) -> None:
+    """Every rank measures where it writes; rank 0 checks the whole placement, so all
+    refuse alike (one line naming the node and the path) before anything moves."""
     def measure() -> Space:
         probe = directory
         while not probe.exists() and probe != probe.parent:     # made by the restore
             probe = probe.parent
         found = os.statvfs(probe)
-        shared = "to" if plan.to is not None else f"{placement.host}:{os.stat(probe).st_dev}"
+        shared = "to" if share.to is not None else f"{placement.host}:{os.stat(probe).st_dev}"
         return Space(placement.node, str(directory), found.f_bavail * found.f_frsize, shared)
     mine = agree(comm, "free space", measure, config.agent.timeout)
     _arrive(comm, config, "free space")
-    check_space(bytes_needed(plan), comm.allgather(mine))
+    spaces = comm.gather(mine, root=0)
+    _decided_on_rank0(comm, config, "free space", lambda: check_space(
+        bytes_needed(lead.plan), spaces) if lead else None)
 
 
 def _arrive(comm: Any, config: Config, step: str) -> None:
@@ -232,73 +240,117 @@ def _arrive(comm: Any, config: Config, step: str) -> None:
     arrive(comm, f"recovery {step}", config.agent.timeout)
 
 
-def _work_bound(config: Config, plan: Plan) -> float:
+def _work_bound(config: Config, share: Share) -> float:
     """How long ranks wait for the slowest one after a phase that moves data: a node's
-    part may come from a slow PFS, so the bound grows with the largest part."""
-    largest = max((n["bytes"] for n in plan.manifest.nodes), default=0)
-    largest = max(largest, *bytes_needed(plan).values(), 0)    # a resize: several parts
-    return config.agent.timeout + largest / SLOWEST_RATE
+    part may come from a slow PFS, so the bound grows with the largest part (a resize:
+    the most a target writes, several parts)."""
+    return config.agent.timeout + share.largest / SLOWEST_RATE
 
 
-def _verify_bound(config: Config, manifests: dict[str, GlobalManifest]) -> float:
+def _verify_bound(config: Config, known: Known) -> float:
     """How long ranks wait for the slowest one while each checksums what it holds: a node
     may hold every checkpoint's bytes (spool, stage, replicas), at least SLOWEST_RATE."""
-    held = sum(m.bytes for m in manifests.values())
-    return config.agent.timeout + held / SLOWEST_RATE
+    return config.agent.timeout + known.held / SLOWEST_RATE
 
 
 # ----------------------------------------------------------------------- phases
+@dataclass
+class _Lead:
+    """Rank 0's whole view of the restore: the plan, every copy, every node's rank."""
+
+    plan: Plan
+    copies: list[Copy]
+    rank_of: dict[int, int]
+    entries: Entries = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.entries = slices.index(self.plan.manifest)
+        self.copies = [c for c in self.copies if c.ckpt == self.plan.ckpt]
+
+
 def _shared_manifests(comm: Any, config: Config, paths: Any, exclude: frozenset[str],
-                      node: int, progress: Progress) -> dict[str, GlobalManifest]:
-    """Each rank's manifests, digests and parts gathered onto rank 0 only (not every
-    manifest to every rank), merged there (discover.py), the result shared."""
+                      placement: Placement, progress: Progress
+                      ) -> tuple[Known, dict[str, GlobalManifest]]:
+    """Each rank's manifests, digests and parts gathered onto rank 0 only, merged there
+    (discover.py); each rank is sent what its node looks for (slices.Known). Rank 0's
+    merged manifests besides ({} on the others)."""
+    node = placement.node
     mine = agree(comm, "manifests", lambda: discover.found_here(
         paths, node, comm.Get_rank() == 0 and "pfs" not in exclude), config.agent.timeout)
     _arrive(comm, config, "manifests")
     reports = comm.gather(mine, root=0)
-    merged = _decided_on_rank0(comm, config, "merged manifests",
-                               lambda: discover.merge(reports))
-    for note in merged.notes:
+    merged: list[discover.Merged] = []
+
+    def decide() -> list[Any]:
+        merged.append(discover.merge(reports))
+        views = slices.known_by_rank(merged[0].manifests, reports, placement.hosts)
+        return [(view, merged[0].notes if rank == 0 else []) for rank, view in
+                enumerate(views)]
+    known, notes = _decided_on_rank0(comm, config, "merged manifests", decide, scatter=True)
+    for note in notes:
         progress.step(note)
-    return merged.manifests
+    return known, merged[0].manifests if merged else {}
 
 
-def _all_copies(comm: Any, config: Config, paths: Any, placement: Placement,
+def _all_copies(comm: Any, config: Config, paths: Any, node: int, known: Known,
                 manifests: dict[str, GlobalManifest], exclude: frozenset[str]) -> list[Copy]:
-    bound = _verify_bound(config, manifests)
+    """Each rank's copies; rank 0 gets every rank's (and reads the PFS's) to plan."""
+    bound = _verify_bound(config, known)
     mine = agree(comm, "holdings", lambda: holdings.local_copies(
-        paths, placement.node, manifests, exclude, placement.host), bound)
-    copies = [c for part in comm.allgather(mine) for c in part]
-    if "pfs" not in exclude:
-        copies += agree(comm, "PFS holdings", lambda: holdings.pfs_copies(
-            paths.pfs, manifests), bound)
-    return copies
+        paths, node, known.wants, exclude), bound)
+    every = comm.gather(mine, root=0)
+    lead = comm.Get_rank() == 0
+    copies = [c for part in every for c in part] if lead else mine
+    return copies + agree(comm, "PFS holdings", lambda: holdings.pfs_copies(
+        paths.pfs, manifests) if lead and "pfs" not in exclude else [], bound)
 
 
-def _plan(comm: Any, config: Config, manifests: dict[str, GlobalManifest],
-          copies: list[Copy], nodes: int, want: str | None, exclude: frozenset[str],
-          to: Path | None = None) -> Plan:
-    """Rank 0 decides; every rank gets the plan, or raises the same error."""
-    return _decided_on_rank0(comm, config, "plan", lambda: choose(
-        manifests, copies, nodes, want, exclude, None if to is None else str(to)))
+def _plan(comm: Any, config: Config, placement: Placement,
+          manifests: dict[str, GlobalManifest], copies: list[Copy], want: str | None,
+          exclude: frozenset[str], to: Path | None = None) -> tuple[Share, _Lead | None]:
+    """Rank 0 decides; every rank gets its slice of the plan (and rank 0 the whole of
+    it: `_Lead`), or raises the same error."""
+    _arrive(comm, config, "rank exchange")
+    ranks = comm.gather((placement.node, placement.rank), root=0)
+    lead: list[_Lead] = []
+
+    def decide() -> list[Share]:
+        plan = choose(manifests, copies, placement.nodes, want, exclude,
+                      None if to is None else str(to))
+        lead.append(_Lead(plan, copies, dict(ranks)))
+        return slices.plan_shares(plan, copies, lead[0].rank_of, comm.Get_size())
+    share = _decided_on_rank0(comm, config, "plan", decide, scatter=True)
+    return share, lead[0] if lead else None
 
 
-def _decided_on_rank0(comm: Any, config: Config, step: str, decide: Callable[[], Any]) -> Any:
-    """What rank 0's `decide` returns, on every rank; or its error raised on every rank
-    (a usage error stays one: exit 2 everywhere)."""
-    answer: Any = (False, "")
+def _decided_on_rank0(comm: Any, config: Config, step: str, decide: Callable[[], Any],
+                      scatter: bool = False) -> Any:
+    """What rank 0's `decide` returns, on every rank (`scatter`: its list, one item to
+    each rank); or its error raised on every rank (a usage error stays one: exit 2
+    everywhere)."""
+    answer: Any = None
     if comm.Get_rank() == 0:
         try:
             answer = decide()
         except ConfigError as exc:
-            answer = (True, str(exc))
+            answer = _Refused(True, str(exc))
         except OperationError as exc:
-            answer = (False, str(exc))
+            answer = _Refused(False, str(exc))
+        if scatter and isinstance(answer, _Refused):
+            answer = [answer] * comm.Get_size()
     _arrive(comm, config, step)
-    answer = comm.bcast(answer, root=0)
-    if isinstance(answer, tuple):
-        raise (ConfigError if answer[0] else OperationError)(answer[1])
+    answer = comm.scatter(answer, root=0) if scatter else comm.bcast(answer, root=0)
+    if isinstance(answer, _Refused):
+        raise (ConfigError if answer.usage else OperationError)(answer.text)
     return answer
+
+
+@dataclass(frozen=True)
+class _Refused:
+    """Rank 0's decision failed: the error every rank raises."""
+
+    usage: bool             # a ConfigError (exit 2), else an OperationError
+    text: str
 
 
 # ---------------------------------------------------------------------- restore
@@ -317,25 +369,25 @@ class _Restore:
     rank waits on another busy extracting from a slow PFS), then the moves each node does
     alone; a node's own part before the global files of others."""
 
-    def __init__(self, comm: Any, config: Config, node: int, rank_of: dict[int, int],
-                 plan: Plan, copies: list[Copy], progress: Progress,
+    def __init__(self, comm: Any, config: Config, node: int, share: Share,
+                 lead: _Lead | None, progress: Progress,
                  check: Callable[[], None] = lambda: None) -> None:
-        """`check`: raises when this rank's restore was cancelled (inside each round's
-        agreement, so every rank fails the round alike)."""
-        self.comm, self.config, self.node, self.rank_of = comm, config, node, rank_of
-        # the plan's checkpoint only: file names repeat across checkpoints (a retry
-        # must not take __0_0.distcp of an older one)
-        self.copies = [c for c in copies if c.ckpt == plan.ckpt]
-        self.plan, self.progress = plan, progress
+        """`share`: this rank's slice of the plan; `lead`: the whole (rank 0), whose
+        retries it decides. `check`: raises when this rank's restore was cancelled
+        (inside each round's agreement, so every rank fails the round alike)."""
+        self.comm, self.config, self.node = comm, config, node
+        self.plan, self.lead, self.progress = share, lead, progress
         self.check = check
-        self.entries = {(e["node"], e["path"]): _entry(e) for e in plan.manifest.files}
-        self.spool = config.node_paths(node).spool if plan.to is None else Path(plan.to)
-        self.final = ckpt_dir(self.spool, plan.ckpt)
-        self.in_place = any(m.target == node and plan.kept(m) for m in plan.moves)
+        self.work = share.work
+        self.entries = share.work.entries()
+        self.spool = config.node_paths(node).spool if share.to is None else Path(share.to)
+        self.final = ckpt_dir(self.spool, share.ckpt)
+        self.in_place = any(m.target == node and share.kept(m) for m in share.work.moves)
         self.directory = self.final if self.in_place else recover_partial_dir(self.spool,
-                                                                              plan.ckpt)
+                                                                              share.ckpt)
         self.used: list[Copy] = []
-        self.failed: dict[tuple[int, int, str], dict[Copy, str]] = {}
+        self.bad: set[Copy] = set()     # held here, failed a file (told by rank 0)
+        self.failed: dict[tuple[int, int, str], dict[Copy, str]] = {}     # rank 0's
         self.taken: dict[tuple[int, int, str], Copy] = {}
 
     def run(self) -> dict[str, int]:
@@ -356,24 +408,30 @@ class _Restore:
             log.warning("%s not removed: %s", self.directory, describe(exc))
 
     def _run(self) -> dict[str, int]:
-        work = _work_bound(self.config, self.plan)
+        bound = _work_bound(self.config, self.plan)
         agree(self.comm, "restore", self._prepare, self.config.agent.timeout)
         if self.plan.to is not None:
             agree(self.comm, "restore", self._shared, self.config.agent.timeout)
         moved: dict[str, int] = {}
-        moves = self.plan.moves
-        total = self._incoming(moves)
-        self.progress.step(f"restoring {self.plan.ckpt}: {len(self.plan.manifest.files)} files;"
+        work = self.work
+        total = self._incoming(work.moves)
+        self.progress.step(f"restoring {self.plan.ckpt}: {self.plan.files} files;"
                            f" node {self.node} reads {human_size(total)}")
         self.progress.start(f"node {self.node}", total)
-        while moves:
-            self.used += [m.source for m in moves]
-            mine = agree(self.comm, "restore", lambda m=moves: self._round(m, moved), work)
+        while work.anywhere:        # the same on every rank: all run each round
+            self.used += [m.source for m in work.moves]
+            mine = agree(self.comm, "restore", lambda w=work: self._round(w.moves, moved),
+                         bound)
             _arrive(self.comm, self.config, "restore check")
-            moves = self._retries([p for part in self.comm.allgather(mine) for p in part])
-            self.progress.add_total(self._incoming(moves))
+            found = self.comm.gather(mine, root=0)
+            work = _decided_on_rank0(self.comm, self.config, "restore retries",
+                                     lambda f=found: self._retries(
+                                         [p for part in f for p in part]), scatter=True)
+            self.entries.update(work.entries())
+            self.bad = set(work.bad)
+            self.progress.add_total(self._incoming(work.moves))
         self.progress.finish()
-        agree(self.comm, "restore", self._complete, work)
+        agree(self.comm, "restore", self._complete, bound)
         return moved
 
     def _incoming(self, moves: list[Move]) -> int:
@@ -409,13 +467,25 @@ class _Restore:
             elif move.source.holder == self.node:
                 problems = transfer.send_files(
                     self.comm, holdings.source_dir(self.config, move.source), files,
-                    self.rank_of[move.target], self.config.agent.timeout,
-                    f"node {move.target}")
+                    self.work.ranks[move.target], self.config.agent.timeout,
+                    f"node {move.target}", stop=self._stopping)
             else:
                 continue
             found += [(move.target, move.owner, path, move.source, why,
                        move.source.holder == self.node) for path, why in problems.items()]
+        self.check()        # a signal that stopped this rank's transfers fails its round
         return found
+
+    def _stopping(self) -> bool:
+        """Before each file of a transfer between ranks: was this rank asked to stop?
+        Its peer hears it and stops too, at that file (transfer._Ends); the rank goes on
+        to its next transfers (each stops at its first file, so no peer is left waiting
+        for it) and fails its round at the end."""
+        try:
+            self.check()
+        except OperationError:
+            return True
+        return False
 
     def _checked(self, count: Done) -> Done:
         """Counts the bytes, then stops if a signal asked for it: a node's own moves (a
@@ -429,8 +499,8 @@ class _Restore:
 
     def _receive(self, move: Move, files: list[FileEntry]) -> transfer.Problems:
         source, timeout = move.source, self.config.agent.timeout
-        # a transfer between ranks stops at the round's end only: its sender cannot be
-        # told in the middle of the stream, and would wait out agent.timeout
+        # a transfer between ranks stops with its peer, before a file (`stop`): a raise
+        # in the middle of the stream would leave the sender waiting out agent.timeout
         done = self._checked(self.progress.advance) if move.local else self.progress.advance
         if self.plan.kept(move):
             return transfer.check_in_place(self.directory, files, done)
@@ -441,12 +511,14 @@ class _Restore:
             return transfer.copy_local(holdings.source_dir(self.config, source), files,
                                        self.directory, done=done)
         return transfer.receive_files(self.comm, files, self.directory,
-                                      self.rank_of[source.holder], timeout,
-                                      f"node {source.holder}", done=done)
+                                      self.work.ranks[source.holder], timeout,
+                                      f"node {source.holder}", done=done,
+                                      stop=self._stopping)
 
-    def _retries(self, found: list[Problem]) -> list[Move]:
-        """The next copy of each file that failed (the same on every rank: every rank
-        has every problem, in rank order); OperationError when one has none left."""
+    def _retries(self, found: list[Problem]) -> list[Work]:
+        """Rank 0: the next copy of each file that failed (every rank's problems, in
+        rank order), each rank's share of them; OperationError when one has none left."""
+        assert self.lead is not None
         for target, owner, path, copy, why, said_by_holder in found:
             reasons = self.failed.setdefault((target, owner, path), {})
             if said_by_holder or copy not in reasons:
@@ -454,14 +526,20 @@ class _Restore:
         groups: dict[tuple[int, int, Copy], list[str]] = {}
         for key in dict.fromkeys((target, owner, path) for target, owner, path, *_ in found):
             target, owner, path = key
-            source = next_source(self.copies, target, owner, path, set(self.failed[key]))
+            source = next_source(self.lead.copies, target, owner, path,
+                                 set(self.failed[key]))
             if source is None:
                 tried = "; ".join(f"{where(c, target)}: {w}" for c, w in self.failed[key].items())
                 raise OperationError(f"node {owner}'s file {path!r} (for node {target}) has"
                                      f" no intact copy left ({tried})")
             self.taken[key] = source
             groups.setdefault((target, owner, source), []).append(path)
-        return [Move(t, o, c, tuple(paths)) for (t, o, c), paths in groups.items()]
+        moves = [Move(t, o, c, tuple(paths)) for (t, o, c), paths in groups.items()]
+        bad: dict[int, list[Copy]] = {}
+        for copy in {c for reasons in self.failed.values() for c in reasons}:
+            bad.setdefault(copy.holder, []).append(copy)
+        return slices.split(moves, self.lead.entries, self.lead.rank_of,
+                            self.comm.Get_size(), bad)
 
     def _complete(self) -> None:
         """Every file arrived, checksummed on the way: make the tree durable, then rename
@@ -471,10 +549,14 @@ class _Restore:
             fsync_tree(self.final)
             _hoist_root_files(self.spool, self.final, self.plan.ckpt)
             return
-        if self.plan.to is not None and self.comm.Get_rank() != 0:
+        if self.plan.to is not None and self.lead is None:
             return                              # rank 0 renames the shared directory
-        expected = [self.entries[(m.owner, p)] for m in self.plan.moves
-                    if m.target == self.node or self.plan.to is not None for p in m.paths]
+        if self.lead is not None and self.plan.to is not None:     # every rank's files
+            expected = [self.lead.entries[(m.owner, p)] for m in self.lead.plan.moves
+                        for p in m.paths]
+        else:
+            expected = [self.entries[(m.owner, p)] for m in self.work.moves
+                        if m.target == self.node for p in m.paths]
         _put_in_place(self.spool, self.directory, self.final, expected)
 
     def notes(self) -> list[str]:
@@ -485,9 +567,8 @@ class _Restore:
                 for (t, o, path), reasons in self.failed.items()]
 
     def verified(self) -> set[Copy]:
-        """Copies read whole during the restore with no file failing."""
-        bad = {c for reasons in self.failed.values() for c in reasons}
-        return {c for c in self.used if c not in bad}
+        """Copies this rank read or sent whole during the restore with no file failing."""
+        return {c for c in self.used if c not in self.bad}
 
 
 def _extract(bundle: Path, directory: Path, files: list[FileEntry],
@@ -548,53 +629,51 @@ def _hoist_root_files(spool: Path, tree: Path, ckpt: str) -> bool:
 
 
 # ------------------------------------------------------------------- redundancy
-def _rereplicate(comm: Any, config: Config, placement: Any, rank_of: dict[int, int],
-                 plan: Plan, copies: list[Copy], verified: set[Copy]) -> int:
-    """Each node's part goes to its partners again, unless they hold it intact."""
+def _rereplicate(comm: Any, config: Config, placement: Any, share: Share,
+                 lead: _Lead | None, copies: list[Copy], verified: set[Copy]) -> int:
+    """Each node's part goes to its partners again, unless they hold it intact: rank 0
+    hears which are, and tells each rank its own sends and receives."""
     pmap = replication_map(config, list(placement.hosts))
     if pmap is None or config.peer.scheme != "copy":     # erasure: no partner copies
         return 0
-    work = _work_bound(config, plan)
-    held = set(agree(comm, "re-replication", lambda: _intact_replicas(
-        config, placement.node, plan, copies, verified), work))
+    work = _work_bound(config, share)
+    held = agree(comm, "re-replication", lambda: _intact_replicas(
+        config, placement.node, share, copies, verified), work)
     _arrive(comm, config, "re-replication")
-    held = {pair for part in comm.allgather(held) for pair in part}
+    every = comm.gather(held, root=0)
+    jobs = _decided_on_rank0(comm, config, "re-replication", lambda: slices.replication_jobs(
+        lead.plan.manifest, pmap, {pair for part in every for pair in part}, lead.rank_of,
+        comm.Get_size()) if lead else None, scatter=True)
     return agree(comm, "re-replication", lambda: _send_parts(
-        comm, config, placement, rank_of, plan, pmap, held), work)
+        comm, config, placement.node, share, jobs), work)
 
 
-def _intact_replicas(config: Config, node: int, plan: Plan, copies: list[Copy],
+def _intact_replicas(config: Config, node: int, share: Share, copies: list[Copy],
                      verified: set[Copy]) -> list[tuple[int, int]]:
     """(owner, this node) for each replica of the plan's checkpoint this node holds
     intact: read during the restore, or now (only its size was checked before)."""
     root = config.node_paths(node).replicas
     intact = []
     for copy in copies:
-        if copy.kind == "replica" and copy.ckpt == plan.ckpt and copy.holder == node and (
+        if copy.kind == "replica" and copy.ckpt == share.ckpt and copy.holder == node and (
                 copy in verified or not transfer.check_in_place(
-                    replica_dir(root, copy.owner, copy.ckpt),
-                    plan.manifest.node_files(copy.owner))):
+                    replica_dir(root, copy.owner, copy.ckpt), share.held.get(copy.owner, []))):
             intact.append((copy.owner, node))
     return intact
 
 
-def _send_parts(comm: Any, config: Config, placement: Any, rank_of: dict[int, int],
-                plan: Plan, pmap: Any, held: set[tuple[int, int]]) -> int:
-    node, moved = placement.node, 0
-    for owner in range(placement.nodes):
-        files = plan.manifest.node_files(owner)
-        for partner in pmap[owner]:
-            if (owner, partner) in held:
-                continue
-            if node == owner:
-                problems = transfer.send_files(
-                    comm, ckpt_dir(config.node_paths(node).spool, plan.ckpt), files,
-                    rank_of[partner], config.agent.timeout, f"node {partner}")
-                _fail_on(problems, f"node {owner}'s restored part")
-            elif node == partner:
-                root = config.node_paths(node).replicas
-                moved += _receive_replica(comm, config, root, plan, owner, files,
-                                          rank_of[owner])
+def _send_parts(comm: Any, config: Config, node: int, share: Share,
+                jobs: list[slices.Job]) -> int:
+    moved = 0
+    for job in jobs:
+        if node == job.owner:
+            problems = transfer.send_files(
+                comm, ckpt_dir(config.node_paths(node).spool, share.ckpt), job.files,
+                job.peer, config.agent.timeout, f"node {job.partner}")
+            _fail_on(problems, f"node {job.owner}'s restored part")
+        else:
+            root = config.node_paths(node).replicas
+            moved += _receive_replica(comm, config, root, share, job)
     return moved
 
 
@@ -605,35 +684,32 @@ def _fail_on(problems: transfer.Problems, what: str) -> None:
                              f" (first: {path}: {why})")
 
 
-def _receive_replica(comm: Any, config: Config, root: Path, plan: Plan, owner: int,
-                     files: list[FileEntry], owner_rank: int) -> int:
-    partial = partial_dir(root, owner, plan.ckpt)
+def _receive_replica(comm: Any, config: Config, root: Path, share: Share,
+                     job: slices.Job) -> int:
+    owner = job.owner
+    partial = partial_dir(root, owner, share.ckpt)
     remove_under(root, partial)
     makedirs(partial)
-    _fail_on(transfer.receive_files(comm, files, partial, owner_rank, config.agent.timeout,
+    _fail_on(transfer.receive_files(comm, job.files, partial, job.peer, config.agent.timeout,
                                     f"node {owner}", trainer_modes=False),
              f"node {owner}'s part, re-replicated")
-    part = next(n for n in plan.manifest.nodes if n["node"] == owner)
-    manifest = LocalManifest(run=plan.manifest.run, ckpt=plan.ckpt, seq=plan.seq, node=owner,
-                             host=part["host"], rank=part["rank"], files=files)
+    manifest = LocalManifest(run=share.run, ckpt=share.ckpt, seq=share.seq, node=owner,
+                             host=job.part["host"], rank=job.part["rank"], files=job.files)
     commit_replica(root, manifest, partial)
     return manifest.bytes
 
 
-def _set_aside(spool: Path, plan: Plan, manifests: dict[str, GlobalManifest]) -> list[str]:
+def _set_aside(spool: Path, ckpt: str, seq: int, seqs: dict[str, int]) -> list[str]:
     """Checkpoint directories newer than the recovered one (by sequence, or by name for
-    those no manifest knows) would be taken by the trainer's resume: move them aside."""
-    newer_seq = {c for c, m in manifests.items() if m.seq > plan.seq}
+    those no manifest knows) would be taken by the trainer's resume: move them aside.
+    `seqs`: every known checkpoint's sequence."""
+    newer_seq = {c for c, s in seqs.items() if s > seq}
     newer = [name for name in checkpoint_names(spool) if name in newer_seq or (
-        name not in manifests and natural_key(name) > natural_key(plan.ckpt))]
-    for ckpt in newer:
-        aside = set_aside_dir(spool, ckpt)
+        name not in seqs and natural_key(name) > natural_key(ckpt))]
+    for name in newer:
+        aside = set_aside_dir(spool, name)
         remove_under(spool, aside)
-        os.rename(ckpt_dir(spool, ckpt), aside)
+        os.rename(ckpt_dir(spool, name), aside)
     if newer:
         fsync_dir(spool)
     return newer
-
-
-def _entry(data: dict[str, Any]) -> FileEntry:
-    return FileEntry(data["path"], data["size"], data["mode"], data["checksum"])

@@ -4,9 +4,10 @@ stage: the same verbs, the same states, persisted in the node's journal before i
 the node's events.jsonl, with `stage`, `state`, `ckpt`, `seq`).
 
 The work itself is collective over the recovery job, so it runs in the recovering rank's
-own thread (`run`); a signal cancels it after the file in hand of a node's own moves
-(a check in place, a local copy, a PFS extraction), else between two rounds of moves (a
-transfer between ranks), on every rank alike: the round's agreement fails it everywhere.
+own thread (`run`); a signal cancels it after the file in hand: of a node's own moves
+(a check in place, a local copy, a PFS extraction), or of a transfer between ranks,
+whose two ends agree before each file to go on or stop (transfer.py), so the other end
+stops too without waiting; the round's agreement then fails it on every rank alike.
 A recovery that finds its node's restore of the same checkpoint still `queued` or
 `running` in the journal says so: the earlier one was cut short (its hidden partial
 directory is removed, and the restore runs again from the start).
@@ -67,8 +68,8 @@ class RestoreHandle(Handle):
         return result
 
     def check(self) -> None:
-        """After a file of a node's own moves, or between two rounds: stop here if a
-        signal asked for it."""
+        """After a file of a node's own moves or of a transfer, or between two rounds:
+        stop here if a signal asked for it."""
         if self.cancelled.is_set():
             raise OperationError(f"restore of {self.ckpt} cancelled by a signal")
 

@@ -9,7 +9,9 @@ Over MPI the holder sends every file's bytes in CHUNK messages in manifest order
 it cannot read whole is padded with zeros, so the stream stays in step, and reported by
 both sides); the target hashes what it receives. Two chunks are in flight on each side:
 the target posts the receive of the next chunk before it hashes and writes the current
-one, the holder sends straight from a mapping of the file.
+one, the holder sends straight from a mapping of the file. Given `stop`, the two ends
+agree before each file whether to go on (`_Ends`): a signal on either rank stops both
+within one file, every wait bounded, and the files not moved are reported as problems.
 """
 
 from __future__ import annotations
@@ -37,7 +39,12 @@ from ..progress import Done
 #: release the GIL, so two files overlap one's hashing with the other's kernel copies
 WORKERS = 2
 Problems = dict[str, str]
+Stop = Callable[[], bool]       # True: this rank was asked to stop (a signal)
 _ZEROS = np.zeros(CHUNK, np.uint8)      # what stands for a file its holder cannot send
+#: the integration tests' way to make a transfer between ranks last long enough to
+#: signal it midway (seconds the holder waits before each file after the first); never
+#: set in production
+TEST_PACE = "CACHEX_TEST_PACE"
 
 
 # ------------------------------------------------------------------------ local
@@ -94,10 +101,19 @@ def _finish(temp: Path, target: Path, entry: FileEntry, size: int, checksum: str
 
 # -------------------------------------------------------------------------- MPI
 def send_files(comm: Any, directory: Path, files: list[FileEntry], dest: int,
-               timeout: float, name: str) -> Problems:
+               timeout: float, name: str, stop: Stop | None = None) -> Problems:
+    """`stop`: before each file, both ends say whether they stop (`_agreed_stop`); the
+    receiver must be given one too."""
     problems: Problems = {}
     stream = _Sender(comm, dest, timeout, name)
-    for entry in files:
+    ends = _Ends(comm, dest, timeout, name, stop)
+    pace = float(os.environ.get(TEST_PACE) or 0)
+    for k, entry in enumerate(files):
+        if k and pace:
+            time.sleep(pace)
+        if ends.stopped():
+            problems.update(_not_moved(files[k:], name))
+            break
         with _mapped(directory / entry.path, entry) as (data, why):
             if why:
                 problems[entry.path] = why
@@ -110,14 +126,19 @@ def send_files(comm: Any, directory: Path, files: list[FileEntry], dest: int,
 
 def receive_files(comm: Any, files: list[FileEntry], dest: Path, source: int,
                   timeout: float, name: str, trainer_modes: bool = True,
-                  done: Done | None = None) -> Problems:
+                  done: Done | None = None, stop: Stop | None = None) -> Problems:
     """`trainer_modes`: the files get the trainer's permission bits (a spool), else they
-    stay private (a replica store)."""
+    stay private (a replica store). `stop`: as send_files's, the sender's too."""
     problems: Problems = {}
     stream = _Receiver(comm, source, [e.size for e in files], timeout, name)
+    ends = _Ends(comm, source, timeout, name, stop)
     # hashing on a second thread beside the write measured no faster here (2 cores: the
     # sender's rank, the MPI copy and this loop already share them), so it stays serial
-    for entry in files:
+    for k, entry in enumerate(files):
+        if ends.stopped():
+            stream.cancel()
+            problems.update(_not_moved(files[k:], name))
+            break
         target = dest / entry.path
         makedirs(target.parent)
         temp = temp_name(target)
@@ -129,11 +150,49 @@ def receive_files(comm: Any, files: list[FileEntry], dest: Path, source: int,
                     done(len(view))
                 while view:
                     view = view[out.write(view):]
+            ends.ahead(k + 1 < len(files))      # the next file's word, before the fsync
             os.fsync(out.fileno())
         why = _finish(temp, target, entry, entry.size, digest.hexdigest(), trainer_modes)
         if why:
             problems[entry.path] = why
     return problems
+
+
+def _not_moved(files: list[FileEntry], name: str) -> Problems:
+    return {e.path: f"not moved: the transfer with {name} was stopped" for e in files}
+
+
+class _Ends:
+    """Both ends of a transfer say, before each file, whether they stop (a signal asked
+    this rank to): a 1-byte word each way, its own tag, each wait bounded; either one
+    stopping stops both at that file, so neither waits for chunks the other never sends
+    or takes. The receiver says its word for the next file as soon as it has taken this
+    one's bytes (`ahead`), before its fsync, so the sender waits no longer than that."""
+
+    def __init__(self, comm: Any, peer: int, timeout: float, name: str,
+                 stop: Stop | None) -> None:
+        self.comm, self.peer, self.timeout, self.name, self.stop = comm, peer, timeout, name, stop
+        self.said: bool | None = None
+
+    def ahead(self, more: bool) -> None:
+        if more and self.stop is not None:
+            self.said = self._exchange()
+
+    def stopped(self) -> bool:
+        if self.stop is None:
+            return False
+        said, self.said = self.said, None
+        return said if said is not None else self._exchange()
+
+    def _exchange(self) -> bool:
+        assert self.stop is not None
+        mine = np.array([self.stop()], np.uint8)
+        theirs = np.zeros(1, np.uint8)
+        received = self.comm.Irecv([theirs, MPI.BYTE], self.peer, Tag.RECOVERY_STOP)
+        sent = self.comm.Isend([mine, MPI.BYTE], self.peer, Tag.RECOVERY_STOP)
+        wait(sent, self.timeout, self.name)
+        wait(received, self.timeout, self.name)
+        return bool(mine[0] or theirs[0])
 
 
 class _mapped:  # noqa: N801 (a context manager, used like a function)
@@ -206,6 +265,14 @@ class _Receiver:
             self.turn ^= 1
             request = self.comm.Irecv([buffer[:n], MPI.BYTE], self.source, Tag.RECOVERY)
             self.posted.append((request, buffer, n))
+
+    def cancel(self) -> None:
+        """The transfer stopped at a file's start: the chunks posted ahead never come."""
+        while self.posted:
+            request, _buffer, _n = self.posted.popleft()
+            request.Cancel()
+            wait(request, self.timeout, self.name)
+        self.chunks.clear()
 
     def take(self, size: int) -> Iterator[memoryview]:
         while size:

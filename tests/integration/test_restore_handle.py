@@ -1,6 +1,7 @@
 """`cachex recover` as a restore handle on every node: states persisted in the journal
 before their events, a recovery SIGKILLed mid-restore said and redone, one cancelled by
-SIGTERM between rounds on every rank alike."""
+SIGTERM between rounds on every rank alike, and one SIGTERM to either end of a transfer
+between ranks stopping both at its next file."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import subprocess
 
 import psutil
 import pytest
-from harness import BIN, MPIEXEC, files_of, kill_tree, wait_for
+from harness import BIN, MPIEXEC, files_of, finish, kill_tree, wait_for
 from test_recover import expected_after, lose_node, snapshot, trained
+
+from cachex_agent.layout import recover_partial_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -103,3 +106,39 @@ def test_sigterm_cancels_the_restore_on_every_rank_with_one_line(cluster):
         assert restore_states(c, node, "step_00008")[-1] == "cancelled"
         assert journal_state(c, node, "step_00008") == "cancelled"
     assert not (c.spool(0) / "step_00008").exists()
+
+
+MANY = ["--shard-size", "64KiB", "--chunk-size", "64KiB", "--step-time", "0.02",
+        "--files-per-rank", "30", "--every", "4"]     # 60 shards a node: 60 files to move
+
+
+def rank_process(held: subprocess.Popen[str], rank: int) -> psutil.Process:
+    ranks = [p for p in psutil.Process(held.pid).children(recursive=True)
+             if "recover" in " ".join(p.cmdline())]
+    return next(p for p in ranks if p.environ().get("PMI_RANK") == str(rank))
+
+
+@pytest.mark.parametrize("signalled", [0, 1], ids=["receiver", "sender"])
+def test_sigterm_mid_transfer_stops_both_ends_at_the_next_file(cluster, signalled):
+    c = cluster()
+    c.start_agents()
+    finish(c.trainer("--steps", "4", *MANY))
+    c.wait_level("step_00004", "flushed")
+    assert c.stop() == 0
+    lose_node(c, 0)     # node 0's part comes back from its replica on node 1, over MPI
+    partial = recover_partial_dir(c.spool(0), "step_00004")
+    # the holder waits 0.5 s before each file: the transfer would last 30 s
+    held = start_recover(c, CACHEX_TEST_PACE="0.5")
+    try:
+        wait_for(lambda: len(list(partial.rglob("*.distcp"))) >= 2, 120, "the transfer")
+        rank_process(held, signalled).send_signal(signal.SIGTERM)
+        _out, err = held.communicate(timeout=20)
+    finally:
+        if held.poll() is None:
+            kill_tree(held)
+    assert held.returncode != 0
+    lines = [line for line in err.splitlines() if "cachex recover: error" in line]
+    assert len(lines) == 1 and "cancelled by a signal" in lines[0], err
+    assert "Traceback" not in err
+    assert restore_states(c, signalled, "step_00004")[-1] == "cancelled"
+    assert not (c.spool(0) / "step_00004").exists() and not partial.exists()
