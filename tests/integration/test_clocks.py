@@ -33,7 +33,7 @@ def test_a_wall_clock_stepped_back_mid_run_changes_no_decision(cluster, tmp_path
     step_clock(clock, -600)             # NTP corrects the coordinator's host: 10 min back
     for _ in range(3):                  # the heartbeat goes on
         before = c.status()
-        wait_for(lambda: c.status() != before, 30, "the status rewritten")
+        wait_for(lambda before=before: c.status() != before, 30, "the status rewritten")
     finish(c.trainer("--steps", "12", "--every", "4", "--resume", *TRAIN))
     for ckpt in ("step_00008", "step_00012"):
         c.wait_level(ckpt, "flushed")
