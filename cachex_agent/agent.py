@@ -26,6 +26,7 @@ Each stage of each checkpoint (capture, replicate, flush, commit) is a handle
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import queue
@@ -141,7 +142,8 @@ class Agent:
         self.drain_deadline = 0.0
         self._drained_sent = False
         self._stop_checked = 0.0
-        self._born = time.time()
+        # stop requests already there are an earlier run's: only new tokens are acted on
+        self._stale_stops = {path: stop_token(path) for path in self._stop_files()}
         self._active = time.monotonic()     # when the main loop last had something to do
         self.exit_now = False
         self._requests: list[Any] = []
@@ -299,7 +301,7 @@ class Agent:
         for ckpt, entry in in_order:
             if (is_done(entry, Stage.CAPTURE) and not is_failed(entry)
                     and not is_done(entry, Stage.COMMIT)):
-                self._to_coordinator({"type": "marker", "ckpt": ckpt, "t": time.time(),
+                self._to_coordinator({"type": "marker", "ckpt": ckpt,
                                       "global_files": entry.get("global_files", [])})
             elif is_done(entry, Stage.COMMIT):
                 self._replicate_cut_short(ckpt, entry)
@@ -653,7 +655,7 @@ class Agent:
         known = self.journal.get(ckpt)
         if known is not None and not is_failed(known) and not force:
             return          # e.g. a mirrored `.metadata`: this checkpoint is under way
-        self.inbox.put({"type": "marker", "ckpt": ckpt, "t": time.time(),
+        self.inbox.put({"type": "marker", "ckpt": ckpt,
                         "global_files": global_candidates(self.rule, self.paths.spool, ckpt),
                         "rule": self.rule.kind(ckpt)})
 
@@ -693,20 +695,42 @@ class Agent:
         if now - self._stop_checked < 1.0:
             return
         self._stop_checked = now
-        files = [journal_stop_file(self.paths.journal)]
-        if self.coordinator:
-            files.append(pfs_stop_file(self.paths.pfs))
-        for path in files:
-            try:
-                requested = path.stat().st_mtime
-            except FileNotFoundError:
+        for path in self._stop_files():
+            token = stop_token(path)
+            if token is None or token == self._stale_stops.get(path):
                 continue
             path.unlink(missing_ok=True)
-            if requested >= self._born - 1.0:   # not a request left for agents gone since
-                self.inbox.put({"type": "stop", "file": str(path)})
+            self.inbox.put({"type": "stop", "file": str(path), "token": token})
         if self.draining and now > self.drain_deadline + 2 * self.config.agent.timeout:
             log.error("no exit from the coordinator after the drain; leaving")
             self.exit_now = True
+
+
+    def _stop_files(self) -> list[Path]:
+        files = [journal_stop_file(self.paths.journal)]
+        if self.rank == 0:
+            files.append(pfs_stop_file(self.paths.pfs))
+        return files
+
+
+def stop_token(path: Path) -> str | None:
+    """Which stop request `path` holds (None: none): its token, or for a request without
+    one (a hand-made file) the file's identity. Compared for equality only: the file's
+    time is the clock of whoever wrote it, not this host's."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    try:
+        data = json.loads(path.read_bytes()[:4096])
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        data = None
+    token = data.get("token") if isinstance(data, dict) else None
+    if isinstance(token, str) and 0 < len(token) <= 64:
+        return token
+    return f"file {st.st_ino} {st.st_mtime_ns} {st.st_size}"
 
 
 def _held(entry: dict[str, Any]) -> bool:

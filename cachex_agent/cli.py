@@ -10,6 +10,7 @@ import functools
 import json
 import logging
 import os
+import secrets
 import socket
 import sys
 import time
@@ -273,7 +274,7 @@ def main_group() -> None:
 def status_command(cfg: configuration.Config, as_json: bool) -> None:
     """Every checkpoint, the highest level that holds, and work in flight."""
     from .status import format_status, load_status
-    status = load_status(cfg)
+    status = load_status(cfg, settle=True)
     if as_json:
         _echo_json(status)
     else:
@@ -421,7 +422,7 @@ def _read_pfs_index(pfs: Path) -> Any:
 def _refuse_while_running(cfg: configuration.Config) -> None:
     from .status import load_status
     try:
-        live = load_status(cfg).get("live", False)
+        live = load_status(cfg, settle=True).get("live", False)
     except CachexError:
         live = False
     if live:
@@ -547,10 +548,13 @@ def stop_command(cfg: configuration.Config, wait: bool, timeout: float | None,
     if here.journal.is_dir():
         targets[journal_stop_file(here.journal)] = "in this node's journal, for its agent"
     written = []
+    # the agents act on a token they have not seen (not on the file's time: the clocks
+    # of this host, the file server and the coordinator's host may differ)
+    token = secrets.token_hex(8)
     for target, what in targets.items():
         try:
             makedirs(target.parent)
-            write_json(target, {"requested": time.time()})
+            write_json(target, {"requested": time.time(), "token": token})
             written.append((target, what))
         except OSError:
             continue
@@ -561,23 +565,29 @@ def stop_command(cfg: configuration.Config, wait: bool, timeout: float | None,
     say = (lambda _line: None) if as_json else click.echo
     say(f"stop requested ({'; '.join(f'{what}: {path}' for path, what in written)})")
     state = _wait_stopped(cfg, timeout or cfg.flush.drain_timeout + cfg.agent.timeout,
-                          say) if wait else "requested"
+                          say, token) if wait else "requested"
     if as_json:
         _echo_json({"run": cfg.run, "requested": [str(path) for path, _ in written],
                     "state": state})
 
 
 def _wait_stopped(cfg: configuration.Config, timeout: float,
-                  say: Callable[[str], None]) -> str:
-    """Until the agents stopped; says what they are still doing whenever that changes."""
+                  say: Callable[[str], None], token: str) -> str:
+    """Until the agents stopped; says what they are still doing whenever that changes,
+    and when the coordinator took this request (its `stop_ack`). Dead agents read `not
+    running` once their heartbeat stood still for the stale period (status.py)."""
+    from .beats import Unchanged
     from .status import load_status
     deadline = time.monotonic() + timeout
-    said = ""
+    said, seen, acked = "", Unchanged(), False
     while time.monotonic() < deadline:
         try:
-            status = load_status(cfg)
+            status = load_status(cfg, seen)
         except CachexError:
             status = {}
+        if status.get("stop_ack") == token and not acked:
+            say("the coordinator took the stop request")
+            acked = True
         state = status.get("state")
         if state in ("stopped", "not running"):
             say(f"agents {state}")

@@ -19,9 +19,12 @@ snapshots offered latest-wins (lanes.py): a slow PFS coalesces them instead of g
 a backlog. A finalize is a round trip: the `pfs` lane writes the global manifest and
 then the index, and only its answer moves the checkpoint to `flushed`.
 
-`status.json` carries a heartbeat (time, pid, host, period), rewritten at least every
-HEARTBEAT seconds while the coordinator runs: readers tell live agents from a status
-file that dead ones left behind (status.py).
+`status.json` carries a heartbeat (beat, life, time, pid, host, period), rewritten at
+least every HEARTBEAT seconds while the coordinator runs, `beat` one higher each time:
+readers tell live agents from a status file that dead ones left behind by watching
+`beat` move, never by comparing its time with their clock (status.py).
+
+`clock` (monotonic) drives every decision; `wall` is only recorded and shown.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import secrets
 import socket
 import time
 from collections import deque
@@ -95,10 +99,11 @@ class Coordinator:
 
     def __init__(self, config: Config, ranks_by_node: list[int], journal: Journal,
                  pfs_run: Path, events: EventLog, send: SendFn,
-                 clock: Callable[[], float] = time.time, can_replicate: bool = True,
+                 clock: Callable[[], float] = time.monotonic, can_replicate: bool = True,
                  wake: Callable[[], None] | None = None,
                  events_copy: EventCopy | None = None, forward: ForwardFn | None = None,
-                 holders: list[int] | None = None) -> None:
+                 holders: list[int] | None = None,
+                 wall: Callable[[], float] = time.time) -> None:
         self.config = config
         self.forward = forward or self._deliver_in_process
         self.holders = list(holders or [])
@@ -108,7 +113,8 @@ class Coordinator:
         self.pfs_run = pfs_run
         self.events = events
         self.send = send
-        self.clock = clock
+        self.clock, self.wall = clock, wall
+        self.life, self.beat = secrets.token_hex(8), 0     # the status's heartbeat
         self.wake = wake or (lambda: None)
         threaded = wake is not None
         self.lanes = {name: Lane(name, threaded) for name in ("pfs", "journal", "model")}
@@ -135,7 +141,7 @@ class Coordinator:
                             c.flush.drain_timeout, c.keep.pfs,
                             (fixed.path, fixed.reason) if fixed else None)
         return CoordinatorState(settings, [NodeRecord(rank) for rank in self.ranks], ckpts,
-                                saved.get("next_seq", 1))
+                                saved.get("next_seq", 1), wall_offset=self.wall() - now)
 
     def _from_index(self) -> dict[str, Any]:
         """A coordinator without a journal (its node was replaced) learns from the PFS
@@ -180,7 +186,7 @@ class Coordinator:
     def tick(self) -> None:
         """The lanes' answers, then the timers (capture deadlines, retries, status)."""
         self._answers()
-        self._apply(Tick(self.clock()))
+        self._apply(Tick(self.clock(), self.wall()))
 
     def close(self, timeout: float) -> None:
         """Finish the lanes' work (the final status), up to `timeout` seconds."""
@@ -336,11 +342,14 @@ class Coordinator:
 
     # ------------------------------------------------------------------- status
     def status(self) -> dict[str, Any]:
-        now = self.clock()
+        now = self.wall()       # shown, not compared: the reader's clock may differ
+        self.beat += 1
+        extra = {"stop_ack": self.state.stop_ack} if self.state.stop_ack else {}
         return {"format": "cachex-status", "version": 1, "run": self.config.run,
                 "updated": now, "state": self.state.phase, "nodes": self.nodes,
-                "heartbeat": {"t": now, "pid": os.getpid(), "host": socket.gethostname(),
-                              "period": HEARTBEAT},
+                "heartbeat": {"beat": self.beat, "life": self.life, "t": now,
+                              "pid": os.getpid(), "host": socket.gethostname(),
+                              "period": HEARTBEAT}, **extra,
                 "redundancy": redundancy(self.config, self.nodes),
                 "notes": notes(self.state), "checkpoints": status_rows(self.state)}
 

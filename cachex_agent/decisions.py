@@ -8,6 +8,13 @@ directories to purge, events to emit, model computations to run. It reads no clo
 (time comes in with the event), touches no file and calls no MPI; coordinator.py carries
 the effects out, the PFS writes and the model off the thread that services MPI.
 
+Clocks: an event's `now` is the coordinator's monotonic clock, and every decision
+(deadlines, the status period, latencies) runs on it, so a step of the wall clock
+changes none. Wall-clock times are only recorded and shown (a record's `times`, the
+manifests' `committed_at`, the index's `flushed_at`): `now + wall_offset`, the offset
+taken from the ticks. No agent's clock is read: a marker's `written` time is when the
+coordinator heard of it.
+
 The state is updated in place and returned: a copy per message would make every
 checkpoint cost O(nodes^2) at 10,000 nodes. Nothing else is touched.
 
@@ -77,11 +84,12 @@ class CheckpointRecord:
     counts: dict[str, int] = field(default_factory=dict)
     bytes: int = 0
     reason: str | None = None
-    deadline: float = 0.0
+    deadline: float = 0.0               # monotonic: not kept, a restart sets it again
     replication_failed: bool = False
     # not kept in coordinator.json (rebuilt on demand): at 10,000 nodes the sums over
     # every part and a second global manifest were a good part of the CPU per checkpoint
     sizes: dict[str, int] = field(default_factory=dict, repr=False)
+    written_at: float | None = field(default=None, repr=False)     # monotonic, this life
     built: GlobalManifest | None = field(default=None, repr=False)
     digest: ManifestDigest | None = field(default=None, repr=False)
 
@@ -93,7 +101,7 @@ class CheckpointRecord:
                 **{key: dict(getattr(self, key)) for key in
                    ("captured", "replicated", "flushed", "errors", "progress", "capture",
                     "counts")},
-                "bytes": self.bytes, "reason": self.reason, "deadline": self.deadline,
+                "bytes": self.bytes, "reason": self.reason,
                 "replication_failed": self.replication_failed}
 
     @classmethod
@@ -104,7 +112,8 @@ class CheckpointRecord:
         for node, manifest in (data.get("captured") or {}).items():    # global_manifest's
             LocalManifest.from_json(manifest, f"{source} ({key}, node {node})", key)
         known = {k: v for k, v in data.items()
-                 if k in cls.__dataclass_fields__ and k not in ("sizes", "built", "digest")}
+                 if k in cls.__dataclass_fields__
+                 and k not in ("sizes", "built", "digest", "written_at", "deadline")}
         known.setdefault("path", "peer")        # journals from before the path choice
         return cls(**{**known, "path": known["path"] or "peer"})
 
@@ -165,6 +174,8 @@ class CoordinatorState:
     announced: set[str] = field(default_factory=set)    # told to every agent by this life
     choosing: dict[str, int] = field(default_factory=dict)  # ckpt -> marker node
     finalizing: set[str] = field(default_factory=set)   # Finalize asked, no answer yet
+    wall_offset: float = 0.0        # wall clock minus `now`, as of the last tick
+    stop_ack: str | None = None     # the token of the last stop request taken (status)
 
 
 # ------------------------------------------------------------------------ events
@@ -174,7 +185,6 @@ class Marker:
     now: float
     ckpt: str
     global_files: list[str]
-    t: float | None = None                  # when the agent saw it
     rule: str | None = None                 # which commit rule saw it (status)
 
 
@@ -259,6 +269,7 @@ class Unprotected:
 class Stop:
     node: int
     now: float
+    token: str | None = None    # of a stop file (`cachex stop`), echoed in the status
 
 
 @dataclass(frozen=True, slots=True)
@@ -270,6 +281,7 @@ class Drained:
 @dataclass(frozen=True, slots=True)
 class Tick:
     now: float
+    wall: float | None = None   # the wall clock at `now`, for the times recorded
 
 
 @dataclass(frozen=True, slots=True)
@@ -418,7 +430,7 @@ def _on_marker(s: CoordinatorState, e: Marker, out: Effects) -> None:
     seq, s.next_seq = s.next_seq, s.next_seq + 1
     record = CheckpointRecord(e.ckpt, seq, "written", global_files=list(e.global_files),
                               rule=e.rule, flush=(seq - 1) % s.settings.flush_every == 0, path=None,
-                              times={"written": e.t if e.t is not None else e.now},
+                              times={"written": _wall(s, e.now)}, written_at=e.now,
                               deadline=e.now + s.settings.commit_timeout
                               + s.settings.agent_timeout)
     s.ckpts[e.ckpt] = record
@@ -525,7 +537,7 @@ def _advance(s: CoordinatorState, record: CheckpointRecord, now: float, out: Eff
         # the holders learn what the checkpoint is, long before the PFS does: what a
         # recovery needs when the coordinator's node is the one lost; every other
         # journal keeps a digest that does not grow with the job
-        manifest = global_manifest(record, record.times, now)
+        manifest = global_manifest(record, record.times, _wall(s, now))
         out.append(SaveGlobal(manifest))
         out.append(Hold(HoldManifest(record.id, manifest)))
         out.append(Broadcast(ManifestReady(record.id, _digest(record, manifest))))
@@ -583,6 +595,7 @@ def _on_unprotected(s: CoordinatorState, e: Unprotected, out: Effects) -> None:
 
 
 def _on_stop(s: CoordinatorState, e: Stop, out: Effects) -> None:
+    s.stop_ack = e.token or s.stop_ack
     if s.phase != "running":
         return
     s.phase = "draining"
@@ -611,6 +624,8 @@ def _exit_if_drained(s: CoordinatorState, out: Effects) -> None:
 
 
 def _on_tick(s: CoordinatorState, e: Tick, out: Effects) -> None:
+    if e.wall is not None:
+        s.wall_offset = e.wall - e.now
     nodes = len(s.nodes)
     for record in list(s.ckpts.values()):
         if record.level == "written" and e.now > record.deadline:
@@ -655,10 +670,13 @@ def _on_finalize_done(s: CoordinatorState, e: FinalizeDone, out: Effects) -> Non
 def _reach(s: CoordinatorState, record: CheckpointRecord, level: str, now: float,
            out: Effects) -> None:
     record.level = level
-    record.times[level] = now
+    record.times[level] = _wall(s, now)
+    # this life's monotonic clock; a checkpoint of an earlier life: the recorded times
+    latency = (now - record.written_at if record.written_at is not None
+               else record.times[level] - record.times["written"])
     out.append(Emit(f"level_{level}", {"ckpt": record.id, "seq": record.seq,
                                        "bytes": record.total_bytes(), "path": record.path,
-                                       "latency": now - record.times["written"]}))
+                                       "latency": latency}))
     if level in FINAL:
         _finish(s, record)
     out.append(SaveState())
@@ -700,8 +718,9 @@ def _try_finalize(s: CoordinatorState, record: CheckpointRecord, now: float,
             or record.id in s.finalizing or _replicating(record)):
         return
     s.finalizing.add(record.id)
-    manifest = global_manifest(record, {**record.times, "flushed": now}, now)
-    rows = [*index_rows(s), Row(record.id, record.seq, "valid", record.total_bytes(), now)]
+    wall = _wall(s, now)
+    manifest = global_manifest(record, {**record.times, "flushed": wall}, wall)
+    rows = [*index_rows(s), Row(record.id, record.seq, "valid", record.total_bytes(), wall)]
     out.append(Finalize(record.id, manifest, rows))
 
 
@@ -740,6 +759,11 @@ def _exit(s: CoordinatorState, why: str, out: Effects) -> None:
     out.append(Log("info", f"coordinator: {why}; agents exit"))
     out.append(Broadcast(Exit([n for n, node in enumerate(s.nodes) if node.dead])))
     out.append(WriteStatus())
+
+
+def _wall(s: CoordinatorState, now: float) -> float:
+    """The wall-clock time of the monotonic `now`: recorded and shown, never compared."""
+    return now + s.wall_offset
 
 
 def _newest(s: CoordinatorState, levels: tuple[str, ...]) -> CheckpointRecord | None:

@@ -145,14 +145,20 @@ def wait_for(predicate: Any, timeout: float, what: str,
     raise OperationError(f"timed out after {timeout:.0f}s waiting for {what}")
 
 
-def agents_up(cfg: configuration.Config, since: float) -> bool:
-    """Agents started at `since` are live: a fresh heartbeat of theirs, not a status
-    file that agents killed earlier left saying `running`."""
+def coordinator_life(cfg: configuration.Config) -> str | None:
+    """The `heartbeat.life` of the status there is now (None: none)."""
     try:
-        status = load_status(cfg)
+        return load_status(cfg).get("heartbeat", {}).get("life")
     except OperationError:
-        return False
-    return status["state"] == "running" and status.get("heartbeat", {}).get("t", 0) >= since
+        return None
+
+
+def agents_up(cfg: configuration.Config, before: str | None) -> bool:
+    """Agents started after the coordinator life `before` are live: a status of a new
+    coordinator, not one that agents killed earlier left saying `running` (no time
+    compared)."""
+    life = coordinator_life(cfg)
+    return life is not None and life != before and load_status(cfg)["state"] == "running"
 
 
 def stop_agents(cfg: configuration.Config, agents: subprocess.Popen[bytes],
@@ -205,14 +211,14 @@ def _demo(children: Children, root: Path, nodes: int, ranks_per_node: int, steps
     train = (ranks, ranks_per_node, steps, every, shard_size)
     click.echo(f"demo: {nodes} agents (virtual nodes) + trainer on {ranks} ranks"
                f" ({ranks * 4} shard files per checkpoint); files under {root}")
-    since = time.time()
+    before = coordinator_life(cfg)
     agents = start_agents(children, config_path, nodes, root / "agents.log")
-    wait_for(lambda: agents_up(cfg, since), 60, "the agents to start", agents)
+    wait_for(lambda: agents_up(cfg, before), 60, "the agents to start", agents)
     lost = _lose_node_zero(children, cfg, root, agents, train)
     _drill(children, cfg, config_path, root, lost, nodes)
-    since = time.time()
+    before = coordinator_life(cfg)
     agents = start_agents(children, config_path, nodes, root / "agents.log")
-    wait_for(lambda: agents_up(cfg, since), 60, "the agents to restart", agents)
+    wait_for(lambda: agents_up(cfg, before), 60, "the agents to restart", agents)
     out = children.run(trainer_command(root, *train, "--resume"))
     click.echo(f"demo: the trainer resumed from {lost} and finished step {steps}")
     code = stop_agents(cfg, agents, cfg.flush.drain_timeout + 60)

@@ -19,7 +19,7 @@ from .errors import ConfigError
 from .layout import run_lock_path
 from .node_dirs import prepare_dirs, probe_writable
 from .peer.partners import replication_map
-from .runlock import blocking_holder, stale_after
+from .runlock import REFRESH, blocking_holder, stale_after
 from .topology import place_checked
 
 # what says a site MPI is installed next to the one mpi4py loaded
@@ -79,7 +79,9 @@ def check(config: Config, comm: Any) -> list[str]:
     library = loaded_mpi_library()
 
     def lock_free() -> None:
-        holder = blocking_holder(paths.pfs, stale_after(config.agent.timeout))
+        # a few refreshes tell a live holder; the agents wait out the rest of a stale one
+        holder = blocking_holder(paths.pfs, stale_after(config.agent.timeout),
+                                 patience=3 * REFRESH)
         if holder is not None:
             raise ConfigError(f"{run_lock_path(paths.pfs)}: {holder}")
         probe_writable(paths.pfs, "paths.pfs")

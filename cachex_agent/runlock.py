@@ -1,19 +1,27 @@
 """One coordinator per run: a lock file in the run's PFS directory.
 
-    <pfs>/<run>/coordinator.lock    {"job", "host", "pid", "t"}: who coordinates the run
+    <pfs>/<run>/coordinator.lock    {"job", "host", "pid", "t", "token", "beat"}: who
+                                    coordinates the run
 
 Two agent jobs that share a run name and a PFS would both number checkpoints, write
 manifests and index, and remove each other's temporaries. The coordinator takes the
 lock before any agent touches the PFS and refreshes it every `REFRESH` seconds from a
-thread of its own (a hung PFS stalls only that thread). A lock is taken over when:
+thread of its own (a hung PFS stalls only that thread): each refresh rewrites the lock
+with `beat` one higher. A lock is taken over when:
   - it names this same scheduler job (a restarted agent step of the job), or
   - it names a process of this host that no longer exists, or
-  - it was not refreshed for `stale` seconds (the holder's job is gone or cut off).
-Otherwise the second coordinator refuses with one line naming the holder.
+  - its `beat` stood still for `stale` seconds while the contender watched it (the
+    holder's job is gone or cut off).
+Otherwise the second coordinator refuses with one line naming the holder. No clock of
+two hosts is compared (`t` is the holder's clock, shown only): a contender judges the
+lock by how long, on its own monotonic clock, it saw the same lock (beats.py). So it
+waits up to one refresh before it refuses a live holder, and `stale` seconds before it
+takes over a lock whose holder vanished without releasing it.
 
-Creating the lock is atomic (O_EXCL); a takeover replaces it with a rename, so a reader
-never sees half a lock. Two coordinators taking over one stale lock at the same moment
-both succeed: the window is one PFS round trip after `stale` seconds of silence.
+Creating the lock is atomic (O_EXCL); a refresh or a takeover replaces it with a
+rename, so a reader never sees half a lock. Two coordinators taking over one stale lock
+at the same moment both succeed: the window is one PFS round trip after `stale` seconds
+of silence.
 """
 
 from __future__ import annotations
@@ -21,14 +29,17 @@ from __future__ import annotations
 import json
 import logging
 import os
+import secrets
 import socket
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import psutil
 
+from .beats import Watch
 from .errors import ConfigError
 from .fsutil import create_file, fsync_dir, write_json
 from .layout import run_lock_path
@@ -58,6 +69,7 @@ class RunLock:
     def __init__(self, path: Path, record: dict[str, Any]) -> None:
         self.path, self.record = path, record
         self._stop = threading.Event()
+        self._writing = threading.Lock()    # a refresh never recreates a released lock
         self._thread = threading.Thread(target=self._refresh, name="run-lock", daemon=True)
         self._thread.start()
 
@@ -65,17 +77,15 @@ class RunLock:
     def acquire(cls, pfs_run: Path, stale: float) -> RunLock:
         path = run_lock_path(pfs_run)
         record = {"job": job_id(), "host": socket.gethostname(), "pid": os.getpid(),
-                  "t": time.time()}
+                  "t": time.time(), "token": secrets.token_hex(8), "beat": 0}
         try:
             fd = create_file(path, os.O_WRONLY | os.O_EXCL)
         except FileExistsError:
-            refusal = blocking_holder(pfs_run, stale, record)
-            if refusal is not None:
-                raise ConfigError(f"{path}: {refusal}") from None
-            holder = _read(path)
+            holder, reason = _judge(path, record, stale)
+            if reason is None:
+                raise ConfigError(f"{path}: {_refusal(pfs_run, holder)}") from None
             log.warning("%s: taking over the run lock of job %s on %s: %s", path,
-                        holder.get("job"), holder.get("host"),
-                        _takeover_reason(holder, record, stale, _age(path)))
+                        holder.get("job"), holder.get("host"), reason)
             write_json(path, record)
         else:
             with os.fdopen(fd, "wb") as handle:
@@ -87,32 +97,57 @@ class RunLock:
 
     def _refresh(self) -> None:
         while not self._stop.wait(REFRESH):
-            try:
-                os.utime(self.path)
-            except OSError as exc:      # a PFS hiccup: the next refresh tries again
-                log.warning("%s: not refreshed: %s", self.path, exc)
+            with self._writing:
+                if self._stop.is_set():
+                    return
+                try:
+                    self._beat()
+                except OSError as exc:      # a PFS hiccup: the next refresh tries again
+                    log.warning("%s: not refreshed: %s", self.path, exc)
+
+    def _beat(self) -> None:
+        found = _read(self.path)
+        if found and found.get("token") != self.record["token"]:
+            log.error("%s: the run lock was taken over by job %s on %s; no longer"
+                      " refreshed", self.path, found.get("job"), found.get("host"))
+            self._stop.set()
+            return
+        self.record = {**self.record, "beat": self.record["beat"] + 1}
+        write_json(self.path, self.record)
 
     def release(self) -> None:
-        """Remove the lock if it is still ours (a takeover may have replaced it)."""
+        """Remove the lock if it is still ours (a takeover may have replaced it). A
+        refresh hung on the PFS is not waited for long: the lock then goes stale."""
         self._stop.set()
-        if _read(self.path) == self.record:
-            self.path.unlink(missing_ok=True)
+        if not self._writing.acquire(timeout=2 * REFRESH):
+            return
+        try:
+            if _read(self.path).get("token") == self.record["token"]:
+                self.path.unlink(missing_ok=True)
+        finally:
+            self._writing.release()
 
 
-def blocking_holder(pfs_run: Path, stale: float, me: dict[str, Any] | None = None
-                    ) -> str | None:
+def blocking_holder(pfs_run: Path, stale: float, me: dict[str, Any] | None = None,
+                    patience: float | None = None) -> str | None:
     """Why a coordinator of this process could not take the run's lock now (a live
-    holder of another job), or None when it could."""
+    holder of another job), or None when it could. It watches the lock up to
+    `patience` seconds (default `stale`) for a refresh; `cachex-agent --check` watches
+    a few refreshes only: a lock that stood still that long is free for its purpose
+    (the agents then wait out the rest of `stale` themselves)."""
     path = run_lock_path(pfs_run)
     if not path.exists():
         return None
     me = me or {"job": job_id(), "host": socket.gethostname()}
-    holder, age = _read(path), _age(path)
-    if _takeover_reason(holder, me, stale, age) is not None:
-        return None
+    holder, reason = _judge(path, me, stale if patience is None else patience)
+    return _refusal(pfs_run, holder) if reason is None else None
+
+
+def _refusal(pfs_run: Path, holder: dict[str, Any]) -> str:
     return (f"run {pfs_run.name!r} is coordinated by job {holder.get('job')} on"
-            f" {holder.get('host')} (pid {holder.get('pid')}, refreshed {age:.0f}s ago); a"
-            " second coordinator refuses (another run name, or end that job)")
+            f" {holder.get('host')} (pid {holder.get('pid')}, its lock refreshed while"
+            " this job watched); a second coordinator refuses (another run name, or end"
+            " that job)")
 
 
 def _read(path: Path) -> dict[str, Any]:
@@ -125,23 +160,32 @@ def _read(path: Path) -> dict[str, Any]:
     return value if isinstance(value, dict) else {}
 
 
-def _age(path: Path) -> float:
-    try:
-        return max(time.time() - path.stat().st_mtime, 0.0)
-    except OSError:
-        return float("inf")
-
-
-def _takeover_reason(holder: dict[str, Any], me: dict[str, Any], stale: float,
-                     age: float) -> str | None:
+def _judge(path: Path, me: dict[str, Any], patience: float
+           ) -> tuple[dict[str, Any], str | None]:
+    """The holder, and why `me` may take its lock over (None: a live holder)."""
+    holder = _read(path)
     if holder.get("job") == me["job"]:
-        return "the same job (a restarted agent step)"
+        return holder, "the same job (a restarted agent step)"
     if holder.get("host") == me["host"] and isinstance(holder.get("pid"), int) \
             and not _alive(holder["pid"]):
-        return f"its process {holder['pid']} is gone"
-    if age > stale:
-        return f"not refreshed for {age:.0f}s"
-    return None
+        return holder, f"its process {holder['pid']} is gone"
+    live, holder, still = watch_lock(path).until_known(patience)
+    if live:
+        return holder, None
+    return holder, f"not refreshed while this job watched it for {still:.0f}s"
+
+
+def watch_lock(path: Path, clock: Callable[[], float] = time.monotonic,
+               sleep: Callable[[float], None] = time.sleep) -> Watch[dict[str, Any]]:
+    """The lock read again and again: its record (a refresh raises `beat`) and its
+    mtime (a holder of an older version refreshes with utime), for equality only."""
+    def key(record: dict[str, Any]) -> Any:
+        try:
+            mtime = path.stat().st_mtime_ns
+        except OSError:
+            mtime = None
+        return json.dumps(record, sort_keys=True), mtime
+    return Watch(lambda: _read(path), key, clock=clock, sleep=sleep)
 
 
 def _alive(pid: int) -> bool:

@@ -5,9 +5,13 @@ takes writes, into `<pfs>/<run>/`. Either may be the newer one; a login node see
 the PFS copy. With no agent status at all, the PFS index still tells what was flushed.
 
 A status file outlives its agents: one they left when killed still says `running`. The
-coordinator rewrites it with a heartbeat at least every `heartbeat.period` seconds; a
-status whose heartbeat is older than STALE_PERIODS periods reads `not running`, whatever
-state it recorded (kept as `recorded_state`).
+coordinator rewrites it at least every `heartbeat.period` seconds, each time with
+`heartbeat.beat` one higher. The reader's clock and the coordinator's may be far apart,
+so no timestamp of the file is compared with the reader's clock (beats.py): a status
+whose heartbeat the reader saw move is live; one it saw stand still for STALE_PERIODS
+periods, on its own monotonic clock, reads `not running`, whatever state it recorded
+(kept as `recorded_state`). Until either, a one-shot reader (`cachex status`) reads
+again: about one period for live agents, STALE_PERIODS periods for dead ones.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import json
 import time
 from typing import Any
 
+from .beats import Unchanged
 from .config import Config
 from .errors import OperationError
 from .fsutil import read_json
@@ -25,6 +30,7 @@ from .layout import index_path, status_paths
 STALE_PERIODS = 5           # missed heartbeats before a running status is taken as dead
 DEFAULT_PERIOD = 2.0        # status files written before the heartbeat existed
 ACTIVE = ("running", "draining")
+POLL = 0.2                  # seconds between readings of a status not yet judged
 
 
 def coordinator_statuses(config: Config) -> list[dict[str, Any]]:
@@ -41,11 +47,27 @@ def coordinator_statuses(config: Config) -> list[dict[str, Any]]:
     return found
 
 
-def load_status(config: Config) -> dict[str, Any]:
+def load_status(config: Config, seen: Unchanged | None = None,
+                settle: bool = False) -> dict[str, Any]:
+    """The newest status with its liveness. `seen`: this reader's earlier readings of
+    the heartbeat (a caller that polls, `cachex stop`); `settle`: read again until the
+    liveness is known (`live` true or false, not None)."""
+    seen = seen or Unchanged()
+    while True:
+        status = _newest_status(config)
+        if status.get("heartbeat") is None and status.get("updated") is None:
+            return status                   # from the PFS index: no agent status at all
+        judged = with_liveness(status, seen)
+        if not settle or judged["live"] is not None:
+            return judged
+        time.sleep(POLL)
+
+
+def _newest_status(config: Config) -> dict[str, Any]:
     node0 = config.node_paths(0)
     found = coordinator_statuses(config)
     if found:
-        return with_liveness(max(found, key=lambda s: s.get("updated", 0)))
+        return newest(found)
     try:
         index = read_index(node0.pfs)
     except (OSError, ValueError):       # none, or not an index: an unsafe one raises
@@ -60,15 +82,26 @@ def load_status(config: Config) -> dict[str, Any]:
             "updated": None}
 
 
-def with_liveness(status: dict[str, Any], now: float | None = None) -> dict[str, Any]:
-    """Add the heartbeat's age and whether agents are live; a stale `running` status
-    becomes `not running`."""
-    beat = dict(status.get("heartbeat") or {"t": status.get("updated") or 0.0})
+def newest(statuses: list[dict[str, Any]]) -> dict[str, Any]:
+    """Of the journal's and the PFS's copy: the higher beat of one coordinator's life
+    (its clock may have stepped between them); of two lives, the later `updated`."""
+    lives = {(s.get("heartbeat") or {}).get("life") for s in statuses}
+    if len(lives) == 1 and None not in lives:
+        return max(statuses, key=lambda s: s["heartbeat"].get("beat", 0))
+    return max(statuses, key=lambda s: s.get("updated") or 0)
+
+
+def with_liveness(status: dict[str, Any], seen: Unchanged) -> dict[str, Any]:
+    """Add whether agents are live (None: not known yet) and `heartbeat.age`, the
+    seconds this reader has seen the heartbeat unchanged; a `running` status whose
+    heartbeat stood still for STALE_PERIODS periods becomes `not running`."""
+    beat = dict(status.get("heartbeat") or {})
     period = beat.get("period", DEFAULT_PERIOD)
-    beat["age"] = max(0.0, (time.time() if now is None else now) - beat["t"])
+    beat["age"] = seen.see((beat.get("life"), beat.get("beat"), beat.get("t"),
+                            status.get("updated")))
     recorded = status.get("state")
-    live = recorded in ACTIVE and beat["age"] <= STALE_PERIODS * period
-    state = recorded if live or recorded not in ACTIVE else "not running"
+    live = seen.live(beat["age"], STALE_PERIODS * period) if recorded in ACTIVE else False
+    state = "not running" if recorded in ACTIVE and live is False else recorded
     return {**status, "heartbeat": beat, "live": live, "state": state,
             "recorded_state": recorded}
 
@@ -128,13 +161,15 @@ def redundancy_line(redundancy: dict[str, Any] | None) -> str | None:
 
 def format_status(status: dict[str, Any]) -> str:
     updated = status.get("updated")
-    age = f"{time.time() - updated:.0f}s ago" if updated else "unknown"
+    # the coordinator's clock, shown as it is: the reader's may differ
+    when = (time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(updated))
+            + " (coordinator's clock)") if updated else "unknown"
     state = status["state"]
     if state == "not running":
-        state = (f"not running (last heartbeat {status['heartbeat']['age']:.0f} s ago;"
+        state = (f"not running (heartbeat unchanged for {status['heartbeat']['age']:.0f} s;"
                  f" the status said {status['recorded_state']})")
     lines = [f"run {status['run']}: agents {state}, {status.get('nodes', '?')} nodes,"
-             f" updated {age}", format_ls(status)]
+             f" updated {when}", format_ls(status)]
     meaning = redundancy_line(status.get("redundancy"))
     if meaning:
         lines.append(f"  {meaning}")

@@ -140,7 +140,7 @@ class Flusher:
     def _attempt(self, handle: FlushHandle) -> None:
         manifest = handle.manifest
         target = bundle_path(self.pfs_run, manifest.ckpt, manifest.node)
-        start = time.time()
+        start = time.monotonic()
         if _matches(target, manifest):
             self._done(handle, target, start, adopted=True)
             return
@@ -157,7 +157,7 @@ class Flusher:
 
     def _done(self, handle: FlushHandle, target: Path, start: float, adopted: bool) -> None:
         manifest = handle.manifest
-        duration = time.time() - start
+        duration = time.monotonic() - start
         if handle.set(State.DONE, persist={"bundle": target.name}, bytes=manifest.bytes,
                       duration=duration, adopted=adopted, target=str(target)):
             self._copy_events()

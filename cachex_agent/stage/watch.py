@@ -141,7 +141,8 @@ class SpoolWatcher:
         self._first_seen = {name: old[name] if name in old else now for name in names}
         for name in names:
             self._removed.pop(name, None)
-        self._removed.update((name, time.time()) for name in old.keys() - names)
+        # monotonic: only their order counts (the oldest forgotten first)
+        self._removed.update((name, time.monotonic()) for name in old.keys() - names)
         for name in sorted(self._removed, key=self._removed.__getitem__)[:-REMOVED]:
             del self._removed[name]
 

@@ -130,7 +130,7 @@ class CaptureWorker:
         task, ckpt, seq = handle.task, handle.ckpt, handle.seq
         assert seq is not None
         source = self.paths.spool_dir(ckpt)
-        start = time.time()
+        start = time.monotonic()
         deadline = time.monotonic() + self.config.commit.timeout
         single = self.rule.is_file_checkpoint(self.paths.spool, ckpt)
         # a single file is written by one rank: a node without it holds an empty part
@@ -148,7 +148,7 @@ class CaptureWorker:
             handle.cancelled.wait(3600)
         manifest = dataclasses.replace(header, files=entries, captured_at=time.time())
         self.journal.save_manifest(manifest)
-        duration = time.time() - start
+        duration = time.monotonic() - start
         # This node's own candidates, from its finished part: the marker's list is the
         # view of whichever node committed first (HF: node 1's trainer_state.json may
         # come before node 0 wrote the weights that it alone holds).

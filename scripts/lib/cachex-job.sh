@@ -81,7 +81,7 @@ CX_UNPACK='set -e; d=$1; rm -rf "$d.new"; mkdir -p "$d.new"; tar -xf "$d.tar" -C
 
 CX_AGENTS_PID=
 CX_TRAIN_PID=
-CX_AGENTS_T0=0
+CX_AGENTS_LIFE0=-
 CX_HALT_AT=
 CX_JOB_END=
 CX_CHECKED=0
@@ -392,12 +392,12 @@ live = [r for r in rows if r.get("level") in ("written", "captured", "replicated
 newest = live[-1] if live else {"id": "-", "level": "-"}
 usable = sum(r["level"] != "written" for r in live)
 flushed = sum(r["level"] == "flushed" for r in live)
-beat = (s.get("heartbeat") or {}).get("t") or 0
-print((s.get("state") or "-").replace(" ", "-"), int(beat), newest["id"], newest["level"],
+life = str((s.get("heartbeat") or {}).get("life") or "-").split()[0]
+print((s.get("state") or "-").replace(" ", "-"), life, newest["id"], newest["level"],
       usable, flushed)
 ' 2>/dev/null) || true
-    read -r CX_ST_STATE CX_ST_HEARTBEAT CX_ST_NEWEST CX_ST_LEVEL CX_ST_USABLE CX_ST_FLUSHED \
-        <<<"${line:-- 0 - - 0 0}"
+    read -r CX_ST_STATE CX_ST_LIFE CX_ST_NEWEST CX_ST_LEVEL CX_ST_USABLE CX_ST_FLUSHED \
+        <<<"${line:-- - - - 0 0}"
 }
 
 # ---------------------------------------------------------------- staging
@@ -455,17 +455,18 @@ cx_agents_start() {     # the agent step, in the background
     cx_step agents 1
     if [[ $CX_PLAN == 1 ]]; then cx_exec agents; return; fi
     cx_log "agents: ${CX_ARGV[*]}"
-    CX_AGENTS_T0=$(cx_now)
+    cx_status       # the coordinator's life before this start (its status may be left)
+    CX_AGENTS_LIFE0=$CX_ST_LIFE
     "${CX_ARGV[@]}" </dev/null &
     CX_AGENTS_PID=$!
 }
 
-cx_agents_wait_ready() {    # bounded: live agents, a heartbeat since this start (not the
-                            # `running` that agents killed earlier left in their status)
+cx_agents_wait_ready() {    # bounded: live agents of this start (a coordinator's life other
+                            # than the one before it: no clock of two hosts compared)
     local deadline=$(($(cx_now) + AGENT_START_TIMEOUT))
     while :; do
         cx_status
-        if [[ $CX_ST_STATE == running ]] && ((CX_ST_HEARTBEAT >= CX_AGENTS_T0 - 1)); then
+        if [[ $CX_ST_STATE == running && $CX_ST_LIFE != - && $CX_ST_LIFE != "$CX_AGENTS_LIFE0" ]]; then
             cx_log "agents running on $(cx_nodes) nodes"
             return
         fi

@@ -20,6 +20,7 @@ ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 MPIEXEC = BIN / "mpiexec"
 TRAINER = ROOT / "examples" / "trainer.py"
+SKEW = ROOT / "tests" / "skew"      # its sitecustomize.py skews a process's wall clock
 assert MPIEXEC.exists(), f"no mpiexec next to {sys.executable}: run `make venv`"
 
 
@@ -65,6 +66,21 @@ def wait_for(predicate: Callable[[], Any], timeout: float, what: str, poll: floa
             return value
         time.sleep(poll)
     raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what}")
+
+
+def skewed(clock_file: Path, offset: float) -> dict[str, str]:
+    """The environment of a process whose wall clock reads `offset` seconds off (as a
+    host's clock that NTP has not corrected); `step_clock` moves it while it runs."""
+    step_clock(clock_file, offset)
+    path = [str(SKEW), *filter(None, [os.environ.get("PYTHONPATH")])]
+    return {"CACHEX_TEST_CLOCK_FILE": str(clock_file), "PYTHONPATH": os.pathsep.join(path)}
+
+
+def step_clock(clock_file: Path, offset: float) -> None:
+    """Whole or not at all: the skewed processes read the file every 0.2 s."""
+    temp = clock_file.with_name(clock_file.name + ".tmp")
+    temp.write_text(repr(float(offset)))
+    temp.replace(clock_file)
 
 
 def settings(rule: str, agent_timeout: str, commit: str = "", extra: str = "") -> str:
@@ -113,23 +129,24 @@ class Cluster:
                      env: dict[str, str] | None = None) -> subprocess.Popen[bytes]:
         """`prefix` wraps the launch (e.g. joining a cgroup first); `env` adds variables."""
         log = (self.root / "agents.log").open("ab")
-        since = time.time()
+        before = self.status()
         self.agents = subprocess.Popen(
             [*prefix, str(self.bin / "mpiexec"), "-n", str(self.nodes),
              str(self.bin / "cachex-agent"), "--config",
              str(self.config), *args], stdout=log, stderr=subprocess.STDOUT,
             start_new_session=True, env={**os.environ, **(env or {})})
-        wait_for(lambda: self._started(since), 60, "agents to start")
+        wait_for(lambda: self._started(before), 60, "agents to start")
         return self.agents
 
-    def _started(self, since: float) -> bool:
-        """Running, said by these agents (not a status file that killed ones left)."""
+    def _started(self, before: dict[str, Any]) -> bool:
+        """Running, said by these agents: a status rewritten since the launch (one that
+        killed agents left does not change). No clock compared: theirs may be skewed."""
         assert self.agents is not None
         if self.agents.poll() is not None:
             log = (self.root / "agents.log").read_text()[-3000:]
             raise AssertionError(f"agents exited with {self.agents.returncode}:\n{log}")
         status = self.status()
-        return status.get("state") == "running" and status.get("updated", 0) >= since
+        return status.get("state") == "running" and status != before
 
     def trainer(self, *args: str, ranks: int = 8, ranks_per_node: int = 2
                 ) -> subprocess.Popen[bytes]:
@@ -141,9 +158,11 @@ class Cluster:
         self.trainers.append(proc)
         return proc
 
-    def cachex(self, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    def cachex(self, *args: str, timeout: float = 60, env: dict[str, str] | None = None
+               ) -> subprocess.CompletedProcess[str]:
         return subprocess.run([str(self.bin / "cachex"), *args, "--config", str(self.config)],
-                              capture_output=True, text=True, timeout=timeout)
+                              capture_output=True, text=True, timeout=timeout,
+                              env={**os.environ, **(env or {})})
 
     def stop(self, timeout: float = 60) -> int:
         assert self.agents is not None
@@ -179,6 +198,19 @@ class Cluster:
     def events(self, node: int) -> list[dict[str, Any]]:
         lines = (self.journal(node) / "events.jsonl").read_text().splitlines()
         return [json.loads(line) for line in lines if line.strip()]
+
+
+def same_run_config(first: Cluster, root: Path) -> Path:
+    """The configuration of another job of agents on `first`'s run and PFS, with spools,
+    stages and caches of its own under `root`."""
+    for node in range(first.nodes):
+        (root / f"node{node}" / "spool").mkdir(parents=True, exist_ok=True)
+    text = first.config.read_text()
+    for key in ("spool", "stage", "cache"):
+        text = text.replace(f'{key} = "{first.root}/node', f'{key} = "{root}/node')
+    config = root.parent / f"{root.name}.toml"
+    config.write_text(text)
+    return config
 
 
 def finish(proc: subprocess.Popen[bytes], timeout: float = 90) -> str:

@@ -6,7 +6,7 @@ import os
 import subprocess
 
 import pytest
-from harness import BIN, Cluster
+from harness import BIN, Cluster, same_run_config
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -17,13 +17,7 @@ def test_a_second_job_on_the_same_run_is_refused_and_takes_over_once_the_first_e
     first.start_agents()
     second = cluster(nodes=2)
     second.root = tmp_path / "second"           # its own nodes, the first one's PFS run
-    for node in range(2):
-        (second.root / f"node{node}" / "spool").mkdir(parents=True)
-    second.config = tmp_path / "second.toml"
-    second.config.write_text(first.config.read_text().replace(
-        f'spool = "{tmp_path}/node', f'spool = "{second.root}/node').replace(
-        f'stage = "{tmp_path}/node', f'stage = "{second.root}/node').replace(
-        f'cache = "{tmp_path}/node', f'cache = "{second.root}/node'))
+    second.config = same_run_config(first, second.root)
     lock = first.pfs / "coordinator.lock"
     assert lock.exists()
 

@@ -124,7 +124,9 @@ def test_status_json_path_is_node0_journal(tmp_path, cfg):
 
 @pytest.mark.timeout(20)
 def test_ls_and_status_json_from_the_journal(cfg, config_file):
-    put(journal_status_path(cfg), status_doc(1000.0, "captured"))
+    # agents long gone: a heartbeat (of a short period) that does not move
+    put(journal_status_path(cfg), {**status_doc(1000.0, "captured"), "heartbeat": {
+        "beat": 7, "life": "x", "t": 1000.0, "pid": 1, "host": "h", "period": 0.1}})
 
     ls = invoke(config_file, "ls", "--json")
     assert ls.exit_code == 0, ls.output
@@ -139,22 +141,46 @@ def test_ls_and_status_json_from_the_journal(cfg, config_file):
     doc = json.loads(status.stdout)
     assert levels(doc) == {"step_00050": "flushed", CKPT: "captured"}
     assert all("id" in row and "level" in row for row in doc["checkpoints"])
-    # written at t=1000 (1970) by agents long gone: no longer `running`
+    # watched standing still for 5 periods: no longer `running`
     assert (doc["state"], doc["recorded_state"], doc["live"]) == ("not running", "running",
                                                                   False)
-    assert doc["heartbeat"]["age"] > 1000
+    assert doc["heartbeat"]["age"] > 0.5
 
 
 @pytest.mark.timeout(20)
-def test_a_fresh_heartbeat_reads_running_a_stale_one_not():
+def test_liveness_is_a_heartbeat_seen_to_move_never_its_time_against_the_readers_clock():
+    """Timestamps far in the past or future change nothing: only `beat` moving does."""
+    from cachex_agent.beats import Unchanged
     from cachex_agent.status import with_liveness
-    doc = {"state": "running", "updated": 100.0,
-           "heartbeat": {"t": 100.0, "pid": 1, "host": "h", "period": 2.0}}
-    assert with_liveness(doc, now=105.0)["state"] == "running"
-    stale = with_liveness(doc, now=142.0)
+
+    class Clock:
+        now = 0.0
+
+        def __call__(self) -> float:
+            return self.now
+    clock = Clock()
+
+    def doc(beat: int, t: float, state: str = "running") -> dict:
+        return {"state": state, "updated": t,
+                "heartbeat": {"beat": beat, "life": "a", "t": t, "period": 2.0}}
+    seen = Unchanged(clock)
+    first = with_liveness(doc(1, 9e9), seen)        # written by a clock far ahead
+    assert (first["state"], first["live"]) == ("running", None)     # not known yet
+    clock.now = 1.5
+    moved = with_liveness(doc(2, 9e9 + 2), seen)
+    assert (moved["state"], moved["live"], moved["heartbeat"]["age"]) == ("running", True, 0)
+    clock.now = 9.0
+    assert with_liveness(doc(2, 9e9 + 2), seen)["live"] is True     # 7.5 s: within 5 periods
+    clock.now = 12.0
+    stale = with_liveness(doc(2, 9e9 + 2), seen)
     assert (stale["state"], stale["live"], stale["heartbeat"]["age"]) == ("not running",
-                                                                         False, 42.0)
-    assert with_liveness({**doc, "state": "stopped"}, now=142.0)["state"] == "stopped"
+                                                                         False, 10.5)
+    behind = Unchanged(clock)           # a heartbeat written an hour before the reader's
+    with_liveness(doc(5, 100.0), behind)
+    clock.now = 13.0
+    assert with_liveness(doc(6, 102.0), behind)["live"] is True
+    stopped = with_liveness(doc(6, 102.0, "stopped"), Unchanged(clock))
+    assert (stopped["state"], stopped["live"]) == ("stopped", False)
 
 
 @pytest.mark.timeout(20)

@@ -5,6 +5,8 @@ times and looks at the state and the effects it gets back."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from cachex_agent import decisions as d
@@ -61,13 +63,13 @@ def flushed_all(s, ckpt, now=4.0):
 
 def test_marker_commits_once_with_a_sequence_number():
     s = state()
-    out = feed(s, d.Marker(2, 1.0, "s1", [".metadata"], t=0.5))
+    out = feed(s, d.Marker(2, 1.0, "s1", [".metadata"]))
     (commit,) = broadcasts(out, "commit")
     assert commit == {"type": "commit", "ckpt": "s1", "seq": 1, "global_files": [".metadata"],
                       "flush": True, "path": "peer"}
     assert of(out, d.SaveState) and of(out, d.Emit)[0].event == "committed"
     record = s.ckpts["s1"]
-    assert (record.level, record.times["written"], record.deadline) == ("written", 0.5, 16.0)
+    assert (record.level, record.times["written"], record.deadline) == ("written", 1.0, 16.0)
     again = feed(s, d.Marker(3, 1.5, "s1", []))
     assert not broadcasts(again, "commit")
     assert [(e.rank, e.msg.seq) for e in of(again, d.Send)] == [(13, 1)]  # only the asker
@@ -314,6 +316,30 @@ def test_status_is_written_when_something_changed_and_as_a_heartbeat():
     assert of(feed(s, d.Tick(102.7)), d.WriteStatus)        # heartbeat
 
 
+def test_a_step_of_the_wall_clock_changes_no_decision_only_the_times_recorded():
+    """`now` is monotonic; the wall clock (a tick's `wall`) only stamps what is recorded.
+    Ten minutes back mid-run: the status period, the deadlines and the latencies hold."""
+    s = state()
+    feed(s, d.Tick(100.0, 5000.0))
+    feed(s, d.Marker(0, 100.5, "s1", []))
+    assert s.ckpts["s1"].times["written"] == 5000.5
+    assert of(feed(s, d.Tick(101.0, 4400.0)), d.WriteStatus)     # stepped back 600 s
+    assert of(feed(s, d.Tick(103.1, 4402.1)), d.WriteStatus)     # the heartbeat goes on
+    out = captured_all(s, "s1", now=103.5)
+    (level,) = [e for e in of(out, d.Emit) if e.event == "level_captured"]
+    assert level.fields["latency"] == 3.0       # monotonic, not 4402.5 - 5000.5
+    assert s.ckpts["s1"].times["captured"] == 4402.5
+    assert s.ckpts["s1"].level == "captured"    # no deadline fired on the step
+
+
+def test_a_stop_token_is_echoed_for_the_status():
+    s = state()
+    feed(s, d.Stop(1, 1.0, token="abc"))
+    assert (s.phase, s.stop_ack) == ("draining", "abc")
+    feed(s, d.Stop(0, 2.0))                     # a signal: no token, the last one stays
+    assert s.stop_ack == "abc"
+
+
 def test_finished_records_keep_totals_and_history_stays_bounded():
     s = state()
     for i in range(d.HISTORY + 5):
@@ -341,7 +367,9 @@ def test_records_round_trip_through_coordinator_json():
     captured_all(s, "s1", nodes=[0, 1])
     data = d.state_json(s)["ckpts"]["s1"]
     again = d.CheckpointRecord.from_json(data, "coordinator.json", "s1")
-    assert again == s.ckpts["s1"]
+    # monotonic times mean nothing to another process: not kept (a restart sets them)
+    assert "deadline" not in data and (again.deadline, again.written_at) == (0.0, None)
+    assert replace(again, deadline=16.0, written_at=1.0) == s.ckpts["s1"]
     old = {"id": "s0", "seq": 1, "level": "flushed", "bytes": 5}   # an older journal
     assert d.CheckpointRecord.from_json(old, "x", "s0").path == "peer"
     with pytest.raises(UnsafeInput, match="unsafe checkpoint id"):

@@ -46,13 +46,19 @@ def _holder(tmp_path, **record) -> None:
 
 
 def test_a_live_coordinator_of_another_job_keeps_the_run(tmp_path, monkeypatch):
+    """Live: its refresh moves `beat` while the contender watches, whatever the times."""
+    monkeypatch.setenv("SLURM_JOB_ID", "100")
+    holder = RunLock.acquire(tmp_path, stale=60)
     monkeypatch.setenv("SLURM_JOB_ID", "200")
-    _holder(tmp_path, job="slurm:100", host="other-host", pid=1, t=time.time())
-    with pytest.raises(ConfigError) as caught:
-        RunLock.acquire(tmp_path, stale=60)
+    try:
+        with pytest.raises(ConfigError) as caught:
+            RunLock.acquire(tmp_path, stale=60)
+    finally:
+        holder.release()
     message = str(caught.value)
     assert f"{tmp_path}/coordinator.lock: run" in message
-    assert "coordinated by job slurm:100 on other-host (pid 1" in message
+    assert f"coordinated by job slurm:100 on {os.uname().nodename} (pid {os.getpid()}" \
+        in message
     assert "a second coordinator refuses" in message
 
 
@@ -68,14 +74,27 @@ def test_a_lock_is_taken_over_by_its_own_job_a_dead_process_or_when_stale(tmp_pa
     _holder(tmp_path, job="slurm:100", host=os.uname().nodename, pid=dead.pid, t=0)
     RunLock.acquire(tmp_path, stale=60).release()
 
-    _holder(tmp_path, job="slurm:100", host="other-host", pid=1, t=0)
-    old = time.time() - 120
-    os.utime(tmp_path / "coordinator.lock", (old, old))
-    lock = RunLock.acquire(tmp_path, stale=60)
+    # refreshed "just now" by its own clock, yet its beat stands still while watched
+    _holder(tmp_path, job="slurm:100", host="other-host", pid=1, t=time.time(), beat=3)
+    lock = RunLock.acquire(tmp_path, stale=1)
     assert json.loads((tmp_path / "coordinator.lock").read_text())["job"] == "slurm:200"
     assert (tmp_path / "coordinator.lock").stat().st_mode & 0o777 == 0o600
     lock.release()
     assert not (tmp_path / "coordinator.lock").exists()
+
+
+def test_a_held_lock_beats_and_stops_refreshing_once_taken_over(tmp_path, monkeypatch):
+    monkeypatch.setattr("cachex_agent.runlock.REFRESH", 0.05)
+    monkeypatch.setenv("SLURM_JOB_ID", "100")
+    lock = RunLock.acquire(tmp_path, stale=60)
+    path = tmp_path / "coordinator.lock"
+    beats = {json.loads(path.read_text())["beat"] for _ in range(40) if not time.sleep(0.01)}
+    assert len(beats) > 1                           # the counter moves
+    _holder(tmp_path, job="slurm:300", host="h", pid=1, token="theirs", beat=0)
+    time.sleep(0.3)
+    assert json.loads(path.read_text())["job"] == "slurm:300"     # not overwritten
+    lock.release()
+    assert path.exists()
 
 
 def test_release_leaves_a_lock_that_another_coordinator_took_over(tmp_path, monkeypatch):
