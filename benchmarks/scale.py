@@ -214,7 +214,7 @@ class Simulation:
             agent.journal.set_stage(ckpt, "capture", "done", seq=seq)   # not metadata
             agent.take()
         self.coord_cpu, self.coord_sent, self.coord_messages = 0.0, 0, 0
-        self._level(lambda node: {"type": "marker", "ckpt": ckpt, "t": self.clock(),
+        self._level(lambda node: {"type": "marker", "ckpt": ckpt,
                                   "global_files": [".metadata"] if node == 0 else []})
         self._tick()
         for node in range(self.nodes):

@@ -357,8 +357,6 @@ def _checked_reduced(raw: dict[str, Any], source: str) -> dict[str, Any]:
         index(node, what)
     relative_paths(_list(raw.get("global_files", []), "global_files", what), what,
                    "global file path")
-    if raw.get("t") is not None:
-        _seconds(raw["t"], "t", what)
     if not isinstance(raw.get("rule"), (str, type(None))):
         raise UnsafeInput(f"{what}: rule must be text, not {_short(raw.get('rule'))}")
     return raw

@@ -194,8 +194,8 @@ def reduce(reports: list[dict[str, Any]], node: int, rng: random.Random) -> dict
     if dead:
         out["dead"] = dead
     if kind == "marker":
-        first = min(parts, key=lambda p: p.get("t") or float("inf"))
-        out.update(t=first.get("t"), rule=first.get("rule"), global_files=sorted(
+        rule = next((p["rule"] for p in parts if p.get("rule")), None)
+        out.update(rule=rule, global_files=sorted(
             {f for p in parts for f in p.get("global_files", [])}))
     return out
 
@@ -206,7 +206,7 @@ def _single(report: dict[str, Any]) -> dict[str, Any]:
            "runs": [[node, node]], "samples": [[node, float(report.get("duration", 0.0))]],
            "dead": report.get("dead", [])}
     if report["type"] == "marker":
-        out.update(t=report.get("t"), rule=report.get("rule"),
+        out.update(rule=report.get("rule"),
                    global_files=report.get("global_files", []), samples=[])
     return out
 
@@ -243,7 +243,7 @@ def expand(report: dict[str, Any]) -> Iterator[dict[str, Any]]:
     seconds = {int(n): s for n, s in report["samples"]}
     extra: dict[str, Any] = {"dead": report.get("dead", [])}
     if kind == "marker":
-        extra = {"t": report.get("t"), "rule": report.get("rule"),
+        extra = {"rule": report.get("rule"),
                  "global_files": report.get("global_files", [])}
     for first, last in report["runs"]:
         for node in range(first, last + 1):

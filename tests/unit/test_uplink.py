@@ -107,14 +107,13 @@ def test_a_level_waits_for_its_subtree_then_at_most_the_hold():
     assert nodes_in(link.due()) == [4]
 
 
-def test_markers_go_at_the_next_turn_reduced_with_the_first_time():
+def test_markers_go_at_the_next_turn_reduced_with_their_files():
     link = Uplink(1, 7, 2, clock=Clock())
-    link.add({"type": "marker", "ckpt": "s", "node": 3, "t": 5.0, "global_files": []})
-    link.add({"type": "marker", "ckpt": "s", "node": 1, "t": 4.0,
+    link.add({"type": "marker", "ckpt": "s", "node": 3, "global_files": []})
+    link.add({"type": "marker", "ckpt": "s", "node": 1,
               "global_files": [".metadata"], "rule": "dcp"})
     (reduced,) = link.due()
-    assert (reduced["t"], reduced["rule"], reduced["global_files"]) == (4.0, "dcp",
-                                                                        [".metadata"])
+    assert (reduced["rule"], reduced["global_files"]) == ("dcp", [".metadata"])
     assert nodes_in([reduced]) == [1, 3]
 
 
