@@ -111,13 +111,15 @@ class Uplink:
     def due(self) -> list[dict[str, Any]]:
         """The reports to send to `parent` now: whole ones, and one reduced report per
         level whose subtree is complete or has waited long enough (markers at once)."""
-        out, self._now = self._now, []
+        out: list[dict[str, Any]] = []
         now = self.clock()
+        # `drained` says a node has nothing more to report: what it holds goes first
+        barrier = any(r["type"] == "drained" for r in self._now)
         for (_ckpt, kind), level in self._levels.items():
             out += level.whole
             level.sent += level.whole
             level.whole = []
-            if level.waiting and (kind not in HELD or level.count >= self._expected
+            if level.waiting and (barrier or kind not in HELD or level.count >= self._expected
                                   or now - level.first >= self.hold):
                 # the root hands them to the coordinator as they came: one more
                 # reduction would keep SAMPLES durations of the whole job
@@ -125,6 +127,8 @@ class Uplink:
                         else [reduce(level.waiting, self.node, self.random)])
                 level.sent += level.waiting
                 level.waiting = []
+        out += self._now
+        self._now = []
         return out
 
     def forget(self, ckpt: str) -> None:

@@ -192,3 +192,14 @@ def test_flush_progress_goes_up_only_in_small_jobs():
     small, large = Uplink(1, 64, 4, clock=Clock()), Uplink(1, 65, 4, clock=Clock())
     assert small.add(progress) and large.add(progress)
     assert small.due() == [progress] and large.due() == []
+
+
+def test_drained_goes_up_after_every_report_the_node_holds():
+    """The coordinator ends the run when every node drained: a flush held for the rest
+    of a subtree must not arrive after it."""
+    link = Uplink(1, 7, 2, hold=60, clock=Clock())      # children 3, 4 yet to report
+    link.add({"type": "flushed", "ckpt": "s", "node": 1, "bundle": bundle_name(1)})
+    assert link.due() == []
+    link.add({"type": "drained", "node": 1})
+    out = link.due()
+    assert [r["type"] for r in out] == ["reduced", "drained"]
