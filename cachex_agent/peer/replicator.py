@@ -43,12 +43,14 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from ..checksum import hasher
 from ..config import Config
 from ..events import EventLog
 from ..handles import Handle, Stage, StageLog, State, held_for_tests
 from ..layout import NodePaths
-from ..manifest import LocalManifest
+from ..manifest import FileEntry, LocalManifest
 from ..messages import Ack, Begin, Credit, End, File, FileCaptured, Slot
+from ..stage.capture import linked_hint
 from .partners import incoming
 from .store import ReplicaStore
 from .window import ReceiveWindow
@@ -102,6 +104,8 @@ class Sender:
     offset: int = 0
     announced: int = 0      # File messages sent (a stream)
     handle: BinaryIO | None = None
+    piece_mapped: bool = False      # the open file is Put from mappings
+    digest: Any = None      # of the open file read into the buffer, checked at its end
     # queued | sending | ending | waiting (a stream abandoned, for the final manifest)
     # | done | failed
     state: str = "queued"
@@ -122,8 +126,10 @@ class Sender:
 
         Mapped, the bytes are a view of a mapping of just that piece (no copy, and memory
         bounded by one slot whatever the file size); drop the view once it was Put. A
-        capture by reference is read into `buffer` instead: its files are the trainer's,
-        and a mapped file truncated under us would end the agent with SIGBUS."""
+        capture by reference, or a file captured by hard link, is read into `buffer`
+        instead: its file is the trainer's, and a mapped file truncated under us would end
+        the agent with SIGBUS. A linked file is hashed on the way: one the trainer
+        rewrote since its capture ends the stream with the reason (OSError)."""
         files = self.manifest.files
         while self.file < len(files):
             entry = files[self.file]
@@ -131,10 +137,12 @@ class Sender:
                 if self.handle is None:
                     self.handle = self._open(entry.path, entry.size)
                 length = min(buffer.nbytes, entry.size - self.offset)
-                data = (map_piece(self.handle.fileno(), self.offset, length) if self.mapped
-                        else self._read(buffer, length))
+                data = (map_piece(self.handle.fileno(), self.offset, length)
+                        if self.piece_mapped else self._read(buffer, length))
                 chunk = (self.file, self.offset, data)
                 self.offset += length
+                if self.offset == entry.size and self.digest is not None:
+                    self._check(entry)
                 return chunk
             self._next_file()
         return None
@@ -144,11 +152,24 @@ class Sender:
         if self.stream is not None and not path.exists():
             path = self.stream.final_dir / relpath      # the part was renamed into place
         handle = open(path, "rb", buffering=0)  # noqa: SIM115
-        if os.fstat(handle.fileno()).st_size < size:
+        st = os.fstat(handle.fileno())
+        if st.st_size < size:
             handle.close()
             raise OSError(errno.EIO, f"{self.source / relpath}: shorter than its manifest")
         handle.seek(self.offset)
+        # a second name is the trainer's spool file (a capture by hard link): read, and
+        # hashed here to say why, should the partner find it differing
+        linked = st.st_nlink > 1
+        self.piece_mapped = self.mapped and not linked
+        self.digest = hasher() if linked and not self.offset else None
         return handle
+
+    def _check(self, entry: FileEntry) -> None:
+        """The file read into the buffer must be the one captured."""
+        assert self.handle is not None
+        if self.digest.hexdigest() != entry.checksum:
+            raise OSError(errno.EIO, f"{self.handle.name}: checksum differs from the"
+                          f" capture's{linked_hint(self.handle.name)}")
 
     def _read(self, buffer: np.ndarray, length: int) -> np.ndarray:
         assert self.handle is not None
@@ -159,13 +180,15 @@ class Sender:
             if not n:
                 raise OSError(errno.EIO, f"{self.handle.name}: shorter than its manifest")
             done += n
+        if self.digest is not None:
+            self.digest.update(view)
         return buffer[:length]
 
     def _next_file(self) -> None:
         if self.handle is not None:
             self.handle.close()
             self.handle = None
-        self.file, self.offset = self.file + 1, 0
+        self.file, self.offset, self.digest = self.file + 1, 0, None
 
     def close(self) -> None:
         if self.handle is not None:
