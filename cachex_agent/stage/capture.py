@@ -28,6 +28,7 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import stat
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -82,7 +83,7 @@ class Plan:
     link: frozenset[str] = frozenset()
     ranged: bool = False    # copy by copy_file_range (until the kernel refuses it once)
     linked: list[str] = field(default_factory=list)
-    refused: str = ""       # the first refusal: the files after it are copied
+    refused: str = ""       # the first link refused (that file, and any other, copied)
 
 
 def same_file_system(a: Path, b: Path) -> bool:
@@ -193,7 +194,7 @@ def capture_copy(src: Path, dst: Path, relpaths: Iterable[str], chunk: int = COP
         for i, rel in enumerate(relpaths):
             source = sources.get(rel, src / rel)
             linked = (_link_one(source, partial, rel, plan, on_bytes)
-                      if rel in plan.link and not plan.refused else None)
+                      if rel in plan.link else None)
             entries.append(linked or _copy_one(source, partial, rel, buffer, on_bytes, plan))
             if on_file is not None:
                 on_file(i, entries[-1], partial)
@@ -246,10 +247,13 @@ def _copy(source: Path, target: Path, buffer: mmap.mmap,
 def _link_one(source: Path, dst: Path, rel: str, plan: Plan,
               on_bytes: Callable[[int], None] | None) -> FileEntry | None:
     """Hard-link `source` as `dst/rel` and checksum it in one read; None when the file
-    system refuses the link (`plan.refused` says why: the caller copies)."""
+    system refuses the link (`plan.refused` says why) or the file is setuid, setgid or
+    sticky (no such file under cachex's directories): the caller copies it."""
     target = dst / rel
     makedirs(target.parent)
     before = _identity(source)
+    if _special_bits(source):
+        return None
     try:
         os.link(source, target, follow_symlinks=False)
     except FileNotFoundError:
@@ -257,7 +261,7 @@ def _link_one(source: Path, dst: Path, rel: str, plan: Plan,
     except OSError as exc:
         if exc.errno not in _LINK_REFUSED:
             raise
-        plan.refused = f"{source}: not linked ({exc.strerror}); copied from there on"
+        plan.refused = plan.refused or f"{source}: not linked ({exc.strerror}); copied"
         return None
     if target.stat().st_ino != before[0]:
         raise PartChanged(f"{source}: replaced during capture")
@@ -267,6 +271,13 @@ def _link_one(source: Path, dst: Path, rel: str, plan: Plan,
     if on_bytes:
         on_bytes(before[1])
     return FileEntry(rel, before[1], before[3], checksum)
+
+
+def _special_bits(path: Path) -> bool:
+    try:
+        return bool(path.stat().st_mode & (stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX))
+    except FileNotFoundError:
+        raise PartChanged(f"{path}: deleted during capture") from None
 
 
 def _identity(path: Path) -> tuple[int, int, int, int]:

@@ -150,6 +150,19 @@ def test_only_the_files_of_the_plan_are_linked(tmp_path):
     assert nlinks == {rel: 2 if rel == "__0_0.distcp" else 1 for rel in rels}
 
 
+def test_a_setuid_setgid_or_sticky_file_is_copied_not_linked(tmp_path):
+    src = write_part(tmp_path / "spool" / "step_1")
+    os.chmod(src / "__0_0.distcp", 0o4755)
+    os.chmod(src / ".metadata", 0o1644)
+    rels = list_files(src)
+    plan = Plan(frozenset(rels))
+    capture_copy(src, tmp_path / "stage" / "step_1", rels, plan=plan)
+    assert sorted(plan.linked) == ["empty.bin", "sub/__0_1.distcp"] and not plan.refused
+    for rel in ("__0_0.distcp", ".metadata"):
+        staged = (tmp_path / "stage" / "step_1" / rel).stat()
+        assert staged.st_nlink == 1 and stat.S_IMODE(staged.st_mode) == 0o600
+
+
 def test_a_link_across_file_systems_falls_back_to_a_copy(tmp_path, shm):
     src = write_part(shm / "spool" / "step_1")
     other_file_systems(shm, tmp_path)
