@@ -19,12 +19,13 @@ the whole part again from it, so a torn part is never a replica.
 Each owner has `peer.slots` slots of `peer.slot` bytes in each partner's window, so
 memory is bounded by the window whatever the checkpoint size, and several owners can
 send to one partner at once. Bytes go from a mapping of the staged file straight into
-the partner's window (no read into a buffer first). The main thread calls `pump()`
-every tick: it never blocks on a partner. It polls MPI fast only while `waits_on_peer()`
-(a credit, an ack or a slot is due); the partner's writer and the capture wake it through
-the inbox for everything else. A partner that leaves slots unanswered for
-`agent.timeout` is declared dead: reported, never sent to again in this run; the
-owner's data goes on to the PFS.
+the partner's window (no read into a buffer first); a file captured by hard link, still
+the trainer's, is read into a buffer and checked against its checksum instead. The
+main thread calls `pump()` every tick: it never blocks on a partner. It polls MPI fast
+only while `waits_on_peer()` (a credit, an ack or a slot is due); the partner's writer
+and the capture wake it through the inbox for everything else. A partner that leaves
+slots unanswered for `agent.timeout` is declared dead: reported, never sent to again in
+this run; the owner's data goes on to the PFS.
 """
 
 from __future__ import annotations
