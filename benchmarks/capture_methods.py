@@ -4,7 +4,7 @@
            read into a 1 MiB buffer, hash, write; fsync)
   range    copy_file_range inside the kernel, fsync, then one read of the copy to hash it
            (checksum.copy_range_with_checksum)
-  link     os.link, then one read to hash it (what a capture by link costs)
+  link     os.link, fsync, then one read to hash it (what a capture by link costs)
 
 alternating every repeat, in each --dir (default /dev/shm and the disk of the system
 temp directory), wall and CPU seconds (this process: a kernel copy is the caller's
@@ -38,11 +38,14 @@ from cachex_agent.checksum import (  # noqa: E402
     file_checksum,
 )
 from cachex_agent.config import parse_size  # noqa: E402
+from cachex_agent.fsutil import fsync_file  # noqa: E402
 from cachex_agent.stage.capture import file_system_type  # noqa: E402
 
 
 def link_with_checksum(src: Path, dst: Path) -> tuple[int, str]:
+    """What the capture does for a linked file (stage/capture.py, `_link_one`)."""
     os.link(src, dst)
+    fsync_file(dst)
     return dst.stat().st_size, file_checksum(dst)
 
 

@@ -41,7 +41,15 @@ from ..checksum import (
     file_checksum,
 )
 from ..errors import OperationError
-from ..fsutil import fsync_dir, fsync_tree, makedirs, partial_path, remove_under, trainer_mode
+from ..fsutil import (
+    fsync_dir,
+    fsync_file,
+    fsync_tree,
+    makedirs,
+    partial_path,
+    remove_under,
+    trainer_mode,
+)
 from ..manifest import FileEntry
 from .quiescence import FileState
 
@@ -265,6 +273,7 @@ def _link_one(source: Path, dst: Path, rel: str, plan: Plan,
         return None
     if target.stat().st_ino != before[0]:
         raise PartChanged(f"{source}: replaced during capture")
+    fsync_file(target)      # durable before recorded, as a copy is (free on tmpfs)
     checksum = file_checksum(target)
     _check_unchanged(source, before)    # the same inode: a write while hashing shows here
     plan.linked.append(rel)
