@@ -91,7 +91,7 @@ class Plan:
     link: frozenset[str] = frozenset()
     ranged: bool = False    # copy by copy_file_range (until the kernel refuses it once)
     linked: list[str] = field(default_factory=list)
-    refused: str = ""       # the first link refused (that file, and any other, copied)
+    refused: str = ""       # why a link asked for was not made (the first refusal)
 
 
 def same_file_system(a: Path, b: Path) -> bool:

@@ -302,12 +302,12 @@ class CaptureWorker:
         """The files to hard-link (stage.capture, the rule, the file systems): those of
         the checkpoint directory, or the single-file checkpoint itself; never a tracker
         (every save rewrites it in place)."""
-        spool, stage = self.paths.spool, self.paths.stage
-        method, _why = capture_method(self.config.stage.capture,
-                                      self.rule.writes_new_files(spool, ckpt), spool, stage)
+        spool, stage, setting = self.paths.spool, self.paths.stage, self.config.stage.capture
+        method, why = capture_method(setting, self.rule.writes_new_files(spool, ckpt), spool,
+                                     stage)
         ranged = copies_in_kernel(spool, stage)
-        if method != "link":
-            return Plan(ranged=ranged)
+        if method != "link":    # said when a link was asked for (the captured event)
+            return Plan(ranged=ranged, refused=why if setting == "link" else "")
         single = self.rule.is_file_checkpoint(spool, ckpt)
         return Plan(frozenset(roots if single else relpaths), ranged=ranged)
 
