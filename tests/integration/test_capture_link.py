@@ -61,6 +61,10 @@ def assert_replica_refused(c: Cluster) -> None:
     assert MISMATCH in failed[-1]["error"]
 
 
+def named_any(c: Cluster, node: int, event: str, ckpt: str) -> list[dict]:
+    return [e for e in c.events(node) if e["event"] == event and e.get("ckpt") == ckpt]
+
+
 @pytest.fixture
 def two_nodes(cluster):
     return cluster(nodes=2)
@@ -116,4 +120,20 @@ def test_trackers_are_copied_and_a_directory_of_its_own_is_linked(cluster):
     assert tracker.stat().st_ino != (c.spool(0) / "latest").stat().st_ino
     for path in (c.spool(0) / ckpt).iterdir():
         assert (staged / path.name).stat().st_ino == path.stat().st_ino, path.name
+    assert c.stop() == 0
+
+
+@pytest.mark.parametrize("capture, nlink", [("auto", 1), ("link", 2)])
+def test_a_single_file_is_copied_unless_link_is_asked_for(cluster, capture, nlink):
+    """torch.save may rewrite a file in place: `auto` copies it; `stage.capture = "link"`
+    (a writer known to save under new names) links it."""
+    c = cluster(nodes=2, rule="torch", commit='settle = "500ms"',
+                extra=f'[stage]\ncapture = "{capture}"')
+    c.start_agents()
+    (c.spool(0) / "step1.pt").write_bytes(os.urandom(150_000))
+    c.wait_level("step1.pt", "flushed", timeout=120)
+    (staged,) = [p for p in (c.stage(0) / "step1.pt").rglob("step1.pt")]
+    assert staged.stat().st_nlink == nlink
+    assert (staged.stat().st_ino == (c.spool(0) / "step1.pt").stat().st_ino) is (nlink == 2)
+    assert named_any(c, 0, "captured", "step1.pt")[0]["linked"] == nlink - 1
     assert c.stop() == 0
