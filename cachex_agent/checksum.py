@@ -1,4 +1,5 @@
-"""xxh3-128 checksums, computed in the same pass that moves the bytes."""
+"""xxh3-128 checksums, computed in the same pass that moves the bytes (or, for a copy
+made inside the kernel, in one read of the copy)."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ CHUNK = 8 * 1024 * 1024
 #: it, the hash and the write that empties it (8 MiB went through memory three times and
 #: cost a third more CPU than 1 MiB when copying tmpfs to tmpfs)
 COPY_CHUNK = 1024 * 1024
+#: bytes asked of one copy_file_range call (progress is reported per call)
+RANGE_CHUNK = 64 * 1024 * 1024
 
 
 def copy_buffer(size: int = COPY_CHUNK) -> mmap.mmap:
@@ -74,3 +77,22 @@ def copy_with_checksum(src: str | os.PathLike[str], dst: str | os.PathLike[str],
                 on_bytes(n)
         os.fsync(fout.fileno())
     return total, digest.hexdigest()
+
+
+def copy_range_with_checksum(src: str | os.PathLike[str], dst: str | os.PathLike[str],
+                             on_bytes: Callable[[int], None] | None = None
+                             ) -> tuple[int, str]:
+    """`copy_with_checksum` by copy_file_range: the bytes never enter user space (a
+    reflink or a server-side copy where the file system has one), so the checksum takes
+    one read of the copy. OSError EXDEV, EINVAL, ENOSYS... where the kernel cannot:
+    copy with `copy_with_checksum` then. On disk (ext4) this took 28-64% less CPU than
+    the copy through user space, on tmpfs 4-21% more (docs/benchmarks.md, capture
+    methods): the capture uses it on disk only."""
+    total = 0
+    with open(src, "rb", buffering=0) as fin, open_private(dst, buffering=0) as fout:
+        while n := os.copy_file_range(fin.fileno(), fout.fileno(), RANGE_CHUNK):
+            total += n
+            if on_bytes:
+                on_bytes(n)
+        os.fsync(fout.fileno())
+    return total, file_checksum(dst)

@@ -287,6 +287,11 @@ class Commit:
 
 
 @dataclass(frozen=True)
+class Staging:
+    capture: str = "auto"       # auto | link | copy (stage/capture.py)
+
+
+@dataclass(frozen=True)
 class Peer:
     copies: int = 1
     stride: int = 1
@@ -345,6 +350,7 @@ _PARSERS: dict[str, dict[str, Parser]] = {
         "settle": _duration(), "timeout": _duration(1.0), "scan": _duration(1e-3),
         "mirror": _bool, "globals": _names,
     },
+    "stage": {"capture": _choice("auto", "link", "copy")},
     "peer": {"copies": _int(1, 64), "stride": _int(1), "slot": _buffer_size,
              "slots": _int(1, 1024), "scheme": _scheme, "group": _int(2, MAX_GROUP)},
     "flush": {
@@ -360,7 +366,8 @@ _PARSERS: dict[str, dict[str, Parser]] = {
     "agent": {"poll": _duration(1e-3), "timeout": _duration(1.0),
               "log": _choice("debug", "info", "warning", "error"), "fanout": _int(2, 1024)},
 }
-_SECTIONS = {"paths": Paths, "topology": Topology, "commit": Commit, "peer": Peer,
+_SECTIONS = {"paths": Paths, "topology": Topology, "commit": Commit, "stage": Staging,
+             "peer": Peer,
              "flush": Flush, "keep": Keep, "model": Model, "agent": Agent}
 _RESERVED_ENV = {"CACHEX_CONFIG"}
 
@@ -407,6 +414,13 @@ MEANINGS: dict[str, str] = {
     "commit.globals": "More files that only one node writes and every rank reads, e.g."
                       " `[\"__0_0.distcp\"]` for DCP saved with"
                       " `dedup_save_to_lowest_rank=True`.",
+    "stage.capture": "How a node's part goes from the spool into the stage: `auto` hard-links"
+                     " the files of a framework that writes every save into new files"
+                     " (`dcp`, `deepspeed`, `megatron`, `hf`, `orbax`) when spool and stage"
+                     " share a file system, and copies the others; `link` hard-links every"
+                     " file it can (trackers excepted); `copy` always copies. A linked file"
+                     " is the trainer's own: one rewritten in place later fails its checksum"
+                     " and is never served (docs/levels.md).",
     "peer.copies": "Partners per node, each in a different failure domain.",
     "peer.stride": "The partners of node i are i+stride, i+2*stride, ... on the ring of"
                    " nodes, skipping the node's own failure domain.",
@@ -506,6 +520,7 @@ class Config:
     paths: Paths
     topology: Topology = Topology()
     commit: Commit = Commit()
+    stage: Staging = Staging()
     peer: Peer = Peer()
     flush: Flush = Flush()
     keep: Keep = Keep()

@@ -43,6 +43,7 @@ from ..errors import OperationError, describe
 from ..fsutil import commit_rename, create_file, fsync_dir, makedirs, temp_name, trainer_mode
 from ..manifest import FileEntry, LocalManifest
 from ..safepath import checkpoint_id, component, index, relative_path
+from ..stage.capture import linked_hint
 from .throttle import TokenBucket
 
 log = logging.getLogger(__name__)
@@ -284,7 +285,7 @@ def _copy_file(src: Path, entry: FileEntry, fd: int, offset: int,
     if digest.hexdigest() != entry.checksum:
         raise BundleError(f"{src}: checksum {digest.hexdigest()} differs from the"
                           f" manifest's {entry.checksum}; the staged copy changed or is"
-                          " corrupt")
+                          f" corrupt{linked_hint(src)}")
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

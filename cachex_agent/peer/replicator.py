@@ -19,12 +19,13 @@ the whole part again from it, so a torn part is never a replica.
 Each owner has `peer.slots` slots of `peer.slot` bytes in each partner's window, so
 memory is bounded by the window whatever the checkpoint size, and several owners can
 send to one partner at once. Bytes go from a mapping of the staged file straight into
-the partner's window (no read into a buffer first). The main thread calls `pump()`
-every tick: it never blocks on a partner. It polls MPI fast only while `waits_on_peer()`
-(a credit, an ack or a slot is due); the partner's writer and the capture wake it through
-the inbox for everything else. A partner that leaves slots unanswered for
-`agent.timeout` is declared dead: reported, never sent to again in this run; the
-owner's data goes on to the PFS.
+the partner's window (no read into a buffer first); a file captured by hard link, still
+the trainer's, is read into a buffer and checked against its checksum instead. The
+main thread calls `pump()` every tick: it never blocks on a partner. It polls MPI fast
+only while `waits_on_peer()` (a credit, an ack or a slot is due); the partner's writer
+and the capture wake it through the inbox for everything else. A partner that leaves
+slots unanswered for `agent.timeout` is declared dead: reported, never sent to again in
+this run; the owner's data goes on to the PFS.
 """
 
 from __future__ import annotations
@@ -43,12 +44,14 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
+from ..checksum import hasher
 from ..config import Config
 from ..events import EventLog
 from ..handles import Handle, Stage, StageLog, State, held_for_tests
 from ..layout import NodePaths
-from ..manifest import LocalManifest
+from ..manifest import FileEntry, LocalManifest
 from ..messages import Ack, Begin, Credit, End, File, FileCaptured, Slot
+from ..stage.capture import linked_hint
 from .partners import incoming
 from .store import ReplicaStore
 from .window import ReceiveWindow
@@ -102,6 +105,8 @@ class Sender:
     offset: int = 0
     announced: int = 0      # File messages sent (a stream)
     handle: BinaryIO | None = None
+    piece_mapped: bool = False      # the open file is Put from mappings
+    digest: Any = None      # of the open file read into the buffer, checked at its end
     # queued | sending | ending | waiting (a stream abandoned, for the final manifest)
     # | done | failed
     state: str = "queued"
@@ -122,8 +127,10 @@ class Sender:
 
         Mapped, the bytes are a view of a mapping of just that piece (no copy, and memory
         bounded by one slot whatever the file size); drop the view once it was Put. A
-        capture by reference is read into `buffer` instead: its files are the trainer's,
-        and a mapped file truncated under us would end the agent with SIGBUS."""
+        capture by reference, or a file captured by hard link, is read into `buffer`
+        instead: its file is the trainer's, and a mapped file truncated under us would end
+        the agent with SIGBUS. A linked file is hashed on the way: one the trainer
+        rewrote since its capture ends the stream with the reason (OSError)."""
         files = self.manifest.files
         while self.file < len(files):
             entry = files[self.file]
@@ -131,10 +138,12 @@ class Sender:
                 if self.handle is None:
                     self.handle = self._open(entry.path, entry.size)
                 length = min(buffer.nbytes, entry.size - self.offset)
-                data = (map_piece(self.handle.fileno(), self.offset, length) if self.mapped
-                        else self._read(buffer, length))
+                data = (map_piece(self.handle.fileno(), self.offset, length)
+                        if self.piece_mapped else self._read(buffer, length))
                 chunk = (self.file, self.offset, data)
                 self.offset += length
+                if self.offset == entry.size and self.digest is not None:
+                    self._check(entry)
                 return chunk
             self._next_file()
         return None
@@ -144,11 +153,24 @@ class Sender:
         if self.stream is not None and not path.exists():
             path = self.stream.final_dir / relpath      # the part was renamed into place
         handle = open(path, "rb", buffering=0)  # noqa: SIM115
-        if os.fstat(handle.fileno()).st_size < size:
+        st = os.fstat(handle.fileno())
+        if st.st_size < size:
             handle.close()
             raise OSError(errno.EIO, f"{self.source / relpath}: shorter than its manifest")
         handle.seek(self.offset)
+        # a second name is the trainer's spool file (a capture by hard link): read, and
+        # hashed here to say why, should the partner find it differing
+        linked = st.st_nlink > 1
+        self.piece_mapped = self.mapped and not linked
+        self.digest = hasher() if linked and not self.offset else None
         return handle
+
+    def _check(self, entry: FileEntry) -> None:
+        """The file read into the buffer must be the one captured."""
+        assert self.handle is not None
+        if self.digest.hexdigest() != entry.checksum:
+            raise OSError(errno.EIO, f"{self.handle.name}: checksum differs from the"
+                          f" capture's{linked_hint(self.handle.name)}")
 
     def _read(self, buffer: np.ndarray, length: int) -> np.ndarray:
         assert self.handle is not None
@@ -159,13 +181,15 @@ class Sender:
             if not n:
                 raise OSError(errno.EIO, f"{self.handle.name}: shorter than its manifest")
             done += n
+        if self.digest is not None:
+            self.digest.update(view)
         return buffer[:length]
 
     def _next_file(self) -> None:
         if self.handle is not None:
             self.handle.close()
             self.handle = None
-        self.file, self.offset = self.file + 1, 0
+        self.file, self.offset, self.digest = self.file + 1, 0, None
 
     def close(self) -> None:
         if self.handle is not None:

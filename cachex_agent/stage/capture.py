@@ -1,6 +1,14 @@
-"""Capture: copy one node's files of a committed checkpoint from the spool into the stage.
+"""Capture: one node's files of a committed checkpoint, from the spool into the stage.
 
-Checksums are computed in the same pass as the copy. The captured directory appears
+Each file is copied, or hard-linked where the `Plan` allows it (`capture_method`: the
+framework writes every save into new files, and spool and stage share a file system):
+a link reads the file once, for its checksum, and the bytes live once in memory. A
+linked file is the trainer's inode: a later rewrite in place changes the staged bytes,
+which every reader then finds differing from the captured checksum (never served); so
+nothing here writes, truncates or chmods a staged file, and a linked one keeps the
+trainer's permission bits (the stage directory, 0700, keeps it private).
+
+A copy computes its checksum in the same pass as the copy. The captured directory appears
 under its final name only when every file is copied and fsynced (rename of a partial
 directory, fsutil.partial_path), so a half-captured checkpoint is never mistaken for a
 whole one. A source file whose inode, size or mtime changed during the copy was
@@ -20,12 +28,28 @@ from __future__ import annotations
 import errno
 import mmap
 import os
+import stat
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checksum import COPY_CHUNK, copy_buffer, copy_with_checksum, file_checksum
+from ..checksum import (
+    COPY_CHUNK,
+    copy_buffer,
+    copy_range_with_checksum,
+    copy_with_checksum,
+    file_checksum,
+)
 from ..errors import OperationError
-from ..fsutil import fsync_dir, fsync_tree, makedirs, partial_path, remove_under, trainer_mode
+from ..fsutil import (
+    fsync_dir,
+    fsync_file,
+    fsync_tree,
+    makedirs,
+    partial_path,
+    remove_under,
+    trainer_mode,
+)
 from ..manifest import FileEntry
 from .quiescence import FileState
 
@@ -44,6 +68,89 @@ _FULL = frozenset({errno.ENOSPC, errno.EDQUOT})
 
 def is_stage_full(exc: OSError) -> bool:
     return exc.errno in _FULL
+
+
+#: os.link's refusals that a copy gets past: another mount (a bind mount of the same
+#: file system too), another owner's file (fs.protected_hardlinks), too many links, a
+#: file system without hard links
+_LINK_REFUSED = frozenset({errno.EXDEV, errno.EPERM, errno.EACCES, errno.EMLINK,
+                           errno.EOPNOTSUPP, errno.ENOTSUP})
+#: copy_file_range's refusals (another file system, an old kernel, a special file)
+_RANGE_REFUSED = frozenset({errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP,
+                            errno.ENOTSUP})
+#: file systems in memory: a copy through user space, hashed in the same pass, took
+#: less CPU there than copy_file_range and a read (docs/benchmarks.md, capture)
+_IN_MEMORY = frozenset({"tmpfs", "ramfs"})
+
+
+@dataclass
+class Plan:
+    """Which files of one capture may be hard-linked (the others are copied), and what
+    the capture did: the files it linked, why a link fell back to a copy."""
+
+    link: frozenset[str] = frozenset()
+    ranged: bool = False    # copy by copy_file_range (until the kernel refuses it once)
+    linked: list[str] = field(default_factory=list)
+    refused: str = ""       # why a link asked for was not made (the first refusal)
+
+
+def same_file_system(a: Path, b: Path) -> bool:
+    """Both exist on one file system (a hard link between them may still meet EXDEV:
+    two mounts of one file system)."""
+    try:
+        return os.stat(a).st_dev == os.stat(b).st_dev
+    except OSError:
+        return False
+
+
+def file_system_type(path: Path) -> str:
+    """The type of the file system holding `path` (`tmpfs`, `ext4`...), '' if unknown:
+    the mount whose device is the file's, in /proc/self/mountinfo."""
+    try:
+        dev = os.stat(path).st_dev
+        with open("/proc/self/mountinfo", encoding="utf-8") as mounts:
+            lines = mounts.read().splitlines()
+    except OSError:
+        return ""
+    wanted = f"{os.major(dev)}:{os.minor(dev)}"
+    for line in lines:
+        fields, _, rest = line.partition(" - ")
+        if fields.split()[2:3] == [wanted] and rest:
+            return rest.split()[0]
+    return ""
+
+
+def copies_in_kernel(spool: Path, stage: Path) -> bool:
+    """Copies go through copy_file_range: spool and stage share a file system on disk."""
+    return same_file_system(spool, stage) and file_system_type(stage) not in _IN_MEMORY
+
+
+def capture_method(setting: str, new_files: bool, spool: Path, stage: Path
+                   ) -> tuple[str, str]:
+    """("link" or "copy", why) for the files of one part. `setting`: stage.capture;
+    `new_files`: the rule knows its framework writes every save into new files."""
+    if setting == "copy":
+        return "copy", "stage.capture = copy"
+    if setting == "auto" and not new_files:
+        return "copy", "the framework may rewrite its files in place"
+    if not same_file_system(spool, stage):
+        return "copy", f"{spool} and {stage} are on different file systems"
+    return "link", ""
+
+
+def is_linked(path: str | os.PathLike[str]) -> bool:
+    """A staged file that is also a name of the trainer's file (a capture by link whose
+    spool name still exists): the trainer can still write it."""
+    try:
+        return os.stat(path).st_nlink > 1
+    except OSError:
+        return False
+
+
+def linked_hint(path: str | os.PathLike[str]) -> str:
+    """What a report of a staged file's checksum mismatch adds when it is linked."""
+    return (" (captured by hard link: the trainer rewrote its file in place since)"
+            if is_linked(path) else "")
 
 
 def part_changes(before: Mapping[Path, FileState], after: Mapping[Path, FileState]) -> str:
@@ -76,14 +183,16 @@ def list_files(ckpt_dir: Path, ignore: Callable[[str], bool] = lambda _: False) 
 def capture_copy(src: Path, dst: Path, relpaths: Iterable[str], chunk: int = COPY_CHUNK,
                  on_bytes: Callable[[int], None] | None = None,
                  sources: Mapping[str, Path] | None = None,
-                 on_file: Callable[[int, FileEntry, Path], None] | None = None
-                 ) -> list[FileEntry]:
+                 on_file: Callable[[int, FileEntry, Path], None] | None = None,
+                 plan: Plan | None = None) -> list[FileEntry]:
     """Copy `relpaths` from `src` into the new directory `dst`; return their entries.
     `sources` names the file read for a relpath that does not live under `src` (a
     tracker or single-file checkpoint at the spool root). `on_file(i, entry, partial)`:
     file i is copied, fsynced and checked unchanged, in `partial` (renamed to `dst` at
-    the end); a later failure or retry of the part may still discard it."""
+    the end); a later failure or retry of the part may still discard it. `plan`: the
+    files to hard-link instead (it records those linked)."""
     sources = sources or {}
+    plan = plan or Plan()
     partial = partial_path(dst)
     remove_under(dst.parent, partial)
     makedirs(partial)
@@ -91,8 +200,10 @@ def capture_copy(src: Path, dst: Path, relpaths: Iterable[str], chunk: int = COP
     try:
         entries = []
         for i, rel in enumerate(relpaths):
-            entries.append(_copy_one(sources.get(rel, src / rel), partial, rel, buffer,
-                                     on_bytes))
+            source = sources.get(rel, src / rel)
+            linked = (_link_one(source, partial, rel, plan, on_bytes)
+                      if rel in plan.link else None)
+            entries.append(linked or _copy_one(source, partial, rel, buffer, on_bytes, plan))
             if on_file is not None:
                 on_file(i, entries[-1], partial)
         fsync_tree(partial)
@@ -118,15 +229,64 @@ def capture_reference(src: Path, relpaths: Iterable[str]) -> list[FileEntry]:
 
 
 def _copy_one(source: Path, dst: Path, rel: str, buffer: mmap.mmap,
-              on_bytes: Callable[[int], None] | None) -> FileEntry:
+              on_bytes: Callable[[int], None] | None, plan: Plan) -> FileEntry:
     target = dst / rel
     makedirs(target.parent)
     before = _identity(source)
-    size, checksum = copy_with_checksum(source, target, on_bytes=on_bytes, buffer=buffer)
+    size, checksum = _copy(source, target, buffer, on_bytes, plan)
     _check_unchanged(source, before)
     if size != before[1]:
         raise PartChanged(f"{source}: size changed during capture ({before[1]} -> {size})")
     return FileEntry(rel, size, before[3], checksum)
+
+
+def _copy(source: Path, target: Path, buffer: mmap.mmap,
+          on_bytes: Callable[[int], None] | None, plan: Plan) -> tuple[int, str]:
+    if plan.ranged:
+        try:
+            return copy_range_with_checksum(source, target, on_bytes=on_bytes)
+        except OSError as exc:
+            if exc.errno not in _RANGE_REFUSED:
+                raise
+            plan.ranged = False         # the kernel said no: through user space from now
+    return copy_with_checksum(source, target, on_bytes=on_bytes, buffer=buffer)
+
+
+def _link_one(source: Path, dst: Path, rel: str, plan: Plan,
+              on_bytes: Callable[[int], None] | None) -> FileEntry | None:
+    """Hard-link `source` as `dst/rel` and checksum it in one read; None when the file
+    system refuses the link (`plan.refused` says why) or the file is setuid, setgid or
+    sticky (no such file under cachex's directories): the caller copies it."""
+    target = dst / rel
+    makedirs(target.parent)
+    before = _identity(source)
+    if _special_bits(source):
+        return None
+    try:
+        os.link(source, target, follow_symlinks=False)
+    except FileNotFoundError:
+        raise PartChanged(f"{source}: deleted during capture") from None
+    except OSError as exc:
+        if exc.errno not in _LINK_REFUSED:
+            raise
+        plan.refused = plan.refused or f"{source}: not linked ({exc.strerror}); copied"
+        return None
+    if target.stat().st_ino != before[0]:
+        raise PartChanged(f"{source}: replaced during capture")
+    fsync_file(target)      # durable before recorded, as a copy is (free on tmpfs)
+    checksum = file_checksum(target)
+    _check_unchanged(source, before)    # the same inode: a write while hashing shows here
+    plan.linked.append(rel)
+    if on_bytes:
+        on_bytes(before[1])
+    return FileEntry(rel, before[1], before[3], checksum)
+
+
+def _special_bits(path: Path) -> bool:
+    try:
+        return bool(path.stat().st_mode & (stat.S_ISUID | stat.S_ISGID | stat.S_ISVTX))
+    except FileNotFoundError:
+        raise PartChanged(f"{path}: deleted during capture") from None
 
 
 def _identity(path: Path) -> tuple[int, int, int, int]:

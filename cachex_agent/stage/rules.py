@@ -122,6 +122,12 @@ class CommitRule(abc.ABC):
     #: (it gathers or barriers first): then the commit vouches for every node's files.
     #: Otherwise each node checks its own part (commit.settle) before capturing it.
     marker_implies_complete: bool = False
+    #: True when the framework writes every save into new files (a directory of its own
+    #: per step) and never rewrites a committed file in place: the capture may then
+    #: hard-link the files inside the checkpoint directory instead of copying them
+    #: (`stage.capture = auto`). Trackers at the spool root are rewritten by every save
+    #: and are always copied. Each rule's docstring says what it read.
+    new_files: bool = False
 
     def committed(self, spool: Path) -> list[str]:
         """Ids whose commit marker is present in this node's spool, oldest first."""
@@ -168,6 +174,11 @@ class CommitRule(abc.ABC):
         saving node writes, with no barrier before it), None when the commit suffices."""
         return None
 
+    def writes_new_files(self, spool: Path, ckpt_id: str) -> bool:
+        """May the files inside `ckpt_id`'s directory be captured by hard link (`new_files`)?
+        Keeps no state: the capture thread calls it."""
+        return self.new_files
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name}>"
 
@@ -180,6 +191,7 @@ class DcpRule(CommitRule):
     name = "dcp"
     marker = ".metadata"
     marker_implies_complete = True      # the coordinator rank writes it after a gather
+    new_files = True    # FileSystemWriter: new `__R_0.distcp` files per checkpoint_id
 
     def __init__(self, extra_global: Sequence[str] = ()) -> None:
         self.extra_global = tuple(extra_global)
@@ -209,6 +221,7 @@ class TrackerRule(CommitRule):
 
     tracker = ""
     marker_implies_complete = True      # rank 0 writes the tracker after a barrier
+    new_files = True    # a directory per save; the tracker (rewritten) is always copied
 
     def __init__(self) -> None:
         self._committed: set[str] = set()
@@ -352,6 +365,7 @@ class HfRule(CommitRule):
 
     name = "hf"
     marker = "trainer_state.json"
+    new_files = True    # `checkpoint-N/` per save, its files written once
     _RNG = re.compile(r"rng_state(_\d+)?\.pth")
 
     def _select(self, spool: Path, names: list[str]) -> Iterable[str]:
@@ -396,6 +410,7 @@ class OrbaxRule(CommitRule):
 
     name = "orbax"
     marker_implies_complete = True      # finalize runs after a barrier of every host
+    new_files = True    # the step directory is final once renamed or committed
     commit_file = "commit_success.txt"
     step_metadata = "_CHECKPOINT_METADATA"
 
@@ -439,6 +454,7 @@ class TorchFileRule(CommitRule):
 
     name = "torch"
     needs_polling = True
+    new_files = False   # torch.save truncates an existing file and writes it in place
     SUFFIXES = (".ckpt", ".pt", ".pth", ".safetensors")
 
     def __init__(self, settle: float, clock: Callable[[], float] = time.monotonic) -> None:
@@ -755,6 +771,9 @@ class AutoRule(CommitRule):
     def vouches_for(self, ckpt_dir: Path) -> bool:
         ckpt_dir = Path(ckpt_dir)
         return self._rule_for(ckpt_dir.parent, ckpt_dir.name).vouches_for(ckpt_dir)
+
+    def writes_new_files(self, spool: Path, ckpt_id: str) -> bool:
+        return self._rule_for(Path(spool), ckpt_id).writes_new_files(spool, ckpt_id)
 
 
 _DS_DIR = re.compile(r"global_step\d+")

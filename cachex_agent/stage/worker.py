@@ -38,8 +38,11 @@ from ..topology import Placement
 from .capture import (
     CaptureError,
     PartChanged,
+    Plan,
     capture_copy,
+    capture_method,
     capture_reference,
+    copies_in_kernel,
     is_stage_full,
     part_changes,
 )
@@ -53,7 +56,8 @@ TEST_FAIL_CAPTURE = "CACHEX_TEST_FAIL_CAPTURE"  # tests: this rank's capture thr
 # tests: "<node>:<dir>": after the first file of a checkpoint is copied, this node's
 # capture writes <dir>/paused-<ckpt> and waits for <dir>/resume-<ckpt>
 TEST_PAUSE = "CACHEX_TEST_CAPTURE_PAUSE"
-Captured = tuple[Path, list[FileEntry], str, str]   # where, entries, mode, why that mode
+# where, entries, mode, why that mode (or why a link fell back to a copy), files linked
+Captured = tuple[Path, list[FileEntry], str, str, int]
 OnFile = Callable[[int, FileEntry, Path], None]     # a file copied: stream it
 
 
@@ -142,7 +146,7 @@ class CaptureWorker:
         header = LocalManifest(run=self.config.run, ckpt=ckpt, seq=seq,
                                node=self.placement.node, host=self.placement.host,
                                rank=self.placement.rank, files=[])
-        target, entries, mode, reason = self._capture_whole(
+        target, entries, mode, reason, linked = self._capture_whole(
             handle, source, vouched, deadline, self._streamer(handle, header))
         if held_for_tests(Stage.CAPTURE, self.placement.node):
             handle.cancelled.wait(3600)
@@ -156,8 +160,9 @@ class CaptureWorker:
                              *global_candidates(self.rule, self.paths.spool, ckpt)})
         if not handle.set(State.DONE, persist={
                 "source": str(target), "mode": mode, "mode_reason": reason,
-                "bytes": manifest.bytes, "global_files": candidates}, bytes=manifest.bytes,
-                files=len(entries), mode=mode, reason=reason, duration=duration,
+                "linked": linked, "bytes": manifest.bytes, "global_files": candidates},
+                bytes=manifest.bytes, files=len(entries), linked=linked, mode=mode,
+                reason=reason, duration=duration,
                 write_start=self.first_seen(ckpt), committed_at=task.get("received")):
             return
         self.post({"type": "captured", "ckpt": ckpt, "manifest": manifest.to_json(),
@@ -260,20 +265,27 @@ class CaptureWorker:
 
     def _capture_once(self, ckpt: str, source: Path, listed: dict[Path, FileState],
                       on_file: OnFile) -> Captured:
-        """(where the captured bytes are, entries, mode, why that mode) of one capture."""
+        """(where the captured bytes are, entries, mode, why that mode, files linked) of
+        one capture."""
         relpaths = sorted(rel for rel in (p.relative_to(source).as_posix() for p in listed)
                           if not self.rule.ignore(rel))
         roots = {root_entry(n): self.paths.spool / n
                  for n in self.rule.root_entries(self.paths.spool, ckpt)}
-        total = sum(listed[source / rel][0] for rel in relpaths) + sum(
-            p.stat().st_size for p in roots.values())
+        sizes = {rel: listed[source / rel][0] for rel in relpaths} | {
+            rel: p.stat().st_size for rel, p in roots.items()}
+        plan = self._plan(ckpt, relpaths, roots)
+        # a linked file takes no more memory: only the copies must fit
+        total = sum(size for rel, size in sizes.items() if rel not in plan.link)
         target = self.paths.stage_dir(ckpt)
         if not memory_allows(total):
             reason = f"memory short: {total} bytes would leave less than {MEMORY_RESERVE}"
         else:
             try:
-                return target, capture_copy(source, target, [*relpaths, *roots],
-                                            sources=roots, on_file=on_file), "copy", ""
+                entries = capture_copy(source, target, [*relpaths, *roots], sources=roots,
+                                       on_file=on_file, plan=plan)
+                if plan.refused:
+                    log.warning("capture of %s: %s", ckpt, plan.refused)
+                return target, entries, "copy", plan.refused, len(plan.linked)
             except OSError as exc:
                 if not is_stage_full(exc):
                     raise
@@ -284,7 +296,20 @@ class CaptureWorker:
         if roots:   # a reference reads the part's directory: spool-root files stay out
             reason += f"; not captured: {', '.join(sorted(p.name for p in roots.values()))}"
         log.warning("capture of %s by reference: %s", ckpt, reason)
-        return source, capture_reference(source, relpaths), "reference", reason
+        return source, capture_reference(source, relpaths), "reference", reason, 0
+
+    def _plan(self, ckpt: str, relpaths: list[str], roots: dict[str, Path]) -> Plan:
+        """The files to hard-link (stage.capture, the rule, the file systems): those of
+        the checkpoint directory, or the single-file checkpoint itself; never a tracker
+        (every save rewrites it in place)."""
+        spool, stage, setting = self.paths.spool, self.paths.stage, self.config.stage.capture
+        method, why = capture_method(setting, self.rule.writes_new_files(spool, ckpt), spool,
+                                     stage)
+        ranged = copies_in_kernel(spool, stage)
+        if method != "link":    # said when a link was asked for (the captured event)
+            return Plan(ranged=ranged, refused=why if setting == "link" else "")
+        single = self.rule.is_file_checkpoint(spool, ckpt)
+        return Plan(frozenset(roots if single else relpaths), ranged=ranged)
 
 
 def global_candidates(rule: CommitRule, spool: Path, ckpt: str) -> list[str]:

@@ -39,6 +39,7 @@ CASES = [
     ("1TiB chunk", '[flush]\nchunk = "1TiB"\n', {}, ["flush.chunk"]),
     ("rs group is not K+M", '[peer]\nscheme = "rs:2+2"\ngroup = 5\n', {}, ["peer.group"]),
     ("rs without parity", '[peer]\nscheme = "rs:4+0"\n', {}, ["peer.scheme"]),
+    ("unknown capture method", '[stage]\ncapture = "reflink"\n', {}, ["stage.capture"]),
     ("window past memory", '[peer]\nslot = "1GiB"\nslots = 1024\n', {},
      ["peer.slot", "peer.slots"]),
     ("spool is the PFS run directory", "", {"spool": "{root}/pfs/t"},

@@ -72,10 +72,24 @@ def modes_under(root: Path) -> dict[str, int]:
     return {str(p): stat.S_IMODE(p.lstat().st_mode) for p in [root, *root.rglob("*")]}
 
 
-def assert_private(root: Path) -> None:
+def assert_private(root: Path, trainers: frozenset[tuple[int, int]] = frozenset()) -> None:
+    """Every directory 0700, every file 0600, but for the trainer's own files (device,
+    inode in `trainers`) that a capture by hard link put in the stage: never chmodded."""
     wrong = {path: oct(mode) for path, mode in modes_under(root).items()
-             if mode != (0o700 if Path(path).is_dir() else 0o600)}
+             if mode != (0o700 if Path(path).is_dir() else 0o600)
+             and inode(Path(path)) not in trainers}
     assert not wrong, f"not 0700 (directories) / 0600 (files): {wrong}"
+
+
+def inode(path: Path) -> tuple[int, int]:
+    st = path.lstat()
+    return st.st_dev, st.st_ino
+
+
+def spooled(c: Cluster) -> frozenset[tuple[int, int]]:
+    """The trainer's files in every node's spool."""
+    return frozenset(inode(p) for n in range(c.nodes) for p in c.spool(n).rglob("*")
+                     if p.is_file())
 
 
 def assert_trainer_files(directory: Path, expected: Part) -> None:
@@ -107,8 +121,11 @@ def test_files_are_private_whatever_the_umask_and_never_setuid(cluster, tmp_path
     assert result.returncode == 0, result.stderr
     assert_trainer_files(out, {**parts[0], **parts[1]})
     assert c.stop() == 0
+    linked = spooled(c)
     for root in cachex_roots(c):        # stage copies, replicas, journal, events, bundles
-        assert_private(root)
+        assert_private(root, linked)
+    # the setuid file was copied into the stage (0600): never linked
+    assert (c.stage(1) / CKPT / "bin/resume.sh").stat().st_nlink == 1
     assert (c.root / "node0/nvme/t/replicas/node-00001" / CKPT / "bin/resume.sh").is_file()
 
     lose_node(c, 1)                     # node 1's part comes back from node 0's replica
@@ -117,7 +134,7 @@ def test_files_are_private_whatever_the_umask_and_never_setuid(cluster, tmp_path
     assert (c.root / "node1/nvme/t/replicas/node-00000" / CKPT).is_dir()
     for root in cachex_roots(c):        # e.g. the replica of node 0 that recover made on node 1
         if root.exists():
-            assert_private(root)
+            assert_private(root, linked)
 
 
 # ---------------------------------------------------------------- point 5: names

@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import subprocess
+from typing import Any
 
 import pytest
 from harness import BIN, MPIEXEC, Cluster, files_of, finish, kill_tree
@@ -20,9 +21,9 @@ TRAIN = ["--shard-size", "256KiB", "--chunk-size", "64KiB", "--step-time", "0.02
          "--files-per-rank", "4", "--every", "4"]        # 8 ranks x 4 = 32 shards + .metadata
 
 
-def trained(cluster, steps: int) -> Cluster:
+def trained(cluster, steps: int, **kwargs: Any) -> Cluster:
     """Agents and trainer ran `steps` steps; everything flushed; agents stopped."""
-    c = cluster()
+    c = cluster(**kwargs)
     c.start_agents()
     finish(c.trainer("--steps", str(steps), *TRAIN))
     c.wait_level(f"step_{steps:05d}", "flushed")
@@ -170,16 +171,20 @@ def test_a_replica_found_corrupt_in_transfer_gives_that_file_from_the_pfs(cluste
     assert shard.read_bytes() == before[0]["__0_1.distcp"]
 
 
-def test_a_corrupt_file_kept_in_place_comes_from_the_nodes_stage(cluster):
-    c = trained(cluster, 4)
+@pytest.mark.parametrize("capture, source", [
+    ("copy", "taken from its own stage"),
+    # captured by hard link, the stage is the same file: found bad too, never served
+    ("auto", "its own stage: checksum mismatch; taken from replica on node 3")])
+def test_a_corrupt_file_kept_in_place_comes_from_another_copy(cluster, capture, source):
+    c = trained(cluster, 4, extra=f'[stage]\ncapture = "{capture}"')
     before = snapshot(c, "step_00004")
     lose_node(c, 0)
     flip_byte(c.spool(2) / "step_00004" / "__4_0.distcp")      # a survivor's own file
     result = recover(c)
     assert result.returncode == 0, result.stdout + result.stderr
     assert "node 2: 8 files of node 2 from its own spool" in result.stdout, result.stdout
-    assert ("node 2: __4_0.distcp of node 2: its own spool: checksum mismatch; taken from"
-            " its own stage") in result.stdout, result.stdout
+    assert ("node 2: __4_0.distcp of node 2: its own spool: checksum mismatch; " + source
+            ) in result.stdout, result.stdout
     for node, files in expected_after(before).items():
         assert files_of(c.spool(node) / "step_00004") == files
 

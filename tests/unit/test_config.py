@@ -75,6 +75,7 @@ def test_run_from_slurm_job_name(tmp_path):
     (BASE + "[nosuch]\nx = 1\n", "nosuch"),
     (BASE + "[peer]\ncopies = 0\n", "peer.copies"),
     (BASE + "[commit]\nrule = \"magic\"\n", "commit.rule"),
+    (BASE + "[stage]\ncapture = \"reflink\"\n", "stage.capture"),
     (BASE + "[commit]\nsettle = \"soon\"\n", "commit.settle"),
     (BASE + "[topology]\ndomain = \"regex:\"\n", "topology.domain"),
     ('[paths]\npfs = "/p"\n', "paths.spool"),
