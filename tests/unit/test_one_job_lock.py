@@ -42,7 +42,11 @@ def test_lone_agents_of_a_pmi_mismatch_are_refused_with_the_count():
 
 
 def _holder(tmp_path, **record) -> None:
-    (tmp_path / "coordinator.lock").write_text(json.dumps(record))
+    """Written as a coordinator writes it (renamed into place): a refresher reading it
+    half-written would take it for an unreadable lock, and rightly keep its own."""
+    tmp = tmp_path / "taker.tmp"
+    tmp.write_text(json.dumps(record))
+    tmp.rename(tmp_path / "coordinator.lock")
 
 
 def test_a_live_coordinator_of_another_job_keeps_the_run(tmp_path, monkeypatch):
@@ -90,7 +94,8 @@ def test_a_held_lock_beats_and_stops_refreshing_once_taken_over(tmp_path, monkey
     path = tmp_path / "coordinator.lock"
     beats = {json.loads(path.read_text())["beat"] for _ in range(40) if not time.sleep(0.01)}
     assert len(beats) > 1                           # the counter moves
-    _holder(tmp_path, job="slurm:300", host="h", pid=1, token="theirs", beat=0)
+    with lock._writing:     # the takeover lands between two refreshes, not inside one
+        _holder(tmp_path, job="slurm:300", host="h", pid=1, token="theirs", beat=0)
     time.sleep(0.3)
     assert json.loads(path.read_text())["job"] == "slurm:300"     # not overwritten
     lock.release()
