@@ -61,9 +61,10 @@ PIECE = MiB
 
 
 def write_config(root: Path, pfs: Path, nodes: int = NODES, run: str = RUN,
-                 timeout: str = "60s", extra: str = "") -> Path:
+                 timeout: str = "60s", extra: str = "", flush_every: int = 1000) -> Path:
     """Agents on the peer path that keep one checkpoint in the stage and one replica and
-    flush only when asked; `extra` adds sections (e.g. [peer])."""
+    flush only when asked (or every `flush_every`); `extra` adds [agent] keys, then
+    sections (e.g. [peer])."""
     path = root / "bench.toml"
     path.write_text(f'''run = "{run}"
 [paths]
@@ -78,7 +79,7 @@ path = "peer"
 [commit]
 rule = "dcp"
 [flush]
-every = 1000
+every = {flush_every}
 [keep]
 stage = 1
 replica = 1

@@ -39,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from agents import AgentJob  # noqa: E402
 from capture import write_files  # noqa: E402
+from pipeline import write_config as pipeline_config  # noqa: E402
 
 from cachex_agent.config import parse_size  # noqa: E402
 
@@ -48,32 +49,9 @@ TARGET = 1.2
 
 
 def write_config(root: Path, nodes: int) -> Path:
-    path = root / "scale.toml"
-    path.write_text(f'''run = "{RUN}"
-[paths]
-spool = "{root}/node{{node}}/spool"
-stage = "{root}/node{{node}}/shm"
-cache = "{root}/node{{node}}/nvme"
-pfs = "{root}/pfs"
-[topology]
-domain = "rank"
-[model]
-path = "peer"
-[commit]
-rule = "dcp"
-[flush]
-every = 1
-[keep]
-stage = 1
-replica = 1
-[agent]
-timeout = "120s"
-fanout = 4
-''')
     (root / "pfs").mkdir()
-    for node in range(nodes):
-        (root / f"node{node}" / "spool").mkdir(parents=True)
-    return path
+    return pipeline_config(root, root / "pfs", nodes, RUN, "120s", "fanout = 4\n",
+                           flush_every=1)
 
 
 def checkpoint(agents: AgentJob, root: Path, nodes: int, seq: int, files: int,

@@ -428,6 +428,7 @@ class _Restore:
                                      lambda f=found: self._retries(
                                          [p for part in f for p in part]), scatter=True)
             self.entries.update(work.entries())
+            self.work.ranks.update(work.ranks)      # a retry's peers may be new to this rank
             self.bad = set(work.bad)
             self.progress.add_total(self._incoming(work.moves))
         self.progress.finish()
