@@ -89,8 +89,7 @@ def test_sigterm_cancels_the_restore_on_every_rank_with_one_line(cluster):
     held = start_recover(c, CACHEX_TEST_HOLD="restore:0")
     try:
         wait_for(lambda: running_everywhere(c, "step_00008"), 120, "restores running")
-        ranks = [p for p in psutil.Process(held.pid).children(recursive=True)
-                 if "recover" in " ".join(p.cmdline())]
+        ranks = recover_ranks(held)
         assert len(ranks) == 4
         for rank in ranks:
             rank.send_signal(signal.SIGTERM)
@@ -98,10 +97,7 @@ def test_sigterm_cancels_the_restore_on_every_rank_with_one_line(cluster):
     finally:
         if held.poll() is None:
             kill_tree(held)
-    assert held.returncode != 0
-    lines = [line for line in err.splitlines() if "cachex recover: error" in line]
-    assert len(lines) == 1 and "cancelled by a signal" in lines[0], err
-    assert "Traceback" not in err
+    assert_cancelled_in_one_line(held, err)
     for node in range(4):
         assert restore_states(c, node, "step_00008")[-1] == "cancelled"
         assert journal_state(c, node, "step_00008") == "cancelled"
@@ -112,10 +108,20 @@ MANY = ["--shard-size", "64KiB", "--chunk-size", "64KiB", "--step-time", "0.02",
         "--files-per-rank", "30", "--every", "4"]     # 60 shards a node: 60 files to move
 
 
+def recover_ranks(held: subprocess.Popen[str]) -> list[psutil.Process]:
+    return [p for p in psutil.Process(held.pid).children(recursive=True)
+            if "recover" in " ".join(p.cmdline())]
+
+
 def rank_process(held: subprocess.Popen[str], rank: int) -> psutil.Process:
-    ranks = [p for p in psutil.Process(held.pid).children(recursive=True)
-             if "recover" in " ".join(p.cmdline())]
-    return next(p for p in ranks if p.environ().get("PMI_RANK") == str(rank))
+    return next(p for p in recover_ranks(held) if p.environ().get("PMI_RANK") == str(rank))
+
+
+def assert_cancelled_in_one_line(held: subprocess.Popen[str], err: str) -> None:
+    assert held.returncode != 0
+    lines = [line for line in err.splitlines() if "cachex recover: error" in line]
+    assert len(lines) == 1 and "cancelled by a signal" in lines[0], err
+    assert "Traceback" not in err
 
 
 @pytest.mark.parametrize("signalled", [0, 1], ids=["receiver", "sender"])
@@ -136,9 +142,6 @@ def test_sigterm_mid_transfer_stops_both_ends_at_the_next_file(cluster, signalle
     finally:
         if held.poll() is None:
             kill_tree(held)
-    assert held.returncode != 0
-    lines = [line for line in err.splitlines() if "cachex recover: error" in line]
-    assert len(lines) == 1 and "cancelled by a signal" in lines[0], err
-    assert "Traceback" not in err
+    assert_cancelled_in_one_line(held, err)
     assert restore_states(c, signalled, "step_00004")[-1] == "cancelled"
     assert not (c.spool(0) / "step_00004").exists() and not partial.exists()
