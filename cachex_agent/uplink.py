@@ -161,9 +161,7 @@ class Uplink:
 def _reducible(report: dict[str, Any]) -> bool:
     """A report the reduction loses nothing of: a success of the usual shape. Anything
     else (a failure, an error, a restart's adopted report) goes up whole."""
-    if report["type"] == "reduced":
-        return True
-    if report["type"] == "marker":
+    if report["type"] in ("reduced", "marker"):
         return True
     if report.get("adopted"):
         return False
