@@ -153,6 +153,7 @@ class Agent:
         self.ranks_by_node = self._ranks_by_node()
         self.uplink = Uplink(self.node, len(self.ranks_by_node), config.agent.fanout)
         self.received: Counter[str] = Counter()     # bytes by tag (`counters` event)
+        self.turns = 0                              # of the main loop (`counters` event)
         self.node_of_rank = {r: n for n, r in enumerate(self.ranks_by_node)}
         self.replicator = agree(comm, "peer set-up", self._make_replicator)
         self.encoder = start_encoder(comm, config, groups, self.node, self.paths,
@@ -223,6 +224,7 @@ class Agent:
         self.watcher.start()
         try:
             while not self.exit_now:
+                self.turns += 1
                 if self._step():
                     self._active = time.monotonic()
                 self.inbox.wait(self._tick())
@@ -597,11 +599,12 @@ class Agent:
     def _emit_counters(self, ckpt: str) -> None:
         """What this agent has spent since it started, at each checkpoint's end: the
         metadata's bytes received by tag, the journal's bytes written, CPU seconds of
-        every thread (benchmarks/scale_agents.py takes differences between two)."""
+        every thread, turns of the main loop (each costs CPU whether or not it has work;
+        benchmarks/scale_agents.py takes differences between two)."""
         usage = resource.getrusage(resource.RUSAGE_SELF)
         self.events.emit("counters", ckpt=ckpt, received=dict(self.received),
                          journal_written=self.journal.written,
-                         cpu=round(usage.ru_utime + usage.ru_stime, 6))
+                         cpu=round(usage.ru_utime + usage.ru_stime, 6), turns=self.turns)
 
     def _on_failed(self, msg: Failed) -> None:
         """The coordinator gave up on `ckpt`: every stage of it here stops."""

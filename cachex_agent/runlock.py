@@ -19,9 +19,13 @@ waits up to one refresh before it refuses a live holder, and `stale` seconds bef
 takes over a lock whose holder vanished without releasing it.
 
 Creating the lock is atomic (O_EXCL); a refresh or a takeover replaces it with a
-rename, so a reader never sees half a lock. Two coordinators taking over one stale lock
-at the same moment both succeed: the window is one PFS round trip after `stale` seconds
-of silence.
+rename, so a reader never sees half a lock. A refresh reads the lock, then rewrites it:
+a holder that resumes after a stall of `stale` seconds can read its own record just
+before a contender's takeover lands and then write over it. The taker remembers whose
+lock it took over; when its refresh finds that holder's token back, it writes its own
+again, and the displaced holder's next refresh finds the taker's and stops. Two
+coordinators taking over one stale lock at the same moment both succeed: the window is
+one PFS round trip after `stale` seconds of silence.
 """
 
 from __future__ import annotations
@@ -66,8 +70,10 @@ def job_id() -> str:
 class RunLock:
     """Held by the coordinator for as long as it runs; `release` on a clean exit."""
 
-    def __init__(self, path: Path, record: dict[str, Any]) -> None:
+    def __init__(self, path: Path, record: dict[str, Any], displaced: str | None = None
+                 ) -> None:
         self.path, self.record = path, record
+        self.displaced = displaced      # the token of the holder whose lock this took over
         self._stop = threading.Event()
         self._writing = threading.Lock()    # a refresh never recreates a released lock
         self._thread = threading.Thread(target=self._refresh, name="run-lock", daemon=True)
@@ -87,6 +93,7 @@ class RunLock:
             log.warning("%s: taking over the run lock of job %s on %s: %s", path,
                         holder.get("job"), holder.get("host"), reason)
             write_json(path, record)
+            return cls(path, record, holder.get("token"))
         else:
             with os.fdopen(fd, "wb") as handle:
                 handle.write(json.dumps(record, sort_keys=True).encode() + b"\n")
@@ -107,7 +114,12 @@ class RunLock:
 
     def _beat(self) -> None:
         found = _read(self.path)
-        if found and found.get("token") != self.record["token"]:
+        token = found.get("token")
+        if token is not None and token == self.displaced:
+            log.warning("%s: job %s on %s, whose lock this job took over, wrote it again"
+                        " (it resumed after a stall); taken back", self.path,
+                        found.get("job"), found.get("host"))
+        elif found and token != self.record["token"]:
             log.error("%s: the run lock was taken over by job %s on %s; no longer"
                       " refreshed", self.path, found.get("job"), found.get("host"))
             self._stop.set()

@@ -154,7 +154,7 @@ def test_global_metadata_reaches_every_journal_the_whole_manifest_only_the_holde
                                          and e["ckpt"] == "step_00004"], 30, "counters")
         tag = "COORDINATOR" if node == 0 else "RELAY"      # node 0 is the tree's root
         assert spent[0]["received"][tag] > 0 and spent[0]["journal_written"] > 0
-        assert spent[0]["cpu"] > 0
+        assert spent[0]["cpu"] > 0 and spent[0]["turns"] > 0
     assert c.stop() == 0
 
 

@@ -120,3 +120,24 @@ def test_a_wheel_mpi_beside_a_site_mpi_is_named():
     assert warning is not None and wheel in warning and "I_MPI_ROOT=/opt/intel/mpi" in warning
     assert mpi_warning("/opt/cray/pe/lib64/libmpi_cray.so.12", {"CRAY_MPICH_DIR": "x"}) is None
     assert mpi_warning(wheel, {}) is None
+
+
+def test_a_taker_takes_its_lock_back_from_a_holder_that_wrote_after_a_stall(tmp_path,
+                                                                           monkeypatch):
+    """The stalled holder read its own record just before the takeover, then rewrote it:
+    the taker's refresh finds the token it took over from and writes its own again."""
+    monkeypatch.setattr("cachex_agent.runlock.REFRESH", 0.05)
+    monkeypatch.setenv("SLURM_JOB_ID", "200")
+    stalled = {"job": "slurm:100", "host": "other-host", "pid": 1, "token": "old", "beat": 7}
+    _holder(tmp_path, **stalled)
+    lock = RunLock.acquire(tmp_path, stale=0.3)
+    path = tmp_path / "coordinator.lock"
+    try:
+        with lock._writing:
+            _holder(tmp_path, **{**stalled, "beat": 8})     # its refresh after the stall
+        time.sleep(0.3)
+        assert json.loads(path.read_text())["token"] == lock.record["token"]
+        assert not lock._stop.is_set()                      # still refreshing
+    finally:
+        lock.release()
+    assert not path.exists()
