@@ -69,7 +69,7 @@ from .decisions import (
     from_wire,
     index_rows,
     notes,
-    state_json,
+    state_text,
     status_rows,
 )
 from .events import EventCopy, EventLog
@@ -270,9 +270,9 @@ class Coordinator:
         getattr(log, effect.level)("%s", effect.text)
 
     def _save_state(self, _effect: SaveState) -> None:
-        snapshot = state_json(self.state)
-        self._offer("journal", "state", lambda: self.journal.write(
-            layout.COORDINATOR_STATE, snapshot, compact=True))
+        snapshot = state_text(self.state)
+        self._offer("journal", "state", lambda: self.journal.write_bytes(
+            layout.COORDINATOR_STATE, snapshot))
 
     def _write_status(self, _effect: WriteStatus | None = None) -> None:
         status = self.status()

@@ -5,6 +5,7 @@ times and looks at the state and the effects it gets back."""
 
 from __future__ import annotations
 
+import json
 from dataclasses import replace
 
 import pytest
@@ -359,6 +360,27 @@ def test_decisions_are_deterministic():
         return [(type(e).__name__, getattr(e, "msg", None), getattr(e, "fields", None))
                 for e in out], d.state_json(s)
     assert run() == run()
+
+
+def test_coordinator_json_as_written_is_the_state_with_each_manifest_encoded_once():
+    """`state_text` reuses each node's encoded manifest; a node that captured again is
+    encoded again, and a finished record drops them."""
+    s = state()
+    feed(s, d.Marker(0, 1.0, "s1", [".m"]), d.Marker(0, 1.0, "s2", [".m"]))
+    captured_all(s, "s1", nodes=[0, 1])
+    assert json.loads(d.state_text(s)) == d.state_json(s)
+    assert set(s.ckpts["s1"].captured_text) == {"0", "1"}
+    again = part("s1", 1)
+    again["files"][0]["size"] = 999
+    feed(s, d.Captured(1, 2.5, "s1", again))
+    written = json.loads(d.state_text(s))
+    assert written == d.state_json(s)
+    assert written["ckpts"]["s1"]["captured"]["1"]["files"][0]["size"] == 999
+    captured_all(s, "s1", nodes=range(2, NODES))
+    flushed_all(s, "s1")
+    feed(s, d.FinalizeDone(5.0, "s1", s.ckpts["s1"].built))
+    assert s.ckpts["s1"].captured_text == {}
+    assert json.loads(d.state_text(s)) == d.state_json(s)
 
 
 def test_records_round_trip_through_coordinator_json():
