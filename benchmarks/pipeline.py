@@ -39,6 +39,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -169,11 +170,14 @@ def commit(root: Path, ckpt: str) -> float:
     return start
 
 
-def pipeline_once(agents: AgentJob, root: Path, ckpt: str, total: int, files: int, seed: int
-                  ) -> dict[str, float]:
-    """Seconds from the commit to each node's `captured` and the later `replicated`."""
+def pipeline_once(agents: AgentJob, root: Path, ckpt: str, total: int, files: int, seed: int,
+                  before_commit: Callable[[], None] | None = None) -> dict[str, float]:
+    """Seconds from the commit to each node's `captured` and the later `replicated`.
+    `before_commit` runs just before the commit (e.g. reads the agents' CPU)."""
     write_part(root, ckpt, total, files, seed)
     time.sleep(0.3)         # the watcher's look at the new files passes before the commit
+    if before_commit is not None:
+        before_commit()
     start = commit(root, ckpt)
     marks: dict[str, float] = {}
     for node in range(NODES):
