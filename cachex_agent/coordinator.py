@@ -363,8 +363,7 @@ def _write_finalized(pfs_run: Path, manifest: GlobalManifest, index: Index) -> s
     """The global manifest, then the index that calls it valid; the error, if any."""
     try:
         makedirs(layout.pfs_ckpt_dir(pfs_run, manifest.ckpt))
-        write_json(layout.pfs_manifest_path(pfs_run, manifest.ckpt), manifest.to_json(),
-                   compact=True)
+        manifest.save(layout.pfs_manifest_path(pfs_run, manifest.ckpt))
         write_index(pfs_run, index)
     except OSError as exc:
         return exc.strerror or str(exc)

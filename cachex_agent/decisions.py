@@ -513,7 +513,7 @@ def _on_replicated(s: CoordinatorState, e: Replicated, out: Effects) -> None:
         return
     if e.ok:
         record.replicated[str(e.node)] = e.partners
-        if not e.adopted:
+        if _sampled(e):
             out.append(Observe("replicate", e.ckpt, e.node, record.node_bytes(e.node),
                                e.duration))
     else:
@@ -521,6 +521,12 @@ def _on_replicated(s: CoordinatorState, e: Replicated, out: Effects) -> None:
         record.errors[str(e.node)] = "; ".join(e.errors.values())
     _advance(s, record, e.now, out)
     _try_finalize(s, record, e.now, out)        # every bundle may be in already
+
+
+def _sampled(e: Replicated | Flushed) -> bool:
+    """A duration the model learns from: not an adopted report, nor one of the nodes a
+    `reduced` report carries no sample for (uplink.expand gives those 0)."""
+    return not e.adopted and e.duration > 0
 
 
 def _late_replica(s: CoordinatorState, record: CheckpointRecord, e: Replicated,
@@ -563,7 +569,7 @@ def _on_flushed(s: CoordinatorState, e: Flushed, out: Effects) -> None:
     if record is None or record.level in ENDED:
         return
     record.flushed[str(e.node)] = e.bundle
-    if not e.adopted:
+    if _sampled(e):
         out.append(Observe("flush", e.ckpt, e.node, record.node_bytes(e.node), e.duration))
     record.errors.pop(str(e.node), None)
     record.progress.pop(str(e.node), None)
@@ -845,8 +851,8 @@ def _record_text(r: CheckpointRecord) -> str:
     texts = r.captured_text
     for node, manifest in captured.items():
         if node not in texts:
-            texts[node] = _compact(manifest)
-    parts = ",".join(f"{_compact(node)}:{texts[node]}" for node in captured)
+            texts[node] = f"{_compact(node)}:{_compact(manifest)}"
+    parts = ",".join(texts[node] for node in captured)
     return f'{_compact(data)[:-1]},"captured":{{{parts}}}}}'
 
 

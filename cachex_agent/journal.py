@@ -112,8 +112,7 @@ class Journal:
         return ManifestDigest.from_json(data, self.root / JOURNAL_STATE, ckpt) if data else None
 
     def save_global(self, manifest: GlobalManifest) -> None:
-        self._add(write_json(journal_global_manifest_path(self.root, manifest.ckpt),
-                                   manifest.to_json(), compact=True))
+        self._add(manifest.save(journal_global_manifest_path(self.root, manifest.ckpt)))
 
     def global_manifest(self, ckpt: str) -> GlobalManifest | None:
         path = journal_global_manifest_path(self.root, ckpt)

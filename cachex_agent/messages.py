@@ -28,6 +28,7 @@ Protocols (docs/architecture.md draws them):
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from enum import IntEnum
@@ -230,7 +231,11 @@ def wire(message: Any) -> dict[str, Any]:
         return message
     fields = {f.name: getattr(message, f.name) for f in dataclasses.fields(message)}
     for name, value in fields.items():
-        if isinstance(value, (GlobalManifest, LocalManifest, ManifestDigest)):
+        if isinstance(value, GlobalManifest):
+            # the holders' copy: its JSON text, encoded once for the journal, the PFS
+            # and this send (pickling the O(nodes) dict again cost as much as encoding)
+            fields[name] = value.encoded()
+        elif isinstance(value, (LocalManifest, ManifestDigest)):
             fields[name] = value.to_json()
     return {"type": message.TYPE, **fields}
 
@@ -288,9 +293,26 @@ def _checked_fields(kind: type, fields: dict[str, Any], source: str) -> dict[str
     if "digest" in fields:
         fields["digest"] = ManifestDigest.from_json(fields["digest"], what, fields.get("ckpt"))
     if "manifest" in fields and (fields["manifest"] is not None or kind is not End):
-        manifest_kind = LocalManifest if kind in (Begin, End) else GlobalManifest
-        fields["manifest"] = manifest_kind.from_json(fields["manifest"], what, fields.get("ckpt"))
+        if kind in (Begin, End):
+            fields["manifest"] = LocalManifest.from_json(fields["manifest"], what,
+                                                         fields.get("ckpt"))
+        else:
+            fields["manifest"] = GlobalManifest.from_json(_json_object(fields["manifest"], what),
+                                                          what, fields.get("ckpt"))
     return fields
+
+
+def _json_object(value: Any, what: str) -> dict[str, Any]:
+    """A manifest sent as its JSON text (bytes)."""
+    if not isinstance(value, bytes):
+        raise UnsafeInput(f"{what}: manifest must be JSON text, not {_short(value)}")
+    try:
+        data = json.loads(value)
+    except ValueError as exc:
+        raise UnsafeInput(f"{what}: manifest is not JSON ({exc})") from None
+    if not isinstance(data, dict):
+        raise UnsafeInput(f"{what}: manifest is not a JSON object")
+    return data
 
 
 def _checked_report(raw: dict[str, Any], source: str) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -125,6 +126,24 @@ def test_global_manifest_round_trip(tmp_path):
     assert loaded.bytes == 2 * (12 + 4096)
     assert Journal(root).global_manifest("step_99999") is None
     assert no_temp_files(root)
+
+
+def test_a_global_manifest_is_written_as_its_json_and_a_copy_with_other_times_too(tmp_path):
+    """`encoded` reuses the lists' text for a `replace`d copy (the finalize's), never for
+    a manifest whose lists are others."""
+    parts = [local_manifest(1), local_manifest(0)]
+    built = GlobalManifest.build(parts, [".metadata"], {"written": 1.0},
+                                 {0: "node-00000.h5", 1: "node-00001.h5"})
+    assert json.loads(built.encoded()) == built.to_json()
+    later = replace(built, times={"written": 1.0, "flushed": 4.0}, committed_at=9.0)
+    assert later.lists_text is built.lists_text
+    assert json.loads(later.encoded()) == later.to_json()
+    other = replace(built, files=built.files[:1])
+    assert json.loads(other.encoded()) == other.to_json()
+    built.save(tmp_path / "m.json")
+    assert GlobalManifest.load(tmp_path / "m.json") == built
+    with pytest.raises(UnsafeInput, match="lists_text"):
+        GlobalManifest.from_json({**built.to_json(), "lists_text": [[1], "{}"]})
 
 
 @pytest.mark.timeout(10)

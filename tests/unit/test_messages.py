@@ -71,8 +71,18 @@ EVERY = [
 def test_every_message_arrives_as_it_was_sent(tag, message):
     raw = wire(message)
     assert raw["type"] == message.TYPE
-    assert isinstance(raw.get("manifest"), (dict, type(None)))   # manifests as JSON
+    # manifests as JSON: a local one as its dict, the holders' global one as its text
+    kind = bytes if message.TYPE == "hold" else (dict, type(None))
+    assert isinstance(raw.get("manifest"), kind)
     assert decode(raw, SOURCE, tag) == message
+
+
+@pytest.mark.parametrize("manifest", [{"format": "cachex-global-manifest"}, b"{not json",
+                                      b"[1]"])
+def test_a_held_manifest_is_json_text_of_an_object(manifest):
+    with pytest.raises(UnsafeInput, match=r"\(hold\): manifest "):
+        decode({"type": "hold", "ckpt": "step-1", "manifest": manifest}, SOURCE,
+               Tag.RELAY)
 
 
 def test_every_type_has_one_tag_and_the_coordinator_knows_every_report():
