@@ -88,6 +88,7 @@ def cost(first: dict[str, Any], last: dict[str, Any], intervals: int) -> dict[st
     return {"received": (metadata(last) - metadata(first)) / intervals,
             "journal": (last["journal_written"] - first["journal_written"]) / intervals,
             "cpu": cpu / intervals, "turns": turns / intervals,
+            "wall": (last["t"] - first["t"]) / intervals,
             "cpu_per_turn": cpu / turns if turns else 0.0}
 
 
@@ -131,7 +132,8 @@ def ratios(results: list[dict[str, Any]]) -> dict[str, Any]:
 def _line(r: dict[str, Any]) -> str:
     def part(name: str, c: dict[str, float]) -> str:
         return (f"{name} {c['received'] / 1024:6.1f} KiB in, journal {c['journal'] / 1024:6.1f}"
-                f" KiB, {c['cpu'] * 1e3:6.1f} ms CPU in {c['turns']:5.0f} turns")
+                f" KiB, {c['cpu'] * 1e3:6.1f} ms CPU in {c['turns']:5.0f} turns,"
+                f" {c['wall']:5.2f} s")
     return (f"{r['nodes']:>3} nodes | " + part("agents (mean)", r["mean"]) + " | "
             + part("largest", r["largest"]) + " | " + part("node 0", r["coordinator"]))
 

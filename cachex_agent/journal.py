@@ -89,11 +89,16 @@ class Journal:
             entry.update(fields)
             self._save()
 
-    def forget(self, ckpt: str) -> None:
+    def forget(self, *ckpts: str) -> None:
+        """The entries and local manifests of `ckpts`, in one write of state.json."""
+        if not ckpts:
+            return
         with self._lock:
-            self.entries.pop(ckpt, None)
+            for ckpt in ckpts:
+                self.entries.pop(ckpt, None)
             self._save()
-            local_manifest_path(self.root, ckpt).unlink(missing_ok=True)
+            for ckpt in ckpts:
+                local_manifest_path(self.root, ckpt).unlink(missing_ok=True)
 
     def _save(self) -> None:
         self._add(write_json(self.root / JOURNAL_STATE,

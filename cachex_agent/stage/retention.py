@@ -1,5 +1,6 @@
 """Stage retention (`keep.stage`): the newest captures stay in the stage; an older one
-goes once no stage of it still reads it (replication, a flush it needs)."""
+goes once no stage of it still reads it (replication, a flush it needs). The journal
+forgets ended checkpoints beyond the newest HISTORY that it no longer holds."""
 
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from ..fsutil import remove_under
 from ..handles import Stage, is_done, is_failed
 from ..journal import Journal
 from ..layout import NodePaths
+
+#: ended checkpoints a journal remembers beyond those it still holds in the stage
+HISTORY = 16
 
 
 def retain_stage(keep: int, journal: Journal, paths: NodePaths, in_use: set[str],
@@ -34,3 +38,17 @@ def retain_stage(keep: int, journal: Journal, paths: NodePaths, in_use: set[str]
         if not committed:
             evicted.append(ckpt)
     return evicted
+
+
+def forget_ended(journal: Journal, in_use: set[str], keep: int = HISTORY) -> list[str]:
+    """Forget the ended checkpoints (finalized, or failed) beyond the newest `keep`
+    that hold no stage copy and that nothing reads: state.json is rewritten at every
+    stage of every checkpoint, and kept whole it grew with the run's length (5x the
+    bytes per checkpoint at 40 checkpoints as at 6). The newest stay: a restart's
+    catch-up compares the spool with the newest known, recovery reads their digests."""
+    ended = sorted(((e["seq"], c) for c, e in journal.entries.items()
+                    if (is_done(e, Stage.COMMIT) or is_failed(e)) and e.get("mode") != "copy"
+                    and c not in in_use), reverse=True)
+    gone = [ckpt for _seq, ckpt in ended[keep:]]
+    journal.forget(*gone)
+    return gone
