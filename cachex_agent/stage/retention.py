@@ -1,6 +1,6 @@
 """Stage retention (`keep.stage`): the newest captures stay in the stage; an older one
 goes once no stage of it still reads it (replication, a flush it needs). The journal
-forgets ended checkpoints beyond the newest HISTORY that it no longer holds."""
+forgets ended checkpoints beyond the newest max(HISTORY, keep.replica) that it no longer holds."""
 
 from __future__ import annotations
 
@@ -12,8 +12,9 @@ from ..handles import Stage, is_done, is_failed
 from ..journal import Journal
 from ..layout import NodePaths
 
-#: ended checkpoints a journal remembers beyond those it still holds in the stage
-HISTORY = 16
+#: ended checkpoints a journal remembers beyond those it still holds in the stage (at
+#: least `keep.replica`: the checkpoints a partner can still rebuild from)
+HISTORY = 4
 
 
 def retain_stage(keep: int, journal: Journal, paths: NodePaths, in_use: set[str],
@@ -45,7 +46,10 @@ def forget_ended(journal: Journal, in_use: set[str], keep: int = HISTORY) -> lis
     that hold no stage copy and that nothing reads: state.json is rewritten at every
     stage of every checkpoint, and kept whole it grew with the run's length (5x the
     bytes per checkpoint at 40 checkpoints as at 6). The newest stay: a restart's
-    catch-up compares the spool with the newest known, recovery reads their digests."""
+    catch-up compares the spool with the newest known, recovery reads their digests.
+    `keep` 0 forgets nothing."""
+    if keep == 0:
+        return []
     ended = sorted(((e["seq"], c) for c, e in journal.entries.items()
                     if (is_done(e, Stage.COMMIT) or is_failed(e)) and e.get("mode") != "copy"
                     and c not in in_use), reverse=True)

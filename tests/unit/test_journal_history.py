@@ -34,3 +34,4 @@ def test_ended_checkpoints_beyond_the_newest_are_forgotten_the_held_and_running_
     assert local_manifest_path(tmp_path / "journal", ended[-1]).exists()
     assert forget_ended(journal, set(), keep=4) == [replicating]
     assert forget_ended(journal, set(), keep=4) == []
+    assert forget_ended(journal, set(), keep=0) == []       # keep.replica 0: keeps all
