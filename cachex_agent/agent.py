@@ -87,7 +87,7 @@ from .peer.partners import domains_of, metadata_holders, replication_map
 from .peer.replicator import Replicator
 from .runlock import RunLock, stale_after
 from .safepath import UnsafeInput
-from .stage.retention import HISTORY, forget_ended, retain_stage
+from .stage.retention import forget_ended, retain_stage
 from .stage.rules import make_rule, natural_key
 from .stage.watch import SpoolWatcher
 from .stage.worker import CaptureWorker, global_candidates
@@ -649,8 +649,7 @@ class Agent:
                                  lambda c: self.announced.get(c, {}).get("flush", False),
                                  self.events):
             self._to_coordinator({"type": "evicted", "ckpt": ckpt})
-        replicas = self.config.keep.replica     # 0: every replica kept, so every entry
-        forget_ended(self.journal, in_use, replicas and max(HISTORY, replicas))
+        forget_ended(self.journal, in_use, self.config.keep.replica)
 
     # ----------------------------------------------------------------- capture
     def _on_marker(self, ckpt: str, force: bool = False) -> None:

@@ -40,12 +40,12 @@ written last, after every bundle is durable, and only then is the index updated.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import layout
+from .fsutil import compact_json
 from .index import Row, state_of_level
 from .manifest import GlobalManifest, LocalManifest, ManifestDigest
 from .messages import Commit, Drain, Exit, Failed, Finalized, HoldManifest, ManifestReady, Reroute
@@ -841,7 +841,7 @@ def state_json(s: CoordinatorState) -> dict[str, Any]:
 def state_text(s: CoordinatorState) -> bytes:
     """coordinator.json as written: `state_json`, compact, with each node's manifest
     taken from the text encoded when it was first written (CheckpointRecord)."""
-    ckpts = ",".join(f"{_compact(key)}:{_record_text(r)}" for key, r in s.ckpts.items())
+    ckpts = ",".join(f"{compact_json(key)}:{_record_text(r)}" for key, r in s.ckpts.items())
     return f'{{"ckpts":{{{ckpts}}},"next_seq":{s.next_seq},"version":1}}\n'.encode()
 
 
@@ -851,13 +851,9 @@ def _record_text(r: CheckpointRecord) -> str:
     texts = r.captured_text
     for node, manifest in captured.items():
         if node not in texts:
-            texts[node] = f"{_compact(node)}:{_compact(manifest)}"
+            texts[node] = f"{compact_json(node)}:{compact_json(manifest)}"
     parts = ",".join(texts[node] for node in captured)
-    return f'{_compact(data)[:-1]},"captured":{{{parts}}}}}'
-
-
-def _compact(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return f'{compact_json(data)[:-1]},"captured":{{{parts}}}}}'
 
 
 def part_bytes(manifest: dict[str, Any]) -> int:

@@ -170,11 +170,21 @@ def write_json(path: str | os.PathLike[str], data: Any, compact: bool = False) -
     """No indent: json's C encoder handles only that; the pure-Python one it falls back
     to was most of an agent's CPU per checkpoint. `compact` also drops the spaces, for
     large machine-read files (a global manifest, coordinator.json: O(nodes))."""
-    separators = (",", ":") if compact else None
-    text = json.dumps(data, sort_keys=True, separators=separators).encode() + b"\n"
+    text = compact_json(data) if compact else json.dumps(data, sort_keys=True)
+    return write_bytes(path, text.encode() + b"\n")
+
+
+def compact_json(value: Any) -> str:
+    """Sorted keys, no spaces: what `write_json(compact=True)` writes; pieces of it can
+    be encoded once and joined (coordinator.json, a global manifest)."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"))
+
+
+def write_bytes(path: str | os.PathLike[str], data: bytes) -> int:
+    """`data` durably and atomically under `path` (atomic_open); its length."""
     with atomic_open(path) as handle:
-        handle.write(text)
-    return len(text)
+        handle.write(data)
+    return len(data)
 
 
 def read_json(path: str | os.PathLike[str]) -> Any:

@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from .fsutil import atomic_open, makedirs, read_json, write_json
+from .fsutil import makedirs, read_json, write_bytes, write_json
 from .layout import (
     JOURNAL_STATE,
     ckpt_dir,
@@ -131,6 +131,4 @@ class Journal:
 
     def write_bytes(self, name: str, data: bytes) -> None:
         """`data` (already encoded) as `write` writes its JSON: durably, atomically."""
-        with atomic_open(self.root / name) as handle:
-            handle.write(data)
-        self._add(len(data))
+        self._add(write_bytes(self.root / name, data))

@@ -6,7 +6,6 @@ only renamed manifests (fsutil.write_json). Formats are versioned.
 
 from __future__ import annotations
 
-import json
 import time
 from collections import Counter
 from dataclasses import dataclass, field, is_dataclass
@@ -15,7 +14,7 @@ from typing import Any
 
 from .checksum import ALGORITHM, hasher
 from .errors import OperationError
-from .fsutil import atomic_open, read_json, write_json
+from .fsutil import compact_json, read_json, write_bytes, write_json
 from .safepath import UnsafeInput, checkpoint_id, component, index, relative_path
 
 LOCAL_FORMAT = "cachex-local-manifest"
@@ -134,17 +133,15 @@ class GlobalManifest:
         key = (id(self.nodes), id(self.files), id(self.global_files))
         if self.lists_text is None or self.lists_text[0] != key:
             self.lists_text = (key, ",".join(
-                f'"{name}":{_compact(getattr(self, name))}'
+                f'"{name}":{compact_json(getattr(self, name))}'
                 for name in ("files", "global_files", "nodes")))
         data = self.to_json()
         small = {k: v for k, v in data.items() if k not in ("files", "global_files", "nodes")}
-        head = _compact(small)      # algorithm, ckpt, committed_at, format, run, ... sorted
+        head = compact_json(small)      # algorithm, ckpt, committed_at, format, run, ... sorted
         return f"{head[:-1]},{self.lists_text[1]}}}\n".encode()
 
     def save(self, path: Path) -> int:
-        with atomic_open(path) as handle:
-            handle.write(text := self.encoded())
-        return len(text)
+        return write_bytes(path, self.encoded())
 
     def to_json(self) -> dict[str, Any]:
         """Shares the lists of flat dicts (a manifest is not changed once built): at
@@ -327,7 +324,3 @@ def _build(cls: Any, fields: dict[str, Any], source: object) -> Any:
         return cls(**fields)
     except TypeError as exc:            # a missing or unknown key
         raise UnsafeInput(f"{source}: {exc}") from None
-
-
-def _compact(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, separators=(",", ":"))

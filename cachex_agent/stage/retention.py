@@ -41,15 +41,16 @@ def retain_stage(keep: int, journal: Journal, paths: NodePaths, in_use: set[str]
     return evicted
 
 
-def forget_ended(journal: Journal, in_use: set[str], keep: int = HISTORY) -> list[str]:
-    """Forget the ended checkpoints (finalized, or failed) beyond the newest `keep`
-    that hold no stage copy and that nothing reads: state.json is rewritten at every
-    stage of every checkpoint, and kept whole it grew with the run's length (5x the
-    bytes per checkpoint at 40 checkpoints as at 6). The newest stay: a restart's
-    catch-up compares the spool with the newest known, recovery reads their digests.
-    `keep` 0 forgets nothing."""
-    if keep == 0:
+def forget_ended(journal: Journal, in_use: set[str], keep_replica: int) -> list[str]:
+    """Forget the ended checkpoints (finalized, or failed) beyond the newest
+    max(HISTORY, `keep_replica`) that hold no stage copy and that nothing reads:
+    state.json is rewritten at every stage of every checkpoint, and kept whole it grew
+    with the run's length (5x the bytes per checkpoint at 40 checkpoints as at 6). The
+    newest stay: a restart's catch-up compares the spool with the newest known, recovery
+    reads their digests. `keep_replica` 0 (every replica kept) forgets nothing."""
+    if keep_replica == 0:
         return []
+    keep = max(HISTORY, keep_replica)
     ended = sorted(((e["seq"], c) for c, e in journal.entries.items()
                     if (is_done(e, Stage.COMMIT) or is_failed(e)) and e.get("mode") != "copy"
                     and c not in in_use), reverse=True)

@@ -26,12 +26,12 @@ def test_ended_checkpoints_beyond_the_newest_are_forgotten_the_held_and_running_
     staged = _entry(journal, 0, mode="copy")            # oldest, but still in the stage
     running = _entry(journal, 25, commit="running")      # not ended
     replicating = ended[0]                               # ended, a stage still reads it
-    gone = forget_ended(journal, {replicating}, keep=4)
+    gone = forget_ended(journal, {replicating}, keep_replica=4)
     assert sorted(gone) == sorted(ended[1:-4])
     left = set(json.loads((tmp_path / "journal" / "state.json").read_text())["ckpts"])
     assert left == {*ended[-4:], staged, running, replicating}
     assert not local_manifest_path(tmp_path / "journal", ended[1]).exists()
     assert local_manifest_path(tmp_path / "journal", ended[-1]).exists()
-    assert forget_ended(journal, set(), keep=4) == [replicating]
-    assert forget_ended(journal, set(), keep=4) == []
-    assert forget_ended(journal, set(), keep=0) == []       # keep.replica 0: keeps all
+    assert forget_ended(journal, set(), keep_replica=4) == [replicating]
+    assert forget_ended(journal, set(), keep_replica=4) == []
+    assert forget_ended(journal, set(), keep_replica=0) == []       # keep.replica 0: keeps all
