@@ -43,17 +43,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from agents import AgentJob  # noqa: E402
 from capture import write_files  # noqa: E402
 from pipeline import write_config as pipeline_config  # noqa: E402
+from predict import burn, stop_burning  # noqa: E402
 
 from cachex_agent.config import parse_size  # noqa: E402
+from cachex_agent.peer.partners import metadata_holders  # noqa: E402
+from cachex_agent.relay import children  # noqa: E402
 
 RUN = "scale"
 METADATA_TAGS = ("RELAY", "COORDINATOR")
 TARGET = 1.2
+FANOUT = 4
+COPIES = 1              # peer.copies: pipeline.write_config leaves the default
 
 
 def write_config(root: Path, nodes: int) -> Path:
     (root / "pfs").mkdir()
-    return pipeline_config(root, root / "pfs", nodes, RUN, "120s", "fanout = 4\n",
+    return pipeline_config(root, root / "pfs", nodes, RUN, "120s", f"fanout = {FANOUT}\n",
                            flush_every=1)
 
 
@@ -81,15 +86,41 @@ def checkpoint(agents: AgentJob, root: Path, nodes: int, seq: int, files: int,
     return counters
 
 
-def cost(first: dict[str, Any], last: dict[str, Any], intervals: int) -> dict[str, float]:
+def cost(first: dict[str, Any], last: dict[str, Any], intervals: int) -> dict[str, Any]:
     def metadata(e: dict[str, Any]) -> int:
         return sum(e["received"].get(tag, 0) for tag in METADATA_TAGS)
+
+    def per(key: str, *inner: str) -> float:
+        a, b = first, last
+        for name in (key, *inner):
+            a, b = a.get(name, 0), b.get(name, 0)
+        return (b - a) / intervals
+
     cpu, turns = last["cpu"] - first["cpu"], last["turns"] - first["turns"]
     return {"received": (metadata(last) - metadata(first)) / intervals,
-            "journal": (last["journal_written"] - first["journal_written"]) / intervals,
-            "cpu": cpu / intervals, "turns": turns / intervals,
-            "wall": (last["t"] - first["t"]) / intervals,
-            "cpu_per_turn": cpu / turns if turns else 0.0}
+            "journal": per("journal_written"), "cpu": per("cpu"), "cpu_sys": per("cpu_sys"),
+            "turns": per("turns"), "wall": per("t"),
+            "cpu_per_turn": cpu / turns if turns else 0.0,
+            "switches": per("switches", "voluntary") + per("switches", "involuntary"),
+            "threads": {role: per("threads", role) for role in last["threads"]}}
+
+
+def roles(nodes: int) -> dict[str, list[int]]:
+    """Which agents do what: `leaves` relay nothing and hold no global manifest (the
+    agent every job has most of), `holders` keep the whole global manifest (O(N) by
+    design, a few whatever the size), `interior` relay to children."""
+    holders = metadata_holders([str(n) for n in range(nodes)], COPIES)
+    interior = [n for n in range(1, nodes) if n not in holders and children(n, nodes, FANOUT)]
+    leaves = [n for n in range(1, nodes) if n not in holders and n not in interior]
+    return {"leaves": leaves, "holders": holders, "interior": interior}
+
+
+def summary(costs: list[dict[str, Any]]) -> dict[str, Any]:
+    keys = [k for k in costs[0] if k != "threads"]
+    out: dict[str, Any] = {k: statistics.fmean(c[k] for c in costs) for k in keys}
+    out["threads"] = {role: statistics.fmean(c["threads"].get(role, 0.0) for c in costs)
+                      for role in costs[0]["threads"]}
+    return out
 
 
 def run(nodes: int, checkpoints: int, files: int, size: int, base: Path) -> dict[str, Any]:
@@ -110,9 +141,12 @@ def run(nodes: int, checkpoints: int, files: int, size: int, base: Path) -> dict
     intervals = checkpoints - 2
     per_node = {node: cost(rows[1][node], rows[-1][node], intervals) for node in range(nodes)}
     others = [per_node[n] for n in range(1, nodes)]
-    return {"nodes": nodes, "coordinator": per_node[0],
-            "mean": {k: statistics.fmean(o[k] for o in others) for k in others[0]},
-            "largest": {k: max(o[k] for o in others) for k in others[0]}}
+    out = {"nodes": nodes, "coordinator": per_node[0], "mean": summary(others),
+           "largest": {k: max(o[k] for o in others) for k in others[0] if k != "threads"}}
+    for role, members in roles(nodes).items():
+        out[role] = summary([per_node[n] for n in members]) if members else None
+    out["roles"] = {role: len(members) for role, members in roles(nodes).items()}
+    return out
 
 
 def ratios(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -120,22 +154,31 @@ def ratios(results: list[dict[str, Any]]) -> dict[str, Any]:
     base = next((r for r in results if r["nodes"] == 4), results[0])
     top = results[-1]
     out: dict[str, Any] = {"over": [base["nodes"], top["nodes"]], "target": TARGET}
-    for which in ("mean", "largest"):
+    for which in ("mean", "leaves", "largest"):
         for key in ("received", "journal", "cpu", "cpu_per_turn"):
-            value = top[which][key] / base[which][key] if base[which][key] else None
-            out[f"{which}_{key}"] = None if value is None else round(value, 3)
+            low, high = (base[which] or {}).get(key), (top[which] or {}).get(key)
+            out[f"{which}_{key}"] = round(high / low, 3) if low and high is not None else None
+    # the holders' O(N) is by design (a few of them): `flat` is about every other agent
     out["flat"] = all(v is not None and v <= TARGET for k, v in out.items()
-                      if k.startswith(("mean_", "largest_")) and not k.endswith("_cpu"))
+                      if k.startswith(("mean_", "leaves_")) and not k.endswith("_per_turn"))
     return out
 
 
 def _line(r: dict[str, Any]) -> str:
-    def part(name: str, c: dict[str, float]) -> str:
-        return (f"{name} {c['received'] / 1024:6.1f} KiB in, journal {c['journal'] / 1024:6.1f}"
-                f" KiB, {c['cpu'] * 1e3:6.1f} ms CPU in {c['turns']:5.0f} turns,"
-                f" {c['wall']:5.2f} s")
-    return (f"{r['nodes']:>3} nodes | " + part("agents (mean)", r["mean"]) + " | "
-            + part("largest", r["largest"]) + " | " + part("node 0", r["coordinator"]))
+    def part(name: str, c: dict[str, Any] | None) -> str:
+        if c is None:
+            return f"{name} -"
+        return (f"{name} {c['received'] / 1024:5.1f} KiB in, journal {c['journal'] / 1024:5.1f}"
+                f" KiB, {c['cpu'] * 1e3:5.1f} ms CPU ({c['cpu_sys'] * 1e3:4.1f} sys) in"
+                f" {c['turns']:4.0f} turns")
+    head = (f"{r['nodes']:>3} nodes, {r['mean']['wall']:5.2f} s/ckpt | "
+            + " | ".join(part(name, r[key]) for name, key in (
+                ("mean", "mean"), (f"{r['roles']['leaves']} leaves", "leaves"),
+                ("largest", "largest"), ("node 0", "coordinator"))))
+    threads = r["leaves"]["threads"] if r["leaves"] else r["mean"]["threads"]
+    return head + "\n      leaves' CPU by thread (ms): " + ", ".join(
+        f"{role} {seconds * 1e3:.1f}" for role, seconds in sorted(threads.items())
+        if seconds > 0)
 
 
 def main() -> None:
@@ -146,14 +189,21 @@ def main() -> None:
     parser.add_argument("--size", default="64KiB", help="each file's size")
     parser.add_argument("--dir", type=Path, default=Path("/dev/shm"))
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--burners", type=int, default=0,
+                        help="CPU-spinning processes beside every run (a control: the"
+                        " same N on a busy machine)")
     args = parser.parse_args()
     if args.checkpoints < 3:
         parser.error("--checkpoints: at least 3 (the first two are not counted)")
     results = []
-    for nodes in (int(n) for n in args.nodes.split(",")):
-        results.append(run(nodes, args.checkpoints, args.files, parse_size(args.size),
-                           args.dir))
-        print(_line(results[-1]), flush=True)
+    burners = burn(args.burners)
+    try:
+        for nodes in (int(n) for n in args.nodes.split(",")):
+            results.append(run(nodes, args.checkpoints, args.files, parse_size(args.size),
+                               args.dir))
+            print(_line(results[-1]), flush=True)
+    finally:
+        stop_burning(burners)
     summary = {"date": time.strftime("%Y-%m-%d"), "results": results,
                "ratios": ratios(results)}
     print(json.dumps(summary["ratios"]))

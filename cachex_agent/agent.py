@@ -30,7 +30,6 @@ import json
 import logging
 import os
 import queue
-import resource
 import signal
 import threading
 import time
@@ -87,12 +86,14 @@ from .peer.partners import domains_of, metadata_holders, replication_map
 from .peer.replicator import Replicator
 from .runlock import RunLock, stale_after
 from .safepath import UnsafeInput
+from .stage.quiescence import pid_namespace, skip_processes
 from .stage.retention import forget_ended, retain_stage
 from .stage.rules import make_rule, natural_key
 from .stage.watch import SpoolWatcher
 from .stage.worker import CaptureWorker, global_candidates
 from .topology import place_checked
 from .uplink import DIRECT, Uplink
+from .usage import usage
 
 log = logging.getLogger(__name__)
 IDLE_AFTER = 2.0    # seconds without a message or work in flight before the loop slows down
@@ -115,6 +116,7 @@ class Agent:
         self.comm = comm
         self.placement = place_checked(comm, config.topology)
         self.rank, self.node = self.placement.rank, self.placement.node
+        skip_processes(self._agents_on_host())
         groups = erasure_groups(comm, config, list(self.placement.hosts))   # before any dir
         self.paths = agree(comm, "start-up", lambda: prepare_dirs(config, self.placement))
         self.rule = make_rule(config.commit.rule, config.commit.settle, config.commit.globals)
@@ -199,6 +201,16 @@ class Agent:
     def _holders(self) -> list[int]:
         domains = domains_of(self.config.topology.domain, list(self.placement.hosts))
         return metadata_holders(domains, self.config.peer.copies)
+
+    def _agents_on_host(self) -> list[int]:
+        """This job's agents on this host (one, or a test's virtual nodes): they never
+        write a checkpoint, so the writer check need not walk their descriptors."""
+        local = self.comm.Split_type(MPI.COMM_TYPE_SHARED)
+        try:
+            mine = pid_namespace()
+            return [pid for ns, pid in local.allgather((mine, os.getpid())) if ns == mine]
+        finally:
+            local.Free()
 
     def _ranks_by_node(self) -> list[int]:
         pairs = self.comm.allgather((self.node, self.rank))
@@ -598,13 +610,11 @@ class Agent:
 
     def _emit_counters(self, ckpt: str) -> None:
         """What this agent has spent since it started, at each checkpoint's end: the
-        metadata's bytes received by tag, the journal's bytes written, CPU seconds of
-        every thread, turns of the main loop (each costs CPU whether or not it has work;
-        benchmarks/scale_agents.py takes differences between two)."""
-        usage = resource.getrusage(resource.RUSAGE_SELF)
+        metadata's bytes received by tag, the journal's bytes written, turns of the main
+        loop (each costs CPU whether or not it has work), CPU seconds in all and by
+        thread role (usage.py); benchmarks/scale_agents.py takes differences between two."""
         self.events.emit("counters", ckpt=ckpt, received=dict(self.received),
-                         journal_written=self.journal.written,
-                         cpu=round(usage.ru_utime + usage.ru_stime, 6), turns=self.turns)
+                         journal_written=self.journal.written, turns=self.turns, **usage())
 
     def _on_failed(self, msg: Failed) -> None:
         """The coordinator gave up on `ckpt`: every stage of it here stops."""
@@ -755,3 +765,4 @@ def catch_up(committed: set[str], known: set[str]) -> tuple[list[str], list[str]
     else:
         adopt = unknown[-1:]
     return adopt, [c for c in unknown if c not in adopt]
+

@@ -138,6 +138,7 @@ def test_agents_commit_capture_and_flush_together(mpi_tmp_path):
     from mpi4py import MPI
 
     from cachex_agent.agent import Agent
+    from cachex_agent.stage import quiescence
     comm = MPI.COMM_WORLD
     root = mpi_tmp_path
     for rank in range(comm.size):
@@ -146,6 +147,13 @@ def test_agents_commit_capture_and_flush_together(mpi_tmp_path):
     config = load(write_config(root), environ={})
     comm.Barrier()
     agent = Agent(config, comm)
+    # this job's agents on this host are known non-writers: the writer check skips them
+    skipped = set(quiescence._skipped)
+    quiescence.skip_processes([])
+    everyone = {str(pid) for pid in comm.allgather(os.getpid())}
+    # MPIR_CVAR_NOLOCAL: MPI treats every rank as another host's, and so does the agent
+    local = {str(os.getpid())} if os.environ.get("MPIR_CVAR_NOLOCAL") == "1" else everyone
+    assert all_ok(comm, skipped == local), skipped
     steps = ["step_00001", "step_00002"]
     threads = [threading.Thread(target=trainer_thread, args=(root, comm.rank, comm.size, steps))]
     if comm.rank == 0:

@@ -17,6 +17,7 @@ from cachex_agent.stage.quiescence import (
     QuiescenceStopped,
     QuiescenceTimeout,
     open_for_write,
+    skip_processes,
     snapshot,
     wait_for_directory,
     wait_quiescent,
@@ -73,6 +74,19 @@ def test_open_for_write_sees_writer_process(tmp_path, holders):
     assert open_for_write([written, idle]) == {written}
     holder.kill()
     assert open_for_write([written, idle]) == set()
+
+
+def test_skipped_processes_are_not_walked_and_the_rest_still_are(tmp_path, holders):
+    skipped, seen = tmp_path / "agent.log", tmp_path / "shard.distcp"
+    agent, trainer = holders(skipped, "wb"), holders(seen, "wb")
+    try:
+        skip_processes([agent.proc.pid])
+        assert open_for_write([skipped, seen]) == {seen}
+        skip_processes([trainer.proc.pid])
+        assert open_for_write([skipped, seen]) == {skipped}
+    finally:
+        skip_processes([])
+    assert open_for_write([skipped, seen]) == {skipped, seen}
 
 
 @pytest.mark.parametrize("mode,writes", [("rb", False), ("r+b", True), ("ab", True),
