@@ -280,6 +280,14 @@ def _line(r: dict[str, Any]) -> str:
                         for role, v in a.items()))
 
 
+def machine_speed() -> float:
+    """CPU seconds of a fixed pure-Python loop, taken before and after the runs: this
+    VM's speed drifts by half within an hour, and the coordinator's CPU with it."""
+    start = time.process_time()
+    sum(range(30_000_000))
+    return round(time.process_time() - start, 3)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nodes", default="100,1000,10000")
@@ -290,6 +298,7 @@ def main() -> None:
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     results = []
+    speed = [machine_speed()]
     for nodes in (int(n) for n in args.nodes.split(",")):
         result = run(nodes, args.checkpoints, args.files, args.fanout)
         result["targets"] = targets(result)
@@ -300,8 +309,11 @@ def main() -> None:
         for result in results:
             result["recovery"] = recovery_scale(result["nodes"])
             print(f"{result['nodes']:>6} recovery {json.dumps(result['recovery'])}", flush=True)
+    speed.append(machine_speed())
+    print(f"reference loop (sum(range(30_000_000))): {speed[0]:.2f} s before, {speed[1]:.2f} s"
+          " after (0.51 s on this VM's fastest hour)")
     summary = {"date": time.strftime("%Y-%m-%d"), "results": results,
-               "targets_at_largest": results[-1]["targets"]}
+               "reference_loop_s": speed, "targets_at_largest": results[-1]["targets"]}
     print(json.dumps(summary["targets_at_largest"]))
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1, default=str))
