@@ -174,11 +174,14 @@ class Credit:
 
 @dataclass(frozen=True, slots=True)
 class Ack:
-    """The partner's copy of `ckpt` is durable and verified (`ok`), or why not."""
+    """The partner's copy of `ckpt` is durable and verified (`ok`), or why not;
+    `mismatch`: the index (in the owner's manifest) of a file whose bytes arrived with
+    another checksum, so the owner can say why (a file captured by link, rewritten)."""
     TYPE: ClassVar[str] = "ack"
     ckpt: str
     ok: bool
     error: str | None = None
+    mismatch: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -283,6 +286,8 @@ def _checked_fields(kind: type, fields: dict[str, Any], source: str) -> dict[str
             for node in _list(value, name, what):
                 index(node, what)
         elif name in ("seq", "slot", "file", "offset", "length", "size", "mode"):
+            _count(value, name, what)
+        elif name == "mismatch" and value is not None:
             _count(value, name, what)
         elif name in ("flush", "ok", "streamed") and not isinstance(value, bool):
             raise UnsafeInput(f"{what}: {name} must be true or false, not {_short(value)}")

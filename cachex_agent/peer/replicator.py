@@ -20,7 +20,10 @@ Each owner has `peer.slots` slots of `peer.slot` bytes in each partner's window,
 memory is bounded by the window whatever the checkpoint size, and several owners can
 send to one partner at once. Bytes go from a mapping of the staged file straight into
 the partner's window (no read into a buffer first); a file captured by hard link, still
-the trainer's, is read into a buffer and checked against its checksum instead. The
+the trainer's, is read into a buffer instead. The owner does not hash what it sends: the
+partner checks every file against the manifest's checksum as it writes it, and an ack
+that names a file that differed makes the owner's error say why (for a linked file, the
+trainer rewrote it since the capture). The
 main thread calls `pump()` every tick: it never blocks on a partner. It polls MPI fast
 only while `waits_on_peer()` (a credit, an ack or a slot is due); the partner's writer
 and the capture wake it through the inbox for everything else. A partner that leaves
@@ -44,12 +47,11 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-from ..checksum import hasher
 from ..config import Config
 from ..events import EventLog
 from ..handles import Handle, Stage, StageLog, State, held_for_tests
 from ..layout import NodePaths
-from ..manifest import FileEntry, LocalManifest
+from ..manifest import LocalManifest
 from ..messages import Ack, Begin, Credit, End, File, FileCaptured, Slot
 from ..stage.capture import linked_hint
 from .partners import incoming
@@ -106,7 +108,6 @@ class Sender:
     announced: int = 0      # File messages sent (a stream)
     handle: BinaryIO | None = None
     piece_mapped: bool = False      # the open file is Put from mappings
-    digest: Any = None      # of the open file read into the buffer, checked at its end
     # queued | sending | ending | waiting (a stream abandoned, for the final manifest)
     # | done | failed
     state: str = "queued"
@@ -129,8 +130,8 @@ class Sender:
         bounded by one slot whatever the file size); drop the view once it was Put. A
         capture by reference, or a file captured by hard link, is read into `buffer`
         instead: its file is the trainer's, and a mapped file truncated under us would end
-        the agent with SIGBUS. A linked file is hashed on the way: one the trainer
-        rewrote since its capture ends the stream with the reason (OSError)."""
+        the agent with SIGBUS. Nothing is hashed here: the partner hashes what it writes
+        and names a file that differs from the manifest in its ack (`mismatch`)."""
         files = self.manifest.files
         while self.file < len(files):
             entry = files[self.file]
@@ -142,8 +143,6 @@ class Sender:
                         if self.piece_mapped else self._read(buffer, length))
                 chunk = (self.file, self.offset, data)
                 self.offset += length
-                if self.offset == entry.size and self.digest is not None:
-                    self._check(entry)
                 return chunk
             self._next_file()
         return None
@@ -158,19 +157,21 @@ class Sender:
             handle.close()
             raise OSError(errno.EIO, f"{self.source / relpath}: shorter than its manifest")
         handle.seek(self.offset)
-        # a second name is the trainer's spool file (a capture by hard link): read, and
-        # hashed here to say why, should the partner find it differing
-        linked = st.st_nlink > 1
-        self.piece_mapped = self.mapped and not linked
-        self.digest = hasher() if linked and not self.offset else None
+        # a second name is the trainer's spool file (a capture by hard link): read, not
+        # mapped; the partner checks its checksum as it writes (`mismatch` says why not)
+        self.piece_mapped = self.mapped and st.st_nlink == 1
         return handle
 
-    def _check(self, entry: FileEntry) -> None:
-        """The file read into the buffer must be the one captured."""
-        assert self.handle is not None
-        if self.digest.hexdigest() != entry.checksum:
-            raise OSError(errno.EIO, f"{self.handle.name}: checksum differs from the"
-                          f" capture's{linked_hint(self.handle.name)}")
+    def mismatch(self, index: int) -> str | None:
+        """What the partner's word that file `index` arrived with another checksum means
+        here; None for an index not in this part (the partner's error stands)."""
+        if not 0 <= index < len(self.manifest.files):
+            return None
+        relpath = self.manifest.files[index].path
+        path = self.source / relpath
+        if self.stream is not None and not path.exists():
+            path = self.stream.final_dir / relpath
+        return f"{path}: checksum differs from the capture's{linked_hint(path)}"
 
     def _read(self, buffer: np.ndarray, length: int) -> np.ndarray:
         assert self.handle is not None
@@ -181,15 +182,13 @@ class Sender:
             if not n:
                 raise OSError(errno.EIO, f"{self.handle.name}: shorter than its manifest")
             done += n
-        if self.digest is not None:
-            self.digest.update(view)
         return buffer[:length]
 
     def _next_file(self) -> None:
         if self.handle is not None:
             self.handle.close()
             self.handle = None
-        self.file, self.offset, self.digest = self.file + 1, 0, None
+        self.file, self.offset = self.file + 1, 0
 
     def close(self) -> None:
         if self.handle is not None:
@@ -466,11 +465,14 @@ class Replicator:
             sender.free.append(slot)
             sender.heard = time.monotonic()
 
-    def on_ack(self, partner: int, ckpt: str, ok: bool, error: str | None) -> None:
+    def on_ack(self, partner: int, ckpt: str, ok: bool, error: str | None,
+               mismatch: int | None = None) -> None:
         sender = self._current(partner)
         if sender is None or sender.manifest.ckpt != ckpt or sender.state != "ending":
             return
         sender.close()
+        if not ok and mismatch is not None:
+            error = sender.mismatch(mismatch) or error
         if sender.stream is not None and not (ok and sender.error is None
                                               and not sender.aborted):
             self._abandoned(sender, error or sender.error or "abandoned")
@@ -536,7 +538,7 @@ class Replicator:
         elif kind is Credit:
             self.on_credit(source_node, msg.slot)
         elif kind is Ack:
-            self.on_ack(source_node, msg.ckpt, msg.ok, msg.error)
+            self.on_ack(source_node, msg.ckpt, msg.ok, msg.error, msg.mismatch)
 
     def close(self, free: bool = True) -> None:
         """Collective when `free`: pass False when any agent is known dead (freeing the

@@ -120,6 +120,7 @@ class _Incoming:
     fds: dict[int, int] = field(default_factory=dict)
     done: set[int] = field(default_factory=set)
     error: str | None = None
+    mismatch: int | None = None     # the file whose bytes had another checksum
     streamed: bool = False      # files announced one by one; the final manifest at `end`
 
 
@@ -283,6 +284,7 @@ class ReplicaStore:
         finally:
             os.close(fd)
         if item.hashers.pop(index).hexdigest() != entry.checksum:
+            item.mismatch = index
             raise OSError(errno.EIO, f"{entry.path}: checksum differs from the owner's")
         item.done.add(index)
 
@@ -304,9 +306,14 @@ class ReplicaStore:
         else:
             self.events.emit("replica_done", ckpt=ckpt, seq=item.manifest.seq, owner=owner,
                              bytes=item.manifest.bytes)
-            self._retain(owner)
         self._linger_until = time.monotonic() + LINGER
-        self.post(ToNode(owner, Ack(ckpt, error is None, error)))
+        self.post(ToNode(owner, Ack(ckpt, error is None, error,
+                                    item.mismatch if error is not None else None)))
+        if error is None:
+            # after the ack: freeing an older replica (a third of the partner's CPU per
+            # checkpoint on tmpfs) does not hold back the owner's partner-durable; this
+            # thread writes the next part's slots only after it, so space comes back first
+            self._retain(owner)
 
     def _abandon(self, item: _Incoming) -> None:
         for fd in item.fds.values():

@@ -241,22 +241,28 @@ def test_a_rewritten_linked_file_is_never_flushed(rewritten, tmp_path):
     assert not target.exists()
 
 
-def test_a_rewritten_linked_file_is_never_replicated(rewritten):
+def test_a_rewritten_linked_file_is_read_not_mapped_and_named_when_the_partner_refuses(
+        rewritten):
     """The owner reads a linked file into its buffer (never a mapping: a truncate would
-    be SIGBUS) and hashes it: the stream ends with the reason before its last piece."""
+    be SIGBUS) and does not hash it: the partner checks the checksum as it writes, and
+    the index its ack names becomes the owner's reason (tests/integration/
+    test_capture_by_link.py runs the whole path)."""
     staged, manifest = rewritten
     sender = Sender(manifest, staged, partner=1, rank=1, region=0, free=deque([0]))
     buffer = np.empty(64 * 1024, np.uint8)
     read = []
-    with pytest.raises(OSError) as caught:
-        while (chunk := sender.next_chunk(buffer)) is not None:
-            index, _offset, data = chunk
-            assert np.shares_memory(data, buffer)   # read, not mapped
-            read.append(manifest.files[index].path)
-    assert "__0_0.distcp: checksum differs from the capture's" in str(caught.value)
-    assert "captured by hard link" in str(caught.value)
-    assert read[0] == ".metadata" and set(read) == {".metadata", "__0_0.distcp"}
+    while (chunk := sender.next_chunk(buffer)) is not None:
+        index, _offset, data = chunk
+        assert np.shares_memory(data, buffer)   # read, not mapped
+        read.append(manifest.files[index].path)
     sender.close()
+    assert set(read) == {e.path for e in manifest.files if e.size}
+    index = next(i for i, e in enumerate(manifest.files) if e.path == "__0_0.distcp")
+    reason = sender.mismatch(index)
+    assert "__0_0.distcp: checksum differs from the capture's" in reason
+    assert "captured by hard link: the trainer rewrote its file in place" in reason
+    assert sender.mismatch(len(manifest.files)) is None     # the partner's word is checked
+    assert sender.mismatch(-1) is None
 
 
 def test_a_copied_staged_file_is_still_put_from_a_mapping(tmp_path):

@@ -63,6 +63,7 @@ EVERY = [
     (Tag.PEER, End("step-1", local())),
     (Tag.PEER, Credit(3)),
     (Tag.PEER, Ack("step-1", False, "disk full")),
+    (Tag.PEER, Ack("step-1", False, "a.pt: checksum differs from the owner's", 3)),
     (Tag.PEER, GlobalFile("step-1", ".metadata", 10, "0" * 32)),
 ]
 
@@ -117,6 +118,10 @@ HOSTILE = [
     (Tag.PEER, {"type": "slot", "ckpt": "s", "slot": True, "file": 0, "offset": 0,
                 "length": 1}, "slot must be a count"),
     (Tag.PEER, {"type": "credit", "slot": 1.5}, "slot must be a count"),
+    (Tag.PEER, {"type": "ack", "ckpt": "s", "ok": False, "mismatch": -1},
+     "mismatch must be a count"),
+    (Tag.PEER, {"type": "ack", "ckpt": "s", "ok": False, "mismatch": "a.pt"},
+     "mismatch must be a count"),
     (Tag.PEER, {"type": "global_file", "ckpt": "s", "path": "../x", "size": 1,
                 "checksum": "0"}, "../x"),
     (Tag.PEER, {"type": "begin", "manifest": {**local().to_json(),
