@@ -54,7 +54,7 @@ one JSON line of everything (also written to --json).
 
     python benchmarks/partner.py [--sizes 64MiB,256MiB,1GiB] [--files 4] [--repeat 3]
                                  [--dir /dev/shm] [--pfs /tmp] [--conditions quiet,loaded]
-                                 [--json FILE]
+                                 [--json FILE] [--nice N] [--sched other|batch|idle]
 
 On a shared machine run it under `nice` (the agents, the burners and the trainer inherit
 it). Run it also with MPIR_CVAR_NOLOCAL=1 in the environment (the agents and the raw
@@ -514,6 +514,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--pfs", default="/tmp", help="the PFS (the warm-up flush, untimed)")
     parser.add_argument("--conditions", default=",".join(CONDITIONS))
     parser.add_argument("--json", default=None, help="write the results here")
+    parser.add_argument("--nice", type=int, default=0, help="the agents' agent.nice")
+    parser.add_argument("--sched", default="other", help="the agents' agent.sched")
     hidden = argparse.SUPPRESS      # the modes this file runs itself in
     parser.add_argument("--raw-worker", action="store_true", help=hidden)
     parser.add_argument("--root", help=hidden)
@@ -542,7 +544,7 @@ def condition_run(args: argparse.Namespace, condition: str, sizes: list[str], ma
     agents: AgentJob | None = None
     out: dict[str, dict[str, Any]] = {}
     try:
-        config = write_config(root, pfs)
+        config = write_config(root, pfs, extra=f'nice = {args.nice}\nsched = "{args.sched}"\n')
         peer = load(config, environ={}).peer
         agents = start_agents(root, config)
         procs = agent_processes(agents)
@@ -657,6 +659,7 @@ def main(argv: list[str] | None = None) -> int:
     header: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(), "load": os.getloadavg()[0],
         "nodes": NODES, "files": args.files, "repeat": args.repeat, "dir": args.dir,
+        "agent_nice": args.nice, "agent_sched": args.sched,
         "file_sizes": {s: part_sizes(parse_size(s, "--sizes"), args.files) for s in sizes},
         "matmuls_per_step": matmuls, "burners": BURNERS, "slot": Peer().slot,
         "slots": Peer().slots,

@@ -84,6 +84,7 @@ from .peer.globals import GlobalFiles
 from .peer.mirror import Mirror
 from .peer.partners import domains_of, metadata_holders, replication_map
 from .peer.replicator import Replicator
+from .priority import lower_process
 from .runlock import RunLock, stale_after
 from .safepath import UnsafeInput
 from .stage.quiescence import pid_namespace, skip_processes
@@ -116,7 +117,10 @@ class Agent:
         self.comm = comm
         self.placement = place_checked(comm, config.topology)
         self.rank, self.node = self.placement.rank, self.placement.node
-        skip_processes(self._agents_on_host())
+        agents_here = self._agents_on_host()
+        skip_processes(agents_here)
+        for problem in lower_process(config.agent.nice, config.agent.sched, agents_here):
+            log.warning("agent.nice/agent.sched: %s", problem)
         groups = erasure_groups(comm, config, list(self.placement.hosts))   # before any dir
         self.paths = agree(comm, "start-up", lambda: prepare_dirs(config, self.placement))
         self.rule = make_rule(config.commit.rule, config.commit.settle, config.commit.globals)

@@ -338,6 +338,8 @@ class Agent:
     timeout: float = 60.0       # bound on every wait for another agent
     log: str = "info"
     fanout: int = 16            # children per agent in the coordinator's broadcast tree
+    nice: int = 0               # CPU nice value of every agent thread (priority.py)
+    sched: str = "other"        # scheduling policy of every agent thread
 
 
 _PARSERS: dict[str, dict[str, Parser]] = {
@@ -364,7 +366,8 @@ _PARSERS: dict[str, dict[str, Parser]] = {
               "node_rate": _rate, "job_rate": _rate, "period": _duration(),
               "window": _int(4), "explore": _int(0)},
     "agent": {"poll": _duration(1e-3), "timeout": _duration(1.0),
-              "log": _choice("debug", "info", "warning", "error"), "fanout": _int(2, 1024)},
+              "log": _choice("debug", "info", "warning", "error"), "fanout": _int(2, 1024),
+              "nice": _int(0, 19), "sched": _choice("other", "batch", "idle")},
 }
 _SECTIONS = {"paths": Paths, "topology": Topology, "commit": Commit, "stage": Staging,
              "peer": Peer,
@@ -471,6 +474,11 @@ MEANINGS: dict[str, str] = {
     "agent.fanout": "Children per agent in the tree that carries the coordinator's messages"
                     " to every agent: each message is serialized once and forwarded, never"
                     " sent N times by one thread (docs/architecture.md).",
+    "agent.nice": "CPU nice value of every agent thread, set at start-up (the flush threads"
+                  " run at the larger of this and `flush.nice`).",
+    "agent.sched": "Scheduling policy of every agent thread: `other` (the default), `batch`"
+                   " (no wake-up preemption of the trainer), `idle` (only CPU nothing else"
+                   " wants). See docs/benchmarks.md for what each costs partner-durable.",
 }
 
 

@@ -19,7 +19,6 @@ With each bundle done, the worker appends the node's new events to its log on th
 from __future__ import annotations
 
 import logging
-import os
 import random
 import threading
 import time
@@ -28,8 +27,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-import psutil
-
 from ..config import Flush
 from ..errors import OperationError, describe
 from ..events import EventCopy, EventLog
@@ -37,6 +34,7 @@ from ..fsutil import makedirs
 from ..handles import Handle, Stage, StageLog, State, held_for_tests
 from ..layout import bundle_path
 from ..manifest import LocalManifest
+from ..priority import lower_thread
 from .bundle import BundleError, is_complete, read_manifest, write_bundle
 from .throttle import TokenBucket
 
@@ -78,7 +76,7 @@ class Flusher:
         self._stop = threading.Event()
         self.handles: dict[str, FlushHandle] = {}
         self.pool = ThreadPoolExecutor(settings.concurrency, thread_name_prefix="flush",
-                                       initializer=_lower_priority, initargs=(settings.nice,))
+                                       initializer=lower_thread, initargs=(settings.nice, True))
 
     def submit(self, manifest: LocalManifest, source: Path) -> FlushHandle:
         """Queue the flush of one captured checkpoint (the live handle if already queued)."""
@@ -239,16 +237,6 @@ def _matches(target: Path, manifest: LocalManifest) -> bool:
         return read_manifest(target).files == manifest.files
     except OperationError:
         return False
-
-
-def _lower_priority(nice: int) -> None:
-    """Per thread on Linux: a flush must not take CPU or disk from the trainer."""
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, nice)
-        psutil.Process(tid).ionice(psutil.IOPRIO_CLASS_BE, 7)
-    except (OSError, psutil.Error, AttributeError):
-        pass
 
 
 def backoff(attempt: int, cap: float) -> float:
