@@ -47,7 +47,8 @@ def assert_linked(c: Cluster) -> None:
             staged, spooled = (c.stage(node) / CKPT / rel).stat(), (c.spool(node) / CKPT / rel)
             assert staged.st_ino == spooled.stat().st_ino, (node, rel)
             assert staged.st_nlink == 2, (node, rel)
-    captured = named(c, 1, "captured")
+    # the journal says done just before the event is written
+    captured = wait_for(lambda: named(c, 1, "captured"), 30, "node 1's captured event")
     assert captured[0]["linked"] == len(PARTS[1]), captured
 
 

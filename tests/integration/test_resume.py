@@ -14,6 +14,7 @@ import pytest
 from harness import Cluster, files_of, kill_tree, wait_for
 
 from cachex_agent.flush.bundle import extract
+from cachex_agent.handles import EVENTS, Stage, State
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 CKPT = "step_00001"
@@ -52,8 +53,11 @@ def kill_while_running(c: Cluster, stage: str, done_on_0: str) -> None:
     write_checkpoint(c)
     # replication starts while the capture runs: a held one waits for node 1's capture
     before = {"capture": "done"} if stage == "replicate" else {}
+    # node 0's event too: the journal says done first, and a kill between the two would
+    # leave a done stage that no event names (a restart does not name it again)
+    done_event = EVENTS[(Stage(done_on_0), State.DONE)]
     wait_for(lambda: stages(c, 1).get(stage) == "running"
-             and stages(c, 0).get(done_on_0) == "done"
+             and stages(c, 0).get(done_on_0) == "done" and named(c, 0, done_event)
              and all(stages(c, 1).get(s) == v for s, v in before.items()), 90,
              f"{stage} running on node 1, {done_on_0} done on node 0")
     kill_tree(c.agents)
