@@ -105,16 +105,14 @@ def lower_thread(nice: int, idle_io: bool = False) -> None:
 
 
 def _lower(tid: int, nice: int, policy: int | None) -> list[str]:
-    problems = []
     try:
         if nice > os.getpriority(os.PRIO_PROCESS, tid):
             os.setpriority(os.PRIO_PROCESS, tid, nice)
-    except OSError as exc:
-        problems.append(f"nice {nice}: {exc.strerror}")
-    if policy is not None and policy != os.sched_getscheduler(tid):
-        try:
+        if policy is not None and policy != os.sched_getscheduler(tid):
             # SCHED_OTHER, SCHED_BATCH, SCHED_IDLE: static priority 0; the nice value stays
             os.sched_setscheduler(tid, policy, os.sched_param(0))
-        except OSError as exc:
-            problems.append(f"scheduling policy: {exc.strerror}")
-    return problems
+    except ProcessLookupError:
+        return []           # the thread ended since it was listed
+    except OSError as exc:
+        return [f"nice {nice}, policy {policy}: {exc.strerror}"]
+    return []
