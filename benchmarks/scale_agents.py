@@ -11,10 +11,14 @@ coordinator's frames; COORDINATOR: reports and batches), the bytes it wrote into
 journal, its CPU seconds (every thread). Per checkpoint = (last - second) / (checkpoints
 - 2), so start-up and the first checkpoint do not count.
 
-Printed per N: the mean and the largest of the non-coordinator agents, and node 0
-(agent + coordinator). Last, as JSON: the ratio at the largest N over N = 4 of the
-mean and of the largest (target <= 1.2: flat). On 2 cores, 32 agents contend for the
-CPU, so CPU per checkpoint also grows with waiting that is not the metadata's: bytes
+Printed per N: the mean and the largest of the non-coordinator agents, the mean of the
+leaves (agents that relay nothing and hold no global manifest; `roles`), node 0 (agent
++ coordinator), and the leaves' CPU by thread role (the `counters` event's `threads`).
+Last, as JSON: the ratio at the largest N over N = 4 of the mean, the leaves' and the
+largest (target <= 1.2: flat for the mean and the leaves; the largest is a metadata
+holder, O(N) by design). `--burners K` runs K CPU-spinning processes beside every run,
+a control for contention that is not the metadata's. On 2 cores, 32 agents contend for
+the CPU, so CPU per checkpoint also grows with waiting that is not the metadata's: bytes
 received and journal bytes are the cleaner measures of the path's growth, and CPU per
 turn of the main loop (which polls MPI each millisecond while a peer message is due, so
 its turns grow with the wall time a checkpoint takes) says whether what grows is the
@@ -22,6 +26,7 @@ work or the waiting.
 
     python benchmarks/scale_agents.py [--nodes 2,4,8,16,32] [--checkpoints 6]
                                       [--files 8] [--size 64KiB] [--dir /dev/shm]
+                                      [--burners 0] [--json FILE]
 """
 
 from __future__ import annotations
@@ -96,10 +101,10 @@ def cost(first: dict[str, Any], last: dict[str, Any], intervals: int) -> dict[st
             a, b = a.get(name, 0), b.get(name, 0)
         return (b - a) / intervals
 
-    cpu, turns = last["cpu"] - first["cpu"], last["turns"] - first["turns"]
+    cpu, turns = per("cpu"), per("turns")
     return {"received": (metadata(last) - metadata(first)) / intervals,
-            "journal": per("journal_written"), "cpu": per("cpu"), "cpu_sys": per("cpu_sys"),
-            "turns": per("turns"), "wall": per("t"),
+            "journal": per("journal_written"), "cpu": cpu, "cpu_sys": per("cpu_sys"),
+            "turns": turns, "wall": per("t"),
             "cpu_per_turn": cpu / turns if turns else 0.0,
             "switches": per("switches", "voluntary") + per("switches", "involuntary"),
             "threads": {role: per("threads", role) for role in last["threads"]}}
@@ -115,7 +120,7 @@ def roles(nodes: int) -> dict[str, list[int]]:
     return {"leaves": leaves, "holders": holders, "interior": interior}
 
 
-def summary(costs: list[dict[str, Any]]) -> dict[str, Any]:
+def averaged(costs: list[dict[str, Any]]) -> dict[str, Any]:
     keys = [k for k in costs[0] if k != "threads"]
     out: dict[str, Any] = {k: statistics.fmean(c[k] for c in costs) for k in keys}
     out["threads"] = {role: statistics.fmean(c["threads"].get(role, 0.0) for c in costs)
@@ -141,11 +146,12 @@ def run(nodes: int, checkpoints: int, files: int, size: int, base: Path) -> dict
     intervals = checkpoints - 2
     per_node = {node: cost(rows[1][node], rows[-1][node], intervals) for node in range(nodes)}
     others = [per_node[n] for n in range(1, nodes)]
-    out = {"nodes": nodes, "coordinator": per_node[0], "mean": summary(others),
+    out = {"nodes": nodes, "coordinator": per_node[0], "mean": averaged(others),
            "largest": {k: max(o[k] for o in others) for k in others[0] if k != "threads"}}
-    for role, members in roles(nodes).items():
-        out[role] = summary([per_node[n] for n in members]) if members else None
-    out["roles"] = {role: len(members) for role, members in roles(nodes).items()}
+    by_role = roles(nodes)
+    for role, members in by_role.items():
+        out[role] = averaged([per_node[n] for n in members]) if members else None
+    out["roles"] = {role: len(members) for role, members in by_role.items()}
     return out
 
 

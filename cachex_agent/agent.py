@@ -769,4 +769,3 @@ def catch_up(committed: set[str], known: set[str]) -> tuple[list[str], list[str]
     else:
         adopt = unknown[-1:]
     return adopt, [c for c in unknown if c not in adopt]
-

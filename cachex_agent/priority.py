@@ -43,7 +43,7 @@ def lower_process(nice: int, sched: str = "other", peers: Iterable[int] = ()) ->
     for tid in (int(t) for t in os.listdir(_TASKS)):
         problems += _lower(tid, nice, POLICIES[sched])
     if nice:
-        problems += _lower_autogroup(nice, {os.getpid(), *peers, *_ancestors()})
+        problems += _lower_autogroup(nice, peers)
     return sorted(set(problems))
 
 
@@ -61,10 +61,11 @@ def _autogroup(pid: int) -> tuple[str, int] | None:
         return None
 
 
-def _lower_autogroup(nice: int, allowed: set[int]) -> list[str]:
+def _lower_autogroup(nice: int, peers: Iterable[int]) -> list[str]:
     own = autogroup()
     if own is None or own[1] >= nice:
         return []
+    allowed = {os.getpid(), *peers, *_ancestors()}
     others = [pid for pid in _pids() if pid not in allowed
               and (group := _autogroup(pid)) is not None and group[0] == own[0]]
     if others:

@@ -147,11 +147,14 @@ class Sender:
             self._next_file()
         return None
 
-    def _open(self, relpath: str, size: int) -> BinaryIO:
+    def _path(self, relpath: str) -> Path:
         path = self.source / relpath
         if self.stream is not None and not path.exists():
             path = self.stream.final_dir / relpath      # the part was renamed into place
-        handle = open(path, "rb", buffering=0)  # noqa: SIM115
+        return path
+
+    def _open(self, relpath: str, size: int) -> BinaryIO:
+        handle = open(self._path(relpath), "rb", buffering=0)  # noqa: SIM115
         st = os.fstat(handle.fileno())
         if st.st_size < size:
             handle.close()
@@ -167,10 +170,7 @@ class Sender:
         here; None for an index not in this part (the partner's error stands)."""
         if not 0 <= index < len(self.manifest.files):
             return None
-        relpath = self.manifest.files[index].path
-        path = self.source / relpath
-        if self.stream is not None and not path.exists():
-            path = self.stream.final_dir / relpath
+        path = self._path(self.manifest.files[index].path)
         return f"{path}: checksum differs from the capture's{linked_hint(path)}"
 
     def _read(self, buffer: np.ndarray, length: int) -> np.ndarray:

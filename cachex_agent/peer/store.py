@@ -307,8 +307,8 @@ class ReplicaStore:
             self.events.emit("replica_done", ckpt=ckpt, seq=item.manifest.seq, owner=owner,
                              bytes=item.manifest.bytes)
         self._linger_until = time.monotonic() + LINGER
-        self.post(ToNode(owner, Ack(ckpt, error is None, error,
-                                    item.mismatch if error is not None else None)))
+        # a mismatch is set only with the error it raised
+        self.post(ToNode(owner, Ack(ckpt, error is None, error, item.mismatch)))
         if error is None:
             # after the ack: freeing an older replica (a third of the partner's CPU per
             # checkpoint on tmpfs) does not hold back the owner's partner-durable; this
