@@ -16,7 +16,9 @@ one: an agent in a session of its own (`srun`, `setsid`, a test's `start_new_ses
 would keep its share however nice its threads. So the agent also sets its session's
 autogroup nice, but only when every process of that autogroup is an agent of this job
 on this host or one of its launchers (its ancestors): a trainer that shares the
-session is never slowed down with it. Under cgroup CPU weights (one Slurm step's cgroup
+session is never slowed down with it. A process in the kernel's root group (a session
+nobody started with setsid, as under some containers' init) has no autogroup to lower
+and shares the CPU by nice alone. Under cgroup CPU weights (one Slurm step's cgroup
 against another's), nothing inside the process can lower its share: bind the agent's
 step to cores of its own instead (docs/benchmarks.md).
 """
