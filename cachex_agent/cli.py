@@ -25,6 +25,7 @@ from . import config as configuration
 from .errors import CachexError, ConfigError, OperationError
 from .fsutil import makedirs, write_json
 from .layout import journal_stop_file, pfs_stop_file
+from .mpi_env import choose_netmod
 from .outputs import SCHEMA
 from .topology import agents_on_host, check_one_job, launch_rank
 
@@ -164,6 +165,7 @@ def agent_command(cfg: configuration.Config, verbose: int, quiet: bool, check: b
     the PFS; runs until `cachex stop` or SIGTERM, then drains.
     """
     short_of_memory = _memory_error(cfg)
+    netmod = choose_netmod()
     from mpi4py import MPI  # only the agent needs MPI: `cachex status` must not
 
     from .agent import Agent
@@ -189,7 +191,7 @@ def agent_command(cfg: configuration.Config, verbose: int, quiet: bool, check: b
         click.echo(f"cachex-agent: error: rank {comm.Get_rank()}: start-up failed:"
                    f" {type(exc).__name__}: {exc}; aborting the agent job", err=True)
         comm.Abort(1)
-    _say_mpi(comm)
+    _say_mpi(comm, netmod)
     if comm.Get_rank() == 0:
         _record_run(cfg)
     try:
@@ -211,13 +213,16 @@ def _record_run(cfg: configuration.Config) -> None:
         logging.getLogger("cachex").warning("run %s not recorded: %s", cfg.run, exc)
 
 
-def _say_mpi(comm: Any) -> None:
-    """Which MPI library the agents use, and a warning when it is a PyPI wheel's on a
-    system that has its own (said by rank 0; every agent loads the same venv)."""
+def _say_mpi(comm: Any, netmod: str | None) -> None:
+    """Which MPI library the agents use (and the network module cachex chose for it),
+    and a warning when it is a PyPI wheel's on a system that has its own (said by rank
+    0; every agent loads the same venv)."""
     from .preflight import loaded_mpi_library, mpi_warning
     if comm.Get_rank() == 0:
         library = loaded_mpi_library()
         logging.getLogger("cachex").info("MPI library: %s", library)
+        if netmod:
+            logging.getLogger("cachex").info("%s", netmod)
         warning = mpi_warning(library)
         if warning:
             logging.getLogger("cachex").warning("%s", warning)
@@ -467,6 +472,7 @@ def recover_command(cfg: configuration.Config, ckpt: str | None, exclude: tuple[
     may have fewer or more nodes than the checkpoint (see docs/levels.md). Rank 0
     shows the steps and its own node's bytes on stderr.
     """
+    choose_netmod()
     from mpi4py import MPI
 
     from .recovery.rebuild import recover

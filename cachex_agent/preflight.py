@@ -17,6 +17,7 @@ from .collective import agree
 from .config import Config, upfront_memory
 from .errors import ConfigError
 from .layout import run_lock_path
+from .mpi_env import NETMOD
 from .node_dirs import prepare_dirs, probe_writable
 from .peer.partners import replication_map
 from .runlock import REFRESH, blocking_holder, stale_after
@@ -109,6 +110,8 @@ def _plan(config: Config, placement: Any, paths: Any, every: list[dict[str, Any]
                      f" {item['stage']}, cache {item['cache']};"
                      f" replicas to {', '.join(map(str, partners)) or 'none (flush-only)'}")
     libraries = sorted({i["mpi"] for i in every})
-    lines.append(f"MPI library: {', '.join(libraries)}")
+    netmod = os.environ.get(NETMOD)
+    lines.append(f"MPI library: {', '.join(libraries)}"
+                 + (f"; {NETMOD}={netmod}" if netmod else ""))
     lines += [f"warning: node {i['node']}: {i['warning']}" for i in every if i["warning"]]
     return lines

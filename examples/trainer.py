@@ -453,11 +453,25 @@ def abort_on_uncaught(comm: Intracomm) -> None:
     sys.excepthook = hook
 
 
+def wheel_mpich() -> bool:
+    """The PyPI `mpich` wheel is installed, so mpi4py loads its libmpi."""
+    import importlib.metadata
+    try:
+        importlib.metadata.distribution("mpich")
+    except importlib.metadata.PackageNotFoundError:
+        return False
+    return True
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     validate(parser, args)
 
+    # The PyPI MPICH's default network module can hang MPI_Init under srun --mpi=pmi2
+    # across nodes (docs/jobs.md): a trainer on that MPI picks OFI unless told otherwise.
+    if os.environ.get("SLURM_MPI_TYPE") == "pmi2" and wheel_mpich():
+        os.environ.setdefault("MPIR_CVAR_CH4_NETMOD", "ofi")
     # Imported here so that parse_size and friends can be imported without starting MPI.
     from mpi4py import MPI
 
