@@ -88,7 +88,12 @@ def test_a_trainer_that_fails_ends_the_demo_at_once_and_its_agents(tmp_path):
         seen: dict[psutil.Process, str] = {}
 
         def ended() -> bool:
-            seen.update((p, _command(p)) for p in _descendants(demo) if p not in seen)
+            # each poll's command line, not the first one seen: a rank first seen just
+            # forked by Hydra's proxy still shows the proxy's until its exec
+            for process in _descendants(demo):
+                command = _command(process)
+                if command or process not in seen:
+                    seen[process] = command
             return demo.poll() is not None
         wait_for(ended, 240, "the demo to fail", poll=0.05)
         err = demo.stderr.read()
