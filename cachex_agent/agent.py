@@ -80,6 +80,7 @@ from .messages import (
 )
 from .node_dirs import prepare_dirs
 from .peer.encoder import erasure_groups, start_encoder
+from .peer.feed import Feed
 from .peer.globals import GlobalFiles
 from .peer.mirror import Mirror
 from .peer.partners import domains_of, metadata_holders, replication_map
@@ -176,7 +177,8 @@ class Agent:
                                     scan=config.commit.scan)
         self.capture = CaptureWorker(config, self.paths, self.placement, self.rule,
                                      self.journal, self.stages, self.inbox.put,
-                                     self.watcher.first_seen, self.watcher.removed)
+                                     self.watcher.first_seen, self.watcher.removed,
+                                     self.replicator.feed if self.replicator else None)
         self.mirror = Mirror(self.journal, self.paths, self.node, self.events,
                              config.commit.mirror)
         self._from_coordinator = {
@@ -198,9 +200,14 @@ class Agent:
         pmap = replication_map(self.config, list(self.placement.hosts))
         if pmap is None or self.config.peer.scheme != "copy":
             return None         # flush-only (asked for, or one failure domain), or erasure
+        # one partner: the capture hands a linked file's pieces to the replication as
+        # it hashes them (one read of the bytes, peer/feed.py); with more, the feed's
+        # buffers would wait for the slowest partner
+        one = len(pmap[self.placement.node]) == 1
+        feed = Feed(self.config.peer.slot, wake=self.inbox.wake) if one else None
         return Replicator(self.comm, self.placement.node, pmap, self.ranks_by_node,
                           self.config, self.paths, self.events, self._send_peer,
-                          self.inbox.put, self.stages, wake=self.inbox.wake)
+                          self.inbox.put, self.stages, wake=self.inbox.wake, feed=feed)
 
     def _holders(self) -> list[int]:
         domains = domains_of(self.config.topology.domain, list(self.placement.hosts))

@@ -6,6 +6,7 @@ from __future__ import annotations
 import mmap
 import os
 from collections.abc import Callable
+from typing import Any, BinaryIO
 
 import xxhash
 
@@ -42,6 +43,20 @@ def file_checksum(path: str | os.PathLike[str], chunk: int = COPY_CHUNK) -> str:
         while n := handle.readinto(view):
             digest.update(view[:n])
     return digest.hexdigest()
+
+
+def read_hashing(handle: BinaryIO, view: memoryview, digest: Any,
+                 chunk: int = COPY_CHUNK) -> int:
+    """Fill `view` from `handle` (until it is full or the file ends), hashing each
+    `chunk` as it arrives, while it is still in the cache; the bytes read."""
+    done = 0
+    while done < len(view):
+        n = handle.readinto(view[done:done + chunk])
+        if not n:
+            break
+        digest.update(view[done:done + n])
+        done += n
+    return done
 
 
 def file_problem(path: str | os.PathLike[str], size: int, checksum: str) -> str | None:

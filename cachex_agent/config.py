@@ -571,11 +571,15 @@ def check_paths(paths: NodePaths) -> None:
 
 def upfront_memory(config: Config) -> int:
     """Bytes one agent allocates at start and keeps: its receive window (one region per
-    owner replicating to it, `peer.copies` on the ring) and send buffer, unless the run is
-    flush-only, and one `flush.chunk` buffer per bundle writer (`flush.writers` for each
-    of the `flush.concurrency` bundles in flight) and for capture."""
+    owner replicating to it, `peer.copies` on the ring), send buffer and feed (two slots,
+    one partner), unless the run is flush-only, and one `flush.chunk` buffer per bundle
+    writer (`flush.writers` for each of the `flush.concurrency` bundles in flight) and for
+    capture."""
     peer, flush = config.peer, config.flush
-    window = 0 if config.model.path == "direct" else (peer.copies * peer.slots + 1) * peer.slot
+    # the window's regions, the send buffer, and with one partner the feed's two buffers
+    feed = 2 if peer.copies == 1 and peer.scheme == "copy" else 0
+    window = (0 if config.model.path == "direct"
+              else (peer.copies * peer.slots + 1 + feed) * peer.slot)
     return window + (flush.concurrency * flush.writers + 1) * flush.chunk
 
 

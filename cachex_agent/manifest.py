@@ -35,6 +35,12 @@ def _plain(value: Any) -> Any:
     return value
 
 
+#: the checksum of a file streamed to a partner while it is still being hashed (a
+#: linked file fed to the replication, stage/capture.py and peer/feed.py): the final
+#: manifest carries the real one
+PENDING = ""
+
+
 @dataclass(frozen=True)
 class FileEntry:
     path: str           # relative to the checkpoint directory, '/'-separated

@@ -20,13 +20,15 @@ Each owner has `peer.slots` slots of `peer.slot` bytes in each partner's window,
 memory is bounded by the window whatever the checkpoint size, and several owners can
 send to one partner at once. Bytes go from a mapping of the staged file straight into
 the partner's window (no read into a buffer first); a file captured by hard link, still
-the trainer's, is read into a buffer instead. The owner does not hash what it sends: the
-partner checks every file against the manifest's checksum as it writes it, and an ack
-that names a file that differed makes the owner's error say why (for a linked file, the
-trainer rewrote it since the capture). The
-main thread calls `pump()` every tick: it never blocks on a partner. It polls MPI fast
-only while `waits_on_peer()` (a credit, an ack or a slot is due); the partner's writer
-and the capture wake it through the inbox for everything else. A partner that leaves
+the trainer's, is read into a buffer instead, or, with one partner, Put from the
+capture's own buffers as it hashes them (peer/feed.py: such a file is announced with a
+PENDING checksum, which the final manifest gives). The owner does not hash what it
+sends: the partner checks every file against the manifest's checksum as it writes it,
+and an ack that names a file that differed makes the owner's error say why (for a
+linked file, the trainer rewrote it since the capture). The main thread calls `pump()`
+every tick: it never blocks on a partner. It polls MPI fast only while
+`waits_on_peer()` (a credit, an ack or a slot is due); the partner's writer and the
+capture (its feed too) wake it through the inbox for everything else. A partner that leaves
 slots unanswered for `agent.timeout` is declared dead: reported, never sent to again in
 this run; the owner's data goes on to the PFS.
 """
@@ -51,9 +53,10 @@ from ..config import Config
 from ..events import EventLog
 from ..handles import Handle, Stage, StageLog, State, held_for_tests
 from ..layout import NodePaths
-from ..manifest import LocalManifest
+from ..manifest import PENDING, FileEntry, LocalManifest
 from ..messages import Ack, Begin, Credit, End, File, FileCaptured, Slot
 from ..stage.capture import linked_hint
+from .feed import READ, WAIT_FOR_IT, Feed
 from .partners import incoming
 from .store import ReplicaStore
 from .window import ReceiveWindow
@@ -65,6 +68,7 @@ POPULATE = getattr(mmap, "MAP_POPULATE", 0)     # Linux; elsewhere faults per pa
 
 
 Final = tuple[LocalManifest, Path, bool]     # a finished capture: manifest, source, mapped
+NOT_READY = "not ready"     # Sender.next_chunk: the feed will bring that piece
 
 
 @dataclass
@@ -79,16 +83,29 @@ class Stream:
     failed: str | None = None   # the capture failed or was cancelled: nothing to send
 
     def add(self, msg: FileCaptured) -> None:
-        if msg.index != len(self.manifest.files) or msg.partial != self.partial:
+        files = self.manifest.files
+        if msg.partial != self.partial or self.torn:
+            self.torn = True
+        elif _hashed(files, msg):
+            files[-1] = msg.entry       # the checksum of a file streamed as it was hashed
+        elif msg.index != len(files):
             self.torn = True        # posted from index 0 again: a new attempt
-        elif not self.torn:
-            self.manifest.files.append(msg.entry)
+        else:
+            files.append(msg.entry)
 
     def finish(self, final: Final) -> None:
         manifest, source, _mapped = final
         self.final = final
         if manifest.files != self.manifest.files or source != self.final_dir:
             self.torn = True        # another attempt, or by reference: not these bytes
+
+
+def _hashed(files: list[FileEntry], msg: FileCaptured) -> bool:
+    """`msg` gives the checksum of the file last posted PENDING (same path, size, mode)."""
+    if msg.index != len(files) - 1 or msg.entry.checksum == PENDING:
+        return False
+    last = files[-1]
+    return last.checksum == PENDING and replace(last, checksum=msg.entry.checksum) == msg.entry
 
 
 @dataclass
@@ -108,6 +125,8 @@ class Sender:
     announced: int = 0      # File messages sent (a stream)
     handle: BinaryIO | None = None
     piece_mapped: bool = False      # the open file is Put from mappings
+    feed: Feed | None = None        # a stream's linked files, as the capture hashes them
+    fed: np.ndarray | None = None   # the fed piece last returned, until it was Put
     # queued | sending | ending | waiting (a stream abandoned, for the final manifest)
     # | done | failed
     state: str = "queued"
@@ -122,9 +141,10 @@ class Sender:
         self.file = self.offset = self.announced = 0
         self.state, self.error, self.aborted = "queued", None, False
 
-    def next_chunk(self, buffer: np.ndarray) -> tuple[int, int, np.ndarray] | None:
+    def next_chunk(self, buffer: np.ndarray) -> tuple[int, int, np.ndarray] | str | None:
         """The next piece, at most `buffer.nbytes` long: (file index, offset, its bytes),
-        or None when every file was sent.
+        NOT_READY while the capture is still hashing it for the feed, or None when every
+        file was sent. A fed piece is the capture's buffer: `release` it once it was Put.
 
         Mapped, the bytes are a view of a mapping of just that piece (no copy, and memory
         bounded by one slot whatever the file size); drop the view once it was Put. A
@@ -136,16 +156,38 @@ class Sender:
         while self.file < len(files):
             entry = files[self.file]
             if self.offset < entry.size:
-                if self.handle is None:
-                    self.handle = self._open(entry.path, entry.size)
                 length = min(buffer.nbytes, entry.size - self.offset)
-                data = (map_piece(self.handle.fileno(), self.offset, length)
-                        if self.piece_mapped else self._read(buffer, length))
+                data = self._fed(entry, length)
+                if data is WAIT_FOR_IT:
+                    return NOT_READY
+                if data is None:
+                    if self.handle is None:
+                        self.handle = self._open(entry.path, entry.size)
+                    data = (map_piece(self.handle.fileno(), self.offset, length)
+                            if self.piece_mapped else self._read(buffer, length))
                 chunk = (self.file, self.offset, data)
                 self.offset += length
                 return chunk
             self._next_file()
         return None
+
+    def _fed(self, entry: FileEntry, length: int) -> np.ndarray | str | None:
+        """The piece from the feed, WAIT_FOR_IT, or None (read it from the file)."""
+        if self.feed is None or self.stream is None:
+            return None
+        got = self.feed.serve(self.manifest.ckpt, self.file, self.offset, length,
+                              pending=entry.checksum == PENDING)
+        if isinstance(got, str):
+            return None if got == READ else got
+        self.fed = got
+        return got
+
+    def release(self) -> None:
+        """The piece last returned was Put: a fed buffer goes back to the capture."""
+        if self.fed is not None:
+            assert self.feed is not None
+            self.feed.release(self.fed)
+            self.fed = None
 
     def _path(self, relpath: str) -> Path:
         path = self.source / relpath
@@ -176,6 +218,7 @@ class Sender:
     def _read(self, buffer: np.ndarray, length: int) -> np.ndarray:
         assert self.handle is not None
         view = memoryview(buffer)[:length]
+        self.handle.seek(self.offset)       # fed pieces before this one were not read
         done = 0
         while done < length:
             n = self.handle.readinto(view[done:])
@@ -191,6 +234,7 @@ class Sender:
         self.file, self.offset = self.file + 1, 0
 
     def close(self) -> None:
+        self.release()
         if self.handle is not None:
             self.handle.close()
             self.handle = None
@@ -242,9 +286,11 @@ class Replicator:
     def __init__(self, comm: Any, node: int, pmap: list[list[int]], ranks_by_node: list[int],
                  config: Config, paths: NodePaths, events: EventLog, send: Send,
                  post: Post, log_: StageLog | None = None,
-                 wake: Callable[[], None] = lambda: None) -> None:
+                 wake: Callable[[], None] = lambda: None, feed: Feed | None = None) -> None:
         """`log_`: where stage states go (journal and events); events only if None.
-        `wake`: ends the main loop's sleep (the agent's inbox), see `waits_on_peer`."""
+        `wake`: ends the main loop's sleep (the agent's inbox), see `waits_on_peer`.
+        `feed`: the capture's pieces of linked files (one partner only, peer/feed.py)."""
+        self.feed = feed
         self.node = node
         self.partners = pmap[self.node]
         self.ranks = ranks_by_node
@@ -329,7 +375,7 @@ class Replicator:
             self.queues[partner].append(Sender(
                 manifest, handle.source, partner, self.ranks[partner], self.regions[partner],
                 deque(range(self.slots)), handle.mapped and partner in self.map_to,
-                handle.stream))
+                handle.stream, feed=self.feed))
 
     def cancel(self, ckpt: str, reason: str = "cancelled") -> None:
         """Drop the partners' streams of `ckpt` not begun yet; a begun one runs to its ack
@@ -390,9 +436,12 @@ class Replicator:
                 if chunk is None:
                     self._out_of_files(sender, now)
                     break
+                if chunk is NOT_READY:
+                    break           # the feed's give wakes the loop
                 index, offset, data = chunk
                 slot = sender.free.popleft()
                 self.window.put(data, sender.rank, sender.region, slot)
+                sender.release()
                 self.send(sender.rank, Slot(sender.manifest.ckpt, slot, index, offset,
                                             data.nbytes))
                 del data, chunk     # a mapped piece is unmapped with its last view
@@ -448,8 +497,14 @@ class Replicator:
         one to abandon it."""
         sender.state = "ending"
         sender.aborted = sender.stream is not None and final is None
-        sender.close()
+        self._close(sender)
         self.send(sender.rank, End(sender.manifest.ckpt, final))
+
+    def _close(self, sender: Sender) -> None:
+        """The sender takes no more pieces: nor does its feed keep any for it."""
+        sender.close()
+        if sender.feed is not None:
+            sender.feed.drop(sender.manifest.ckpt)
 
     def _restart(self, sender: Sender, why: str) -> None:
         """An abandoned stream: the whole part again, from the final manifest."""
@@ -500,7 +555,7 @@ class Replicator:
         if sender.state in ("done", "failed"):
             return
         sender.state, sender.error = "failed", error
-        sender.close()
+        self._close(sender)
         self._finish(sender.manifest, sender.partner, error)
 
     def _finish(self, manifest: LocalManifest, partner: int, error: str | None) -> None:

@@ -28,7 +28,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +45,7 @@ from ..fsutil import (
     remove_under,
 )
 from ..layout import replica_dir, replica_manifest_path, replica_manifest_paths
-from ..manifest import FileEntry, LocalManifest
+from ..manifest import PENDING, FileEntry, LocalManifest
 from ..messages import Ack, Credit, ToNode
 from ..safepath import UnsafeInput
 from .window import ReceiveWindow
@@ -86,13 +86,30 @@ def _identity(manifest: LocalManifest) -> tuple[Any, ...]:
 
 
 def _differs(owner: int, item: _Incoming, final: LocalManifest | None) -> str | None:
-    """Why the files received are not the part `final` describes (None: they are)."""
+    """Why the files received are not the part `final` describes (None: they are). A
+    file that differs only in its checksum is named (`item.mismatch`): for a file the
+    owner streamed as it hashed it, the bytes sent were not the ones it hashed."""
     if final is None:
         return (f"node {owner} abandoned the stream (its capture changed or failed)"
                 if item.streamed else None)
     if _identity(final) != _identity(item.manifest) or final.files != item.manifest.files:
+        index = _checksum_only(final.files, item.manifest.files)
+        if index is not None:
+            item.mismatch = index
+            return f"{final.files[index].path}: checksum differs from the owner's"
         return (f"the final manifest ({len(final.files)} files) differs from the"
                 f" {len(item.manifest.files)} files received")
+    return None
+
+
+def _checksum_only(final: list[FileEntry], received: list[FileEntry]) -> int | None:
+    """The first file whose checksum alone differs, when that is the only difference."""
+    if len(final) != len(received):
+        return None
+    differ = [i for i, (f, r) in enumerate(zip(final, received, strict=True)) if f != r]
+    if differ and all(replace(final[i], checksum=received[i].checksum) == received[i]
+                      for i in differ):
+        return differ[0]
     return None
 
 
@@ -207,6 +224,9 @@ class ReplicaStore:
         try:
             if streamed and manifest.files:
                 raise OSError(errno.EINVAL, "a streamed part must begin without files")
+            if any(e.checksum == PENDING for e in manifest.files):
+                raise OSError(errno.EINVAL, "a file without its checksum (only a streamed"
+                              " file may come before it)")
             remove_under(self.root, partial)
             self._retry_full(lambda: makedirs(partial))
             for index, entry in enumerate(manifest.files):
@@ -223,6 +243,8 @@ class ReplicaStore:
             if not item.streamed or index != len(item.manifest.files):
                 raise OSError(errno.EINVAL, f"file {index} ({entry.path}) announced out of"
                               f" order (expected {len(item.manifest.files)})")
+            if entry.checksum == PENDING and entry.size == 0:
+                raise OSError(errno.EINVAL, f"{entry.path}: an empty file without checksum")
             item.manifest.files.append(entry)
             self._created_if_empty(item, index, entry)
         except OSError as exc:
@@ -283,7 +305,12 @@ class ReplicaStore:
             os.fsync(fd)
         finally:
             os.close(fd)
-        if item.hashers.pop(index).hexdigest() != entry.checksum:
+        digest = item.hashers.pop(index).hexdigest()
+        if entry.checksum == PENDING:
+            # streamed while the owner hashed it: its checksum comes with the final
+            # manifest, which `_differs` compares with this one
+            item.manifest.files[index] = replace(entry, checksum=digest)
+        elif digest != entry.checksum:
             item.mismatch = index
             raise OSError(errno.EIO, f"{entry.path}: checksum differs from the owner's")
         item.done.add(index)

@@ -32,6 +32,9 @@ import stat
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
+
+import numpy as np
 
 from ..checksum import (
     COPY_CHUNK,
@@ -39,6 +42,8 @@ from ..checksum import (
     copy_range_with_checksum,
     copy_with_checksum,
     file_checksum,
+    hasher,
+    read_hashing,
 )
 from ..errors import OperationError
 from ..fsutil import (
@@ -50,8 +55,25 @@ from ..fsutil import (
     remove_under,
     trainer_mode,
 )
-from ..manifest import FileEntry
+from ..manifest import PENDING, FileEntry
 from .quiescence import FileState
+
+
+class PieceSink(Protocol):
+    """Where a linked file's pieces go as they are hashed (peer/feed.py's `Feed`): the
+    capture of a part calls `begin`, then `take`/`give` per piece, `stop` at its end."""
+    piece: int
+
+    def begin(self, ckpt: str) -> None: ...
+
+    def take(self) -> np.ndarray | None: ...
+
+    def give(self, file: int, offset: int, buffer: np.ndarray, length: int) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+OnFile = Callable[[int, FileEntry, Path], None]     # a file copied (or linked): stream it
 
 
 class CaptureError(OperationError):
@@ -183,14 +205,15 @@ def list_files(ckpt_dir: Path, ignore: Callable[[str], bool] = lambda _: False) 
 def capture_copy(src: Path, dst: Path, relpaths: Iterable[str], chunk: int = COPY_CHUNK,
                  on_bytes: Callable[[int], None] | None = None,
                  sources: Mapping[str, Path] | None = None,
-                 on_file: Callable[[int, FileEntry, Path], None] | None = None,
-                 plan: Plan | None = None) -> list[FileEntry]:
+                 on_file: OnFile | None = None, plan: Plan | None = None,
+                 sink: PieceSink | None = None) -> list[FileEntry]:
     """Copy `relpaths` from `src` into the new directory `dst`; return their entries.
     `sources` names the file read for a relpath that does not live under `src` (a
     tracker or single-file checkpoint at the spool root). `on_file(i, entry, partial)`:
     file i is copied, fsynced and checked unchanged, in `partial` (renamed to `dst` at
     the end); a later failure or retry of the part may still discard it. `plan`: the
-    files to hard-link instead (it records those linked)."""
+    files to hard-link instead (it records those linked). `sink`: a linked file's pieces
+    go there as they are hashed, announced first by `on_file` with a PENDING checksum."""
     sources = sources or {}
     plan = plan or Plan()
     partial = partial_path(dst)
@@ -201,7 +224,9 @@ def capture_copy(src: Path, dst: Path, relpaths: Iterable[str], chunk: int = COP
         entries = []
         for i, rel in enumerate(relpaths):
             source = sources.get(rel, src / rel)
-            linked = (_link_one(source, partial, rel, plan, on_bytes)
+            announce = (lambda e, i=i: on_file(i, e, partial)) if on_file and sink else None
+            linked = (_link_one(source, partial, rel, plan, on_bytes,
+                                _Feeding(i, sink, announce) if announce else None)
                       if rel in plan.link else None)
             entries.append(linked or _copy_one(source, partial, rel, buffer, on_bytes, plan))
             if on_file is not None:
@@ -252,8 +277,16 @@ def _copy(source: Path, target: Path, buffer: mmap.mmap,
     return copy_with_checksum(source, target, on_bytes=on_bytes, buffer=buffer)
 
 
+@dataclass
+class _Feeding:
+    index: int
+    sink: PieceSink
+    announce: Callable[[FileEntry], None]
+
+
 def _link_one(source: Path, dst: Path, rel: str, plan: Plan,
-              on_bytes: Callable[[int], None] | None) -> FileEntry | None:
+              on_bytes: Callable[[int], None] | None, feeding: _Feeding | None = None
+              ) -> FileEntry | None:
     """Hard-link `source` as `dst/rel` and checksum it in one read; None when the file
     system refuses the link (`plan.refused` says why) or the file is setuid, setgid or
     sticky (no such file under cachex's directories): the caller copies it."""
@@ -274,12 +307,34 @@ def _link_one(source: Path, dst: Path, rel: str, plan: Plan,
     if target.stat().st_ino != before[0]:
         raise PartChanged(f"{source}: replaced during capture")
     fsync_file(target)      # durable before recorded, as a copy is (free on tmpfs)
-    checksum = file_checksum(target)
+    if feeding is None or not before[1]:    # an empty file has no piece to feed
+        checksum = file_checksum(target)
+    else:
+        feeding.announce(FileEntry(rel, before[1], before[3], PENDING))
+        checksum = _checksum_feeding(target, before[1], feeding)
     _check_unchanged(source, before)    # the same inode: a write while hashing shows here
     plan.linked.append(rel)
     if on_bytes:
         on_bytes(before[1])
     return FileEntry(rel, before[1], before[3], checksum)
+
+
+def _checksum_feeding(path: Path, size: int, feeding: _Feeding) -> str:
+    """The file's checksum, each piece read into one of the sink's buffers and given to
+    it once hashed; without a buffer (the sink stopped) the rest in a buffer of its own."""
+    digest, sink, offset = hasher(), feeding.sink, 0
+    with open(path, "rb", buffering=0) as handle:
+        while offset < size and (buffer := sink.take()) is not None:
+            length = min(sink.piece, size - offset)
+            n = read_hashing(handle, memoryview(buffer)[:length], digest)
+            sink.give(feeding.index, offset, buffer, n)
+            offset += n
+            if n < length:
+                break           # shorter than it was: _check_unchanged says so
+        with copy_buffer(COPY_CHUNK) as own, memoryview(own) as view:
+            while n := read_hashing(handle, view, digest):
+                pass
+    return digest.hexdigest()
 
 
 def _special_bits(path: Path) -> bool:

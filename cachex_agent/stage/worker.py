@@ -9,7 +9,10 @@ fails with one line, never a torn part reported captured.
 A copy also posts each file as soon as it is copied and checksummed (`FileCaptured`),
 so that its replication can start while later files are still being copied. What is
 streamed that way is only provisional: the partner keeps it only if the final manifest,
-posted with `captured`, names exactly those files (peer/replicator.py).
+posted with `captured`, names exactly those files (peer/replicator.py). With a feed
+(peer/feed.py: one partner), a file captured by hard link is posted before it is
+hashed, with a PENDING checksum, and its pieces go to the replication as they are
+hashed; it is posted again with its checksum.
 """
 
 from __future__ import annotations
@@ -32,12 +35,14 @@ from ..fsutil import remove_under
 from ..handles import Handle, Stage, StageLog, State, held_for_tests
 from ..journal import Journal
 from ..layout import NodePaths, ckpt_dir, root_entry
-from ..manifest import FileEntry, LocalManifest
+from ..manifest import PENDING, FileEntry, LocalManifest
 from ..messages import FileCaptured
 from ..topology import Placement
 from .capture import (
     CaptureError,
+    OnFile,
     PartChanged,
+    PieceSink,
     Plan,
     capture_copy,
     capture_method,
@@ -58,7 +63,6 @@ TEST_FAIL_CAPTURE = "CACHEX_TEST_FAIL_CAPTURE"  # tests: this rank's capture thr
 TEST_PAUSE = "CACHEX_TEST_CAPTURE_PAUSE"
 # where, entries, mode, why that mode (or why a link fell back to a copy), files linked
 Captured = tuple[Path, list[FileEntry], str, str, int]
-OnFile = Callable[[int, FileEntry, Path], None]     # a file copied: stream it
 
 
 class CaptureHandle(Handle):
@@ -76,8 +80,10 @@ class CaptureWorker:
     def __init__(self, config: Config, paths: NodePaths, placement: Placement, rule: CommitRule,
                  journal: Journal, log_: StageLog, post: Callable[[Any], None],
                  first_seen: Callable[[str], float | None],
-                 removed: Callable[[str], bool]) -> None:
+                 removed: Callable[[str], bool], feed: PieceSink | None = None) -> None:
+        """`feed`: where linked files' pieces go as they are hashed (peer path only)."""
         self.config, self.paths, self.placement, self.rule = config, paths, placement, rule
+        self.feed = feed
         self.journal, self.log, self.post, self.first_seen = journal, log_, post, first_seen
         self.removed = removed
         self.queue: queue.Queue[CaptureHandle | None] = queue.Queue()
@@ -147,7 +153,8 @@ class CaptureWorker:
                                node=self.placement.node, host=self.placement.host,
                                rank=self.placement.rank, files=[])
         target, entries, mode, reason, linked = self._capture_whole(
-            handle, source, vouched, deadline, self._streamer(handle, header))
+            handle, source, vouched, deadline, self._streamer(handle, header),
+            self.feed if task.get("path", "peer") == "peer" else None)
         if held_for_tests(Stage.CAPTURE, self.placement.node):
             handle.cancelled.wait(3600)
         manifest = dataclasses.replace(header, files=entries, captured_at=time.time())
@@ -203,7 +210,8 @@ class CaptureWorker:
 
         def on_file(index: int, entry: FileEntry, partial: Path) -> None:
             self.post(FileCaptured(header, index, entry, partial, final))
-            self._pause_for_tests(handle)
+            if entry.checksum != PENDING:
+                self._pause_for_tests(handle)
         return on_file
 
     def _pause_for_tests(self, handle: CaptureHandle) -> None:
@@ -221,7 +229,7 @@ class CaptureWorker:
                 return
 
     def _capture_whole(self, handle: CaptureHandle, source: Path, vouched: bool,
-                       deadline: float, on_file: OnFile) -> Captured:
+                       deadline: float, on_file: OnFile, feed: PieceSink | None) -> Captured:
         """Capture until a listing after the capture equals the one before it (bounded):
         a file missing or torn is never reported captured."""
         changes = ""
@@ -230,7 +238,7 @@ class CaptureWorker:
             settle = 0.0 if vouched and attempt == 1 else self.config.commit.settle
             listed = self._settled(handle, source, settle, deadline)
             try:
-                captured = self._capture_once(handle.ckpt, source, listed, on_file)
+                captured = self._capture_once(handle.ckpt, source, listed, on_file, feed)
                 changes = part_changes(listed, self._listing(source))
             except PartChanged as exc:
                 captured, changes = None, str(exc)
@@ -264,7 +272,7 @@ class CaptureWorker:
             raise CaptureError(f"{source}: checkpoint directory is missing") from None
 
     def _capture_once(self, ckpt: str, source: Path, listed: dict[Path, FileState],
-                      on_file: OnFile) -> Captured:
+                      on_file: OnFile, feed: PieceSink | None = None) -> Captured:
         """(where the captured bytes are, entries, mode, why that mode, files linked) of
         one capture."""
         relpaths = sorted(rel for rel in (p.relative_to(source).as_posix() for p in listed)
@@ -280,9 +288,11 @@ class CaptureWorker:
         if not memory_allows(total):
             reason = f"memory short: {total} bytes would leave less than {MEMORY_RESERVE}"
         else:
+            if feed is not None:
+                feed.begin(ckpt)
             try:
                 entries = capture_copy(source, target, [*relpaths, *roots], sources=roots,
-                                       on_file=on_file, plan=plan)
+                                       on_file=on_file, plan=plan, sink=feed)
                 if plan.refused:
                     log.warning("capture of %s: %s", ckpt, plan.refused)
                 return target, entries, "copy", plan.refused, len(plan.linked)
@@ -290,6 +300,9 @@ class CaptureWorker:
                 if not is_stage_full(exc):
                     raise
                 reason = f"stage full ({describe(exc)})"
+            finally:
+                if feed is not None:
+                    feed.stop()
         # by reference: the flush and the replicas read the spool part and check it
         # against these checksums
         remove_under(self.paths.stage, target)     # an earlier attempt, partial or whole

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -53,12 +54,14 @@ def make_files(directory: Path, sizes: dict[str, int], seed: int) -> list[FileEn
 
 
 def run_replication(root: Path, cfg, sizes_of_rank, ckpts=("c1",), mapped=True,
-                    damage=None, feed=None, sleep=None) -> dict:
+                    damage=None, feed=None, sleep=None, pieces=None) -> dict:
     """Every rank replicates its files to its partners, serving the others meanwhile.
     `damage(source)` runs on each staged checkpoint after its manifest was made.
     `feed(replicator, manifest, source)` starts a replication its own way (a stream) and
-    returns what to do once the loop has run a while (end the capture), or None.
-    `sleep(replicator, inbox)` sleeps between turns (default: 0.5 ms)."""
+    returns what to do once the loop has run a while (end the capture), or None; what
+    another thread posts as a callable runs on the loop's thread.
+    `sleep(replicator, inbox)` sleeps between turns (default: 0.5 ms).
+    `pieces`: the replicator's Feed (peer/feed.py), made with the loop's wake."""
     from mpi4py import MPI
 
     from cachex_agent.peer.replicator import Replicator
@@ -74,7 +77,8 @@ def run_replication(root: Path, cfg, sizes_of_rank, ckpts=("c1",), mapped=True,
     events = EventLog(paths.journal / "events.jsonl", node=comm.rank)
     pmap = replication_map(cfg, list(placement.hosts))
     replicator = Replicator(comm, placement.node, pmap, list(range(comm.size)), cfg, paths,
-                            events, send, posts.put, wake=posts.wake)
+                            events, send, posts.put, wake=posts.wake,
+                            feed=pieces(posts.wake) if pieces else None)
     results = {}
     later = []
     for seq, ckpt in enumerate(ckpts, 1):
@@ -100,6 +104,8 @@ def run_replication(root: Path, cfg, sizes_of_rank, ckpts=("c1",), mapped=True,
             msg = posts.get()
             if isinstance(msg, ToNode):
                 send(msg.node, msg.message)
+            elif callable(msg):
+                msg()
             else:
                 results[msg["ckpt"]] = msg
         replicator.pump()
@@ -340,9 +346,100 @@ def test_a_final_manifest_other_than_the_files_streamed_is_never_kept(mpi_tmp_pa
                               feed=lie)
     assert all_ok(comm, not results["c1"]["ok"]), results
     failed = replica_events(cfg, "replica_failed")
-    assert all_ok(comm, failed and "differs from the 1 files received" in failed[0]["error"]
-                  ), failed
+    assert all_ok(comm, failed and "a.bin: checksum differs from the owner's"
+                  in failed[0]["error"]), failed
     partner = cfg.node_paths(comm.rank).replicas
     owner = (comm.rank - 1) % comm.size
     assert all_ok(comm, not replica_manifest_path(partner, owner, "c1").exists())
     assert all_ok(comm, not replica_dir(partner, owner, "c1").exists())
+
+
+def linked_capture(threads: list, rewrite: bool = False):
+    """A `feed` hook: the part is moved to a spool beside the stage and captured by hard
+    link in a thread of its own, as the agent's capture does, its pieces fed to the
+    replication as they are hashed. `rewrite`: the capture's posts wait until the
+    trainer has rewritten a file in place (same inode, other bytes): the replication
+    then reads what the capture did not feed, and those are not the bytes hashed."""
+    from cachex_agent.stage.capture import Plan, capture_copy
+
+    def start(replicator, manifest, source):
+        spool = source.parent / f"spool-{manifest.ckpt}"
+        source.rename(spool)
+        relpaths = [e.path for e in manifest.files]
+        header = replace(manifest, files=[])
+        held: list = []
+
+        def post(action):
+            (held.append if rewrite else replicator.post)(action)
+
+        def on_file(index, entry, partial):
+            msg = FileCaptured(header, index, entry, partial, source)
+            post(lambda: replicator.file_captured(msg))
+
+        def capture():
+            replicator.feed.begin(manifest.ckpt)
+            try:
+                entries = capture_copy(spool, source, relpaths, on_file=on_file,
+                                       plan=Plan(frozenset(relpaths)), sink=replicator.feed)
+            finally:
+                replicator.feed.stop()
+            final = replace(manifest, files=entries)
+            post(lambda: replicator.captured(final, source, True))
+            if rewrite:
+                with open(spool / relpaths[0], "r+b") as handle:
+                    handle.write(bytes(255 - b for b in handle.read(16)))
+                for action in held:
+                    replicator.post(action)
+        threads.append(threading.Thread(target=capture, name="capture"))
+        threads[-1].start()     # the loop runs meanwhile: it Puts what the capture feeds
+    return start
+
+
+def test_a_part_captured_by_link_is_fed_to_its_partner_as_it_is_hashed(mpi_tmp_path):
+    """One read on the owner: the pieces Put are the capture's hashed buffers."""
+    from mpi4py import MPI
+
+    from cachex_agent.peer.feed import Feed
+    comm = MPI.COMM_WORLD
+    cfg = config(mpi_tmp_path, '[peer]\nslot = "64KiB"\nslots = 2\n')
+    sizes = {"big.distcp": 768 * 1024 + 3, "empty": 0, "d/small": 100, ".metadata": 5000}
+    feeds = []
+
+    def pieces(wake):
+        feeds.append(Feed(cfg.peer.slot, count=2, wait=5.0, wake=wake))
+        return feeds[0]
+    threads: list[threading.Thread] = []
+    results = run_replication(mpi_tmp_path, cfg, lambda rank: sizes,
+                              feed=linked_capture(threads), pieces=pieces)
+    threads[0].join(60)
+    assert all_ok(comm, results["c1"]["ok"]), results
+    problems = check_replicas(mpi_tmp_path, cfg)
+    assert all_ok(comm, not problems), problems[:5]
+    started = replica_events(cfg, "replica_start")
+    assert all_ok(comm, started and started[0]["streamed"]), started
+    # every non-empty piece went through the feed (none was read again)
+    assert all_ok(comm, feeds[0].served == 13 + 1 + 1), feeds[0].served
+
+
+def test_a_linked_file_rewritten_before_it_is_read_again_is_never_a_replica(mpi_tmp_path):
+    """Nothing fed (no buffers): the replication reads the trainer's file, which was
+    rewritten in place after its hash; the partner's hash differs from the final
+    manifest's and the owner's error says why."""
+    from mpi4py import MPI
+
+    from cachex_agent.peer.feed import Feed
+    comm = MPI.COMM_WORLD
+    cfg = config(mpi_tmp_path, '[peer]\nslot = "64KiB"\nslots = 2\n')
+    threads: list[threading.Thread] = []
+    results = run_replication(mpi_tmp_path, cfg, lambda rank: {"a.distcp": 200_000},
+                              feed=linked_capture(threads, rewrite=True),
+                              pieces=lambda wake: Feed(cfg.peer.slot, count=0, wait=0.0,
+                                                       wake=wake))
+    threads[0].join(60)
+    assert all_ok(comm, not results["c1"]["ok"]), results
+    error = results["c1"]["errors"]
+    assert all_ok(comm, any("a.distcp: checksum differs from the capture's" in e
+                            and "rewrote" in e for e in error.values())), error
+    partner = cfg.node_paths(comm.rank).replicas
+    owner = (comm.rank - 1) % comm.size
+    assert all_ok(comm, not replica_manifest_path(partner, owner, "c1").exists())

@@ -200,8 +200,9 @@ def test_upfront_memory_counts_window_send_buffer_and_chunks(tmp_path):
     assert upfront_memory(cfg) == (2 * 4 + 1) * 16 * MiB + 4 * 8 * MiB
     writers = load(write(tmp_path, BASE + '[flush]\nconcurrency = 3\nwriters = 2\n'),
                    environ={})
-    # a chunk buffer per writer of each bundle in flight, plus capture's
-    assert upfront_memory(writers) == (4 + 1) * 16 * MiB + (3 * 2 + 1) * 8 * MiB
+    # one partner: the feed's two slots too; a chunk buffer per writer of each bundle
+    # in flight, plus capture's
+    assert upfront_memory(writers) == (4 + 1 + 2) * 16 * MiB + (3 * 2 + 1) * 8 * MiB
     direct = load(write(tmp_path, BASE + '[model]\npath = "direct"\n'), environ={})
     assert upfront_memory(direct) == 2 * 8 * MiB          # flush-only: no window
 
