@@ -124,8 +124,10 @@ def test_a_fed_capture_announces_each_linked_file_before_and_after_its_hash(tmp_
     pieces: dict[tuple[int, int], bytes] = {}
     stop = threading.Event()
 
+    wanted = sum(len(range(0, len(files[rel]), PIECE)) for rel in rels)
+
     def replicate() -> None:        # the main thread's side: Put (here: keep) and release
-        while not stop.is_set():
+        while not stop.is_set() and len(pieces) < wanted:
             for index, rel in enumerate(rels):
                 for offset in range(0, len(files[rel]), PIECE):
                     length = min(PIECE, len(files[rel]) - offset)
@@ -143,6 +145,7 @@ def test_a_fed_capture_announces_each_linked_file_before_and_after_its_hash(tmp_
         entries = capture_copy(src, tmp_path / "stage" / "step_1", rels,
                                plan=Plan(frozenset(rels)), sink=feed,
                                on_file=lambda i, e, _p: announced.append((i, e.checksum)))
+        thread.join(10)     # the last pieces given are served after the capture returns
     finally:
         feed.stop()
         stop.set()
