@@ -53,7 +53,14 @@ from cachex_agent.events import EventLog  # noqa: E402
 from cachex_agent.journal import Journal  # noqa: E402
 from cachex_agent.layout import JOURNAL_STATE, journal_global_manifest_path  # noqa: E402
 from cachex_agent.manifest import FileEntry, LocalManifest  # noqa: E402
-from cachex_agent.messages import Finalized, HoldManifest, ManifestReady, Tag, decode  # noqa: E402
+from cachex_agent.messages import (  # noqa: E402
+    Finalized,
+    HoldManifest,
+    ManifestReady,
+    Tag,
+    captured_wire,
+    decode,
+)
 from cachex_agent.peer.partners import metadata_holders  # noqa: E402
 from cachex_agent.uplink import Uplink  # noqa: E402
 
@@ -149,8 +156,11 @@ class Simulation:
 
     def _hear(self, node: int, msg: dict[str, Any]) -> None:
         """An agent's report: pickled by the agent, unpickled and checked here."""
-        msg = {**msg, "node": node}
         agent = self.observed.get(node)
+        cpu = time.process_time()
+        msg = captured_wire({**msg, "node": node})     # the manifest as its JSON text
+        if agent is not None:
+            agent.cpu += time.process_time() - cpu
         data = agent.report(msg) if agent else pickle.dumps(msg, PICKLE)
         cpu = time.process_time()
         raw = decode(pickle.loads(data), f"message from rank {node}", Tag.COORDINATOR)

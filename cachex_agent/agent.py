@@ -75,6 +75,7 @@ from .messages import (
     Reroute,
     Tag,
     ToNode,
+    captured_wire,
     decode,
     wire,
 )
@@ -390,7 +391,7 @@ class Agent:
         """A report: a part's manifest straight to node 0, the rest up the tree."""
         report = {**msg, "node": self.node}
         if report["type"] in DIRECT:
-            self._send(0, report)
+            self._send(0, captured_wire(report))
         else:
             self.uplink.add(report)
 

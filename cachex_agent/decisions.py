@@ -203,6 +203,7 @@ class Captured:
     reason: str = ""
     duration: float = 0.0
     global_files: list[str] = field(default_factory=list)   # the node's own candidates
+    text: str | None = None     # `manifest` as its compact JSON text, as the agent sent it
 
 
 @dataclass(frozen=True, slots=True)
@@ -488,7 +489,10 @@ def _on_captured(s: CoordinatorState, e: Captured, out: Effects) -> None:
         return
     record.captured[str(e.node)] = e.manifest
     record.sizes.pop(str(e.node), None)     # a node that captured again
-    record.captured_text.pop(str(e.node), None)
+    if e.text is None:
+        record.captured_text.pop(str(e.node), None)
+    else:
+        record.captured_text[str(e.node)] = f"{compact_json(str(e.node))}:{e.text}"
     record.built = record.digest = None
     # each node's candidates from its own finished part (GlobalManifest.build keeps
     # those one node alone holds): the first marker saw one node's part only

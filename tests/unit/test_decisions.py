@@ -11,6 +11,7 @@ from dataclasses import replace
 import pytest
 
 from cachex_agent import decisions as d
+from cachex_agent.fsutil import compact_json
 from cachex_agent.manifest import FileEntry, LocalManifest
 from cachex_agent.messages import Exit, wire
 from cachex_agent.safepath import UnsafeInput
@@ -374,7 +375,8 @@ def test_coordinator_json_as_written_is_the_state_with_each_manifest_encoded_onc
     assert set(s.ckpts["s1"].captured_text) == {"0", "1"}
     again = part("s1", 1)
     again["files"][0]["size"] = 999
-    feed(s, d.Captured(1, 2.5, "s1", again))
+    feed(s, d.Captured(1, 2.5, "s1", again, text=compact_json(again)))   # as the agent sent it
+    assert s.ckpts["s1"].captured_text["1"] == f'"1":{compact_json(again)}'
     written = json.loads(d.state_text(s))
     assert written == d.state_json(s)
     assert written["ckpts"]["s1"]["captured"]["1"]["files"][0]["size"] == 999

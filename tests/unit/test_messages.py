@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from cachex_agent import decisions
+from cachex_agent.fsutil import compact_json
 from cachex_agent.manifest import FileEntry, GlobalManifest, LocalManifest
 from cachex_agent.messages import (
     PEER,
@@ -25,6 +28,7 @@ from cachex_agent.messages import (
     ManifestReady,
     Slot,
     Tag,
+    captured_wire,
     decode,
     wire,
 )
@@ -93,8 +97,34 @@ def test_every_type_has_one_tag_and_the_coordinator_knows_every_report():
 
 
 def test_a_report_to_the_coordinator_stays_a_checked_dict():
-    raw = {"type": "captured", "node": 2, "ckpt": "step-1", "manifest": local(node=2).to_json()}
+    raw = {"type": "unprotected", "node": 2, "ckpts": ["step-1"], "note": "older"}
     assert decode(raw, SOURCE, Tag.COORDINATOR) is raw
+
+
+def test_a_captured_manifest_travels_as_json_text_kept_as_sent():
+    """The coordinator parses and checks the text, and keeps it for coordinator.json."""
+    manifest = local(node=2).to_json()
+    sent = captured_wire({"type": "captured", "node": 2, "ckpt": "step-1",
+                          "manifest": manifest})
+    assert isinstance(sent["manifest"], bytes)
+    got = decode(sent, SOURCE, Tag.COORDINATOR)
+    assert got["manifest"] == manifest
+    assert got["text"] == compact_json(manifest)
+
+
+@pytest.mark.parametrize("manifest,says", [
+    ({"format": "cachex-local-manifest"}, "must be JSON text"),      # a pickled dict
+    (b"{not json", "not JSON"),
+    (b"[1, 2]", "not a JSON object"),
+    (compact_json({**local(node=2).to_json(), "node": -1}).encode(), "node"),
+    (compact_json({**local(node=2).to_json(),
+                   "files": [{"path": "../x", "size": 1, "mode": 0, "checksum": ""}]}
+                  ).encode(), "../x"),
+])
+def test_a_captured_manifest_that_is_not_safe_json_text_is_refused(manifest, says):
+    raw = {"type": "captured", "node": 2, "ckpt": "step-1", "manifest": manifest}
+    with pytest.raises(UnsafeInput, match=re.escape(says)):
+        decode(raw, SOURCE, Tag.COORDINATOR)
 
 
 HOSTILE = [
