@@ -313,8 +313,8 @@ def _json_object(value: Any, what: str) -> dict[str, Any]:
     if not isinstance(value, bytes):
         raise UnsafeInput(f"{what}: manifest must be JSON text, not {_short(value)}")
     try:
-        data = json.loads(value)
-    except ValueError as exc:
+        data = json.loads(value.decode())   # UTF-8 only: JSON's other encodings are refused
+    except ValueError as exc:               # UnicodeDecodeError too
         raise UnsafeInput(f"{what}: manifest is not JSON ({exc})") from None
     if not isinstance(data, dict):
         raise UnsafeInput(f"{what}: manifest is not a JSON object")

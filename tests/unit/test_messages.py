@@ -115,6 +115,7 @@ def test_a_captured_manifest_travels_as_json_text_kept_as_sent():
 @pytest.mark.parametrize("manifest,says", [
     ({"format": "cachex-local-manifest"}, "must be JSON text"),      # a pickled dict
     (b"{not json", "not JSON"),
+    (compact_json(local(node=2).to_json()).encode("utf-16"), "not JSON"),
     (b"[1, 2]", "not a JSON object"),
     (compact_json({**local(node=2).to_json(), "node": -1}).encode(), "node"),
     (compact_json({**local(node=2).to_json(),
