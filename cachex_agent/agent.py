@@ -90,6 +90,7 @@ from .priority import lower_process
 from .runlock import RunLock, stale_after
 from .safepath import UnsafeInput
 from .stage.quiescence import pid_namespace, skip_processes
+from .stage.remover import Remover
 from .stage.retention import forget_ended, retain_stage
 from .stage.rules import make_rule, natural_key
 from .stage.watch import SpoolWatcher
@@ -150,6 +151,7 @@ class Agent:
                                      pfs_events_path(self.paths.pfs, self.node))
         self.flusher = Flusher(self.paths.pfs, config.flush, self.events, self.inbox.put,
                                self.stages, self.events_copy)
+        self.remover = Remover()        # evicted stage copies, off the main loop
         self.draining = False
         self.drain_deadline = 0.0
         self._drained_sent = False
@@ -263,6 +265,7 @@ class Agent:
             self.watcher.stop()
             self.capture.stop()
             left = self.flusher.close(timeout=0)
+            self.remover.close(self.config.agent.timeout / 2)
             self.events.emit("agent_exit", unflushed=left)
             if self.coordinator:     # its last status; a hung PFS is left behind
                 self.coordinator.close(self.config.agent.timeout / 2)
@@ -686,7 +689,7 @@ class Agent:
             in_use |= redundancy.pending()
         for ckpt in retain_stage(self.config.keep.stage, self.journal, self.paths, in_use,
                                  lambda c: self.announced.get(c, {}).get("flush", False),
-                                 self.events):
+                                 self.events, self.remover):
             self._to_coordinator({"type": "evicted", "ckpt": ckpt})
         forget_ended(self.journal, in_use, self.config.keep.replica)
 
