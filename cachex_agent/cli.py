@@ -292,9 +292,9 @@ def status_command(cfg: configuration.Config, as_json: bool) -> None:
 def ls_command(cfg: configuration.Config, as_json: bool) -> None:
     """List checkpoints and their levels."""
     from .status import format_ls, listing, load_status
-    status = listing(load_status(cfg))
+    status = load_status(cfg)
     if as_json:
-        _echo_json(status)
+        _echo_json(listing(status))
     else:
         click.echo(format_ls(status))
 

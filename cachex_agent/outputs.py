@@ -50,11 +50,12 @@ def _shape(keys: str, optional: str = "", **rows: Shape) -> Shape:
 
 
 _CKPT_ROW = _shape("id seq level bytes")
+_LS_ROW = _shape("id seq level bytes path rule")
 _STATUS_ROW = _shape("id seq level bytes times nodes_captured nodes_replicated"
                      " nodes_flushed flush path rule errors capture progress reason")
 
 SHAPES: dict[str, Shape] = {
-    "ls": _shape("schema run redundancy checkpoints", checkpoints=_CKPT_ROW),
+    "ls": _shape("schema run redundancy unknown checkpoints", checkpoints=_LS_ROW),
     "status": _shape(
         "schema format version run updated state recorded_state live heartbeat nodes"
         " redundancy notes checkpoints", "stop_ack", checkpoints=_STATUS_ROW),

@@ -106,11 +106,20 @@ def with_liveness(status: dict[str, Any], seen: Unchanged) -> dict[str, Any]:
             "recorded_state": recorded}
 
 
+#: why `ls` has no path or rule for a checkpoint (only the PFS index was found)
+FROM_INDEX = ("path and rule unknown: no status file is visible here, and the PFS index"
+              " keeps neither")
+
+
 def listing(status: dict[str, Any]) -> dict[str, Any]:
-    """The `ls --json` shape: id and level of every checkpoint, oldest first."""
-    return {"run": status["run"], "redundancy": status.get("redundancy"), "checkpoints": [
-        {"id": r["id"], "seq": r["seq"], "level": r["level"], "bytes": r["bytes"]}
-        for r in status["checkpoints"]]}
+    """The `ls --json` shape: every checkpoint, oldest first, as `status` has it: id,
+    seq, level, bytes, path and rule (null when not known; `unknown` says why)."""
+    rows = [{"id": r["id"], "seq": r["seq"], "level": r["level"], "bytes": r["bytes"],
+             "path": r.get("path"), "rule": r.get("rule")} for r in status["checkpoints"]]
+    from_index = status.get("heartbeat") is None and status.get("updated") is None
+    unknown = FROM_INDEX if from_index else None
+    return {"run": status["run"], "redundancy": status.get("redundancy"),
+            "unknown": unknown, "checkpoints": rows}
 
 
 def human_size(n: float) -> str:
@@ -122,14 +131,19 @@ def human_size(n: float) -> str:
 
 
 def format_ls(status: dict[str, Any]) -> str:
+    """A status (`load_status`) as `ls` prints it."""
+    status = listing(status)
     scheme = scheme_note(status.get("redundancy"))
     width = 10 + (len(scheme) + 1 if scheme else 0)
     lines = [f"{'checkpoint':<24} {'level':<{width}} {'size':>10}  {'path':<6}  rule"]
     for row in status["checkpoints"]:
         level = f"{row['level']} {scheme}" if scheme and row["level"] == "replicated" \
             else row["level"]
+        unsure = "?" if status["unknown"] else "-"
         lines.append(f"{row['id']:<24} {level:<{width}} {human_size(row['bytes']):>10}"
-                     f"  {row.get('path', '-'):<6}  {row.get('rule') or '-'}")
+                     f"  {row['path'] or unsure:<6}  {row['rule'] or unsure}")
+    if status["unknown"]:
+        lines.append(f"? {status['unknown']}")
     return "\n".join(lines)
 
 

@@ -8,6 +8,7 @@ seconds while replication still takes a tenth of one, so `auto` must come back t
 
 from __future__ import annotations
 
+import json
 import sys
 
 import pytest
@@ -68,7 +69,25 @@ def test_a_slowed_pfs_flips_the_choice_from_direct_to_peer(cluster, tmp_path):
         replica = c.root / "node1" / "nvme" / "t" / "replicas" / "node-00000" / slow
         wait_for(replica.is_dir, 10, f"the replica {replica}")
         pfs.set_write_bps(None)
+        running = ls_agrees_with_status(c)
+        assert {running[fast]["path"], running[slow]["path"]} == {"direct", "peer"}
         assert c.stop() == 0
+        assert ls_agrees_with_status(c) == running      # stopped: the same rows
+
+
+def ls_agrees_with_status(c) -> dict[str, dict]:
+    """`ls --json` says of every checkpoint what `status --json` says: its rows by id."""
+    keys = ("id", "seq", "level", "bytes", "path", "rule")
+    listed = json.loads(c.cachex("ls", "--json").stdout)
+    status = json.loads(c.cachex("status", "--json").stdout)
+    rows = [{k: r[k] for k in keys} for r in listed["checkpoints"]]
+    assert rows == [{k: r[k] for k in keys} for r in status["checkpoints"]]
+    assert listed["unknown"] is None and all(r["path"] and r["rule"] for r in rows), rows
+    shown = c.cachex("ls").stdout
+    for row in rows:
+        line = next(x for x in shown.splitlines() if x.startswith(row["id"] + " "))
+        assert line.split()[-2:] == [row["path"], row["rule"]], line
+    return {row["id"]: row for row in rows}
 
 
 def test_status_shows_each_checkpoints_path(cluster):

@@ -87,10 +87,12 @@ def status_doc(updated: float | None, level: str, state: str = "running") -> dic
     return {"format": "cachex-status", "version": 1, "run": RUN, "updated": updated,
             "state": state, "nodes": 2, "checkpoints": [
                 {"id": "step_00050", "seq": 50, "level": "flushed", "bytes": 2048,
-                 "nodes_captured": 2, "nodes_flushed": 2, "flush": True, "errors": {},
+                 "path": "direct", "rule": "dcp", "nodes_captured": 2, "nodes_flushed": 2,
+                 "flush": True, "errors": {},
                  "progress": {}, "reason": None, "times": {}},
                 {"id": CKPT, "seq": 100, "level": level, "bytes": 4096,
-                 "nodes_captured": 2, "nodes_flushed": 1, "flush": True,
+                 "path": "peer", "rule": "dcp", "nodes_captured": 2, "nodes_flushed": 1,
+                 "flush": True,
                  "errors": {"1": "pfs: Not a directory"},
                  "progress": {"0": {"stage": "flush", "done": 1024, "total": 2048}},
                  "reason": None, "times": {}}]}
@@ -140,6 +142,11 @@ def test_ls_and_status_json_from_the_journal(cfg, config_file):
     assert status.exit_code == 0, status.output
     doc = json.loads(status.stdout)
     assert levels(doc) == {"step_00050": "flushed", CKPT: "captured"}
+    # ls says of each checkpoint what status says
+    keys = ("id", "seq", "level", "bytes", "path", "rule")
+    assert [{k: r[k] for k in keys} for r in listing["checkpoints"]] == [
+        {k: r[k] for k in keys} for r in doc["checkpoints"]]
+    assert listing["unknown"] is None
     assert all("id" in row and "level" in row for row in doc["checkpoints"])
     # watched standing still for 5 periods: no longer `running`
     assert (doc["state"], doc["recorded_state"], doc["live"]) == ("not running", "running",
@@ -189,6 +196,8 @@ def test_ls_and_status_human_output(cfg, config_file):
     ls = invoke(config_file, "ls")
     assert ls.exit_code == 0, ls.output
     assert CKPT in ls.stdout and "captured" in ls.stdout and "4.0 KiB" in ls.stdout
+    row = next(line for line in ls.stdout.splitlines() if line.startswith(CKPT))
+    assert row.split()[-2:] == ["peer", "dcp"]
     status = invoke(config_file, "status")
     assert status.exit_code == 0, status.output
     assert f"run {RUN}" in status.stdout
@@ -231,6 +240,13 @@ def test_ls_falls_back_to_the_pfs_index(cfg, config_file):
     doc = json.loads(result.stdout)
     assert [(r["id"], r["level"]) for r in doc["checkpoints"]] == [
         ("step_00050", "failed"), (CKPT, "flushed")]
+    # the index keeps no path or rule: null, and ls says why
+    assert {(r["path"], r["rule"]) for r in doc["checkpoints"]} == {(None, None)}
+    assert "PFS index" in doc["unknown"]
+    listed = invoke(config_file, "ls")
+    row = next(line for line in listed.stdout.splitlines() if line.startswith(CKPT))
+    assert row.split()[-2:] == ["?", "?"]
+    assert listed.stdout.splitlines()[-1].startswith("? path and rule unknown")
 
     status = invoke(config_file, "status", "--json")
     assert status.exit_code == 0, status.output
