@@ -14,6 +14,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+import private_state  # noqa: E402,F401 (its runs are recorded apart from the user's)
+
 from cachex_agent.events import read_events  # noqa: E402
 
 BIN = Path(sys.executable).parent

@@ -82,6 +82,7 @@ import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import private_state  # noqa: E402,F401 (its runs are recorded apart from the user's)
 from contention import Contention, ThrottledPFS, parse_size, unavailable  # noqa: E402
 
 from cachex_agent.fsutil import fsync_dir  # noqa: E402

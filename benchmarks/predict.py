@@ -51,6 +51,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+import private_state  # noqa: E402,F401 (its runs are recorded apart from the user's)
 from contention import Contention, ThrottledPFS  # noqa: E402
 
 from cachex_agent import config as configuration  # noqa: E402

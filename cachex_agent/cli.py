@@ -299,6 +299,34 @@ def ls_command(cfg: configuration.Config, as_json: bool) -> None:
         click.echo(format_ls(status))
 
 
+@main_group.command("runs")
+@click.option("--prune", is_flag=True,
+              help="remove the records whose configuration and PFS run directory are gone")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def runs_command(prune: bool, as_json: bool) -> None:
+    """The runs the agents recorded (what --run NAME can name), newest first."""
+    from . import runs
+    pruned = runs.prune() if prune else []
+    known = runs.records()
+    if as_json:
+        _echo_json({"dir": str(runs.runs_dir()), "pruned": pruned, "runs": [
+            {"run": k.run, "written": k.written, "job": k.job, "config": k.config,
+             "config_exists": k.config_exists, "pfs": k.pfs, "pfs_exists": k.pfs_exists,
+             "gone": k.gone, "problem": k.problem} for k in known]})
+        return
+    for run in pruned:
+        click.echo(f"pruned {run}: its configuration and PFS run directory are gone")
+    click.echo(f"{len(known)} runs recorded in {runs.runs_dir()}")
+    for k in known:
+        when = (time.strftime("%Y-%m-%d %H:%M", time.localtime(k.written)) if k.written
+                else "?")
+        where = k.problem or (f"config {k.config or '-'}{'' if k.config_exists else ' (gone)'},"
+                              f" pfs {k.pfs}{'' if k.pfs_exists else ' (gone)'}")
+        click.echo(f"  {k.run:<24} {when}  job {k.job or '-'}  {where}")
+    if any(k.gone for k in known):
+        click.echo("runs marked gone in both places: 'cachex runs --prune' removes them")
+
+
 @main_group.command("verify")
 @config_options
 @click.argument("ckpt")

@@ -69,6 +69,8 @@ SHAPES: dict[str, Shape] = {
     "index": _shape("schema run current pinned action name checkpoints",
                     checkpoints=_shape("id seq state bytes flushed_at")),
     "stop": _shape("schema run requested state"),
+    "runs": _shape("schema dir pruned runs", runs=_shape(
+        "run written job config config_exists pfs pfs_exists gone problem")),
     "model fit": _shape("schema format version stages overheads period size nodes counts"),
     "model predict": _shape("schema level path size nodes median quantile at_quantile"),
     "model plan": _shape(

@@ -11,7 +11,10 @@ Rank 0 of the agents records the settings it was built from (file, CACHEX_* vari
 Path templates are recorded with `{job}`, `{run}`, `$VARS` and `~` already rendered (a
 login node has neither the job's id nor its environment); `{node}`, `{rank}` and `{host}`
 stay templates. A command finds its configuration: `--config` (or $CACHEX_CONFIG) first,
-then the record of `--run NAME`, then `./cachex.toml`, then the one recorded run.
+then the record of `--run NAME`, then `./cachex.toml`, then the one recorded run (of
+several, the one whose configuration lies under the current directory). `cachex runs`
+lists the records; `--prune` removes those whose configuration and PFS run directory are
+both gone.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ import os
 import re
 import socket
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +75,63 @@ def known_runs() -> list[str]:
     return sorted(p.stem for p in directory.glob("*.json")) if directory.is_dir() else []
 
 
+@dataclass(frozen=True)
+class Known:
+    """One run record as `cachex runs` shows it."""
+
+    run: str
+    written: float | None       # when the agents recorded it (their clock, shown only)
+    config: str | None          # the configuration file it was built from
+    config_exists: bool
+    pfs: str | None             # the run's directory on the PFS (paths.pfs/<run>)
+    pfs_exists: bool
+    job: str | None
+    problem: str | None = None  # an unreadable record: why
+
+    @property
+    def gone(self) -> bool:
+        """Neither its configuration nor its PFS run directory is left: nothing to ask."""
+        return self.problem is None and not self.config_exists and not self.pfs_exists
+
+
+def records() -> list[Known]:
+    """Every run record, newest first (unreadable ones last, with the reason)."""
+    found = [_known(run) for run in known_runs()]
+    return sorted(found, key=lambda k: -(k.written or 0))
+
+
+def _known(run: str) -> Known:
+    path = record_path(run)
+    try:
+        data = read_json(path)
+        config = load_recorded(run, {})
+    except (OSError, json.JSONDecodeError, ConfigError) as exc:
+        return Known(run, None, None, False, None, False, None, problem=str(exc))
+    assert config is not None
+    source = data.get("config") if isinstance(data.get("config"), str) else None
+    pfs = config.node_paths(0).pfs
+    written = data.get("written")
+    return Known(run, written if isinstance(written, (int, float)) else None, source,
+                 bool(source) and os.path.isfile(source), str(pfs), pfs.is_dir(),
+                 str(data.get("job")) if data.get("job") is not None else None)
+
+
+def prune() -> list[str]:
+    """Remove the records whose configuration and PFS run directory are both gone."""
+    gone = [k.run for k in records() if k.gone]
+    for run in gone:
+        record_path(run).unlink(missing_ok=True)
+    return gone
+
+
+def run_here(cwd: Path) -> str | None:
+    """The one run whose configuration file lies in `cwd` or below it (a command run
+    from a job's directory means that job's run); None when none or several do."""
+    here = [k.run for k in records() if k.config_exists and k.config
+            and Path(k.config).resolve().is_relative_to(cwd.resolve())]
+    return here[0] if len(here) == 1 else None
+
+
 def load_recorded(run: str, overrides: dict[str, Any]) -> Config | None:
     """The configuration recorded for `run` with `overrides` on top; None: no record."""
     try:
@@ -90,11 +151,16 @@ def load_recorded(run: str, overrides: dict[str, Any]) -> Config | None:
     return from_settings({**data["settings"], **overrides, "run": run}, str(path))
 
 
-def only_run() -> str | None:
-    """The run name when exactly one is recorded; None when none is; ConfigError naming
-    them when several are."""
+def only_run(cwd: Path | None = None) -> str | None:
+    """The run name when exactly one is recorded, or when one of several has its
+    configuration under `cwd`; None when none is; ConfigError naming the newest three
+    when several are."""
     runs = known_runs()
-    if len(runs) > 1:
-        raise ConfigError(f"several runs are known ({', '.join(runs)}, in {runs_dir()}):"
-                          " give --run NAME or --config FILE")
-    return runs[0] if runs else None
+    if len(runs) <= 1:
+        return runs[0] if runs else None
+    here = run_here(cwd or Path.cwd())
+    if here is not None:
+        return here
+    newest = ", ".join(k.run for k in records()[:3])
+    raise ConfigError(f"{len(runs)} runs are known (newest: {newest}): give --run NAME or"
+                      " --config FILE; 'cachex runs' lists them")

@@ -1,10 +1,41 @@
+import os
+import shutil
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))                  # support.py
 sys.path.insert(0, str(Path(__file__).parent / "integration"))  # harness.py
+
+# The user's own run records (cachex_agent/runs.py) are no place for the suite's: every
+# process of this session, and every agent a module- or session-wide fixture starts
+# before `state_dir` below has run, records into a directory of the session's own, and
+# the session fails if the user's records changed while it ran.
+USER_RUNS = (Path(os.environ.get("XDG_STATE_HOME") or os.path.expanduser("~/.local/state"))
+             / "cachex" / "runs")
+SUITE_STATE = tempfile.mkdtemp(prefix="cachex-suite-state-")
+os.environ["XDG_STATE_HOME"] = SUITE_STATE
+
+
+def user_records() -> dict[str, int]:
+    try:
+        return {p.name: p.stat().st_mtime_ns for p in USER_RUNS.iterdir()}
+    except FileNotFoundError:
+        return {}
+
+
+USER_RECORDS = user_records()
+
+
+def pytest_sessionfinish(session, exitstatus):
+    shutil.rmtree(SUITE_STATE, ignore_errors=True)
+    if user_records() != USER_RECORDS:
+        print(f"\nFAILED: the suite changed the user's run records in {USER_RUNS}"
+              f" (before: {sorted(USER_RECORDS)}, after: {sorted(user_records())})",
+              file=sys.stderr)
+        session.exitstatus = 1
 
 
 @pytest.fixture(autouse=True)

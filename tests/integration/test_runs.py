@@ -55,13 +55,32 @@ def test_commands_find_the_configuration_the_agents_recorded(cluster, state_dir,
     wins = cachex(elsewhere, "ls", "--config", str(other))
     assert wins.returncode == 1 and "run other: no status found" in wins.stderr, wins.stderr
 
-    shutil.copy(state_dir / "t.json", state_dir / "u.json")  # a second run is known
+    # a second, older run is known, whose configuration and PFS directory are gone
+    u = json.loads((state_dir / "t.json").read_text())
+    u.update(run="u", config=str(tmp_path / "gone" / "cachex.toml"), written=u["written"] - 60)
+    u["settings"]["paths.pfs"] = str(tmp_path / "gone" / "pfs")
+    (state_dir / "u.json").write_text(json.dumps(u))
     several = cachex(elsewhere, "ls")
     assert several.returncode == 2, several.stderr
     assert several.stderr.strip() == (
-        f"cachex: error: several runs are known (t, u, in {state_dir}): give --run NAME"
-        " or --config FILE")
+        "cachex: error: 2 runs are known (newest: t, u): give --run NAME or --config FILE;"
+        " 'cachex runs' lists them")
     assert cachex(elsewhere, "ls", "--run", "t").returncode == 0
+    job_dir = c.config.parent.parent            # t's configuration is below it, u's not
+    assert not (job_dir / "cachex.toml").exists()
+    here = cachex(job_dir, "ls", "--json")
+    assert here.returncode == 0 and json.loads(here.stdout)["run"] == "t", here.stderr
+
+    runs = json.loads(cachex(elsewhere, "runs", "--json").stdout)
+    assert [(r["run"], r["config_exists"], r["pfs_exists"], r["gone"]) for r in runs["runs"]] \
+        == [("t", True, True, False), ("u", False, False, True)]
+    shown = cachex(elsewhere, "runs").stdout
+    assert "2 runs recorded" in shown and "(gone)" in shown and "--prune" in shown, shown
+    pruned = cachex(elsewhere, "runs", "--prune")
+    assert pruned.returncode == 0 and "pruned u:" in pruned.stdout, pruned.stdout
+    assert sorted(p.name for p in state_dir.iterdir()) == ["t.json"]
+    assert cachex(elsewhere, "ls").returncode == 0      # one run left: no need to name it
+    shutil.copy(state_dir / "t.json", state_dir / "u.json")
     missing = cachex(elsewhere, "ls", "--run", "nope")
     assert missing.returncode == 2 and len(missing.stderr.splitlines()) == 1
     assert f"run nope is not recorded in {state_dir} (known: t, u)" in missing.stderr
