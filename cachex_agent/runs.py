@@ -95,7 +95,9 @@ class Known:
 
 
 def records() -> list[Known]:
-    """Every run record, newest first (unreadable ones last, with the reason)."""
+    """Every run record, newest first by the time each says it was written (unreadable
+    ones last, with the reason). Those times come from the hosts that ran the agents:
+    the order is for a person to read, and decides nothing."""
     found = [_known(run) for run in known_runs()]
     return sorted(found, key=lambda k: -(k.written or 0))
 
