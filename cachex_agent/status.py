@@ -26,6 +26,7 @@ from .errors import OperationError
 from .fsutil import read_json
 from .index import read_index
 from .layout import index_path, status_paths
+from .risk import at_risk, risk_lines
 
 STALE_PERIODS = 5           # missed heartbeats before a running status is taken as dead
 DEFAULT_PERIOD = 2.0        # status files written before the heartbeat existed
@@ -102,8 +103,9 @@ def with_liveness(status: dict[str, Any], seen: Unchanged) -> dict[str, Any]:
     recorded = status.get("state")
     live = seen.live(beat["age"], STALE_PERIODS * period) if recorded in ACTIVE else False
     state = "not running" if recorded in ACTIVE and live is False else recorded
-    return {**status, "heartbeat": beat, "live": live, "state": state,
-            "recorded_state": recorded}
+    judged = {**status, "heartbeat": beat, "live": live, "state": state,
+              "recorded_state": recorded}
+    return {**judged, "at_risk": at_risk(judged)}
 
 
 #: why `ls` has no path or rule for a checkpoint (only the PFS index was found)
@@ -183,7 +185,7 @@ def format_status(status: dict[str, Any]) -> str:
         state = (f"not running (heartbeat unchanged for {status['heartbeat']['age']:.0f} s;"
                  f" the status said {status['recorded_state']})")
     lines = [f"run {status['run']}: agents {state}, {status.get('nodes', '?')} nodes,"
-             f" updated {when}", format_ls(status)]
+             f" updated {when}", *risk_lines(status), format_ls(status)]
     meaning = redundancy_line(status.get("redundancy"))
     if meaning:
         lines.append(f"  {meaning}")

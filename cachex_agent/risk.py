@@ -1,0 +1,84 @@
+"""Work at risk now: how much training a node loss, or the end of the allocation, would
+cost if it came at this moment, and which checkpoint training would resume from.
+
+Read from a status (status.json) on the coordinator's clock alone: "now" is the
+heartbeat's time plus the seconds this reader has seen that heartbeat unchanged (its own
+monotonic clock: a duration, never a time of the reader's), and each checkpoint's commit
+time is the coordinator's too. A reader whose clock is off by an hour gets the same
+figures.
+
+A node loss is survived by the newest checkpoint that is `replicated` (under the run's
+scheme: any `survives` lost nodes, of each group for an erasure scheme) or `flushed`;
+the end of the allocation, which takes every node-local copy with it, only by the newest
+`flushed` one.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+NODE_LOSS = ("replicated", "flushed")
+ALLOCATION_END = ("flushed",)
+
+
+def at_risk(status: dict[str, Any]) -> dict[str, Any] | None:
+    """`{"now", "node_loss", "allocation_end"}`, each loss `{"ckpt", "seconds"}` (ckpt
+    None and seconds None: no checkpoint survives it yet); None for a status without a
+    heartbeat (read from the PFS index: no clock to measure from)."""
+    beat = status.get("heartbeat") or {}
+    if not isinstance(beat.get("t"), (int, float)):
+        return None
+    now = beat["t"] + (beat.get("age") or 0.0)
+    rows = status.get("checkpoints") or []
+    return {"now": now, "node_loss": _newest(rows, NODE_LOSS, now),
+            "allocation_end": _newest(rows, ALLOCATION_END, now)}
+
+
+def _newest(rows: list[dict[str, Any]], levels: tuple[str, ...], now: float
+            ) -> dict[str, Any]:
+    held = [r for r in rows if r.get("level") in levels
+            and isinstance((r.get("times") or {}).get("written"), (int, float))]
+    if not held:
+        return {"ckpt": None, "seconds": None}
+    newest = max(held, key=lambda r: r["seq"])
+    return {"ckpt": newest["id"], "level": newest["level"],
+            "seconds": max(0.0, now - newest["times"]["written"])}
+
+
+def survives(redundancy: dict[str, Any] | None) -> str:
+    """Which node losses a `replicated` checkpoint outlives in this run."""
+    redundancy = redundancy or {}
+    count = redundancy.get("survives", 1)
+    nodes = f"any {count} lost node{'s' if count != 1 else ''}"
+    if redundancy.get("scheme", "copy") == "copy":
+        return nodes
+    return f"{nodes} of each group of {redundancy.get('group', '?')}"
+
+
+def risk_lines(status: dict[str, Any]) -> list[str]:
+    """What `cachex status` opens with."""
+    risk = status.get("at_risk")
+    if not risk:
+        return []
+    node, end = risk["node_loss"], risk["allocation_end"]
+    beyond = survives(status.get("redundancy"))
+    return [
+        "at risk now (the coordinator's clock):",
+        f"  a node lost: {_cost(node)}"
+        + (f" (replicated: outlives {beyond}; beyond that, the allocation's figure)"
+           if node["ckpt"] and node["level"] == "replicated" else ""),
+        f"  the allocation ending: {_cost(end)}"]
+
+
+def _cost(loss: dict[str, Any]) -> str:
+    if loss["ckpt"] is None:
+        return "all training so far (no checkpoint outlives it yet)"
+    return f"{_duration(loss['seconds'])} of training since {loss['ckpt']} was committed"
+
+
+def _duration(seconds: float) -> str:
+    if seconds < 120:
+        return f"{seconds:.0f} s"
+    if seconds < 7200:
+        return f"{seconds / 60:.1f} min"
+    return f"{seconds / 3600:.1f} h"
