@@ -1,12 +1,12 @@
 """Stage copies removed on a thread of their own.
 
 A stage copy captured by hard link is the last name of the trainer's file once the
-trainer's rotation removed its own: removing it frees every page of the part (on tmpfs,
-13 ms of kernel time per 64 MiB here). Eviction happens as a newer checkpoint is
-captured, so on the main loop it held up that checkpoint's Puts. `discard` renames the
-copy to a temporary name at once (it is gone from the stage before the journal says
-`evicted`; an agent killed before the removal leaves a temporary that its next start
-sweeps, cleanup.py) and the remover thread deletes it.
+trainer's rotation removed its own: removing it frees every page of the part (on tmpfs
+here, 31 ms of kernel time per 256 MiB, 134 ms per GiB). Eviction happens as a newer
+checkpoint is captured, so on the main loop it held up that checkpoint's Puts. `discard`
+renames the copy to a temporary name at once (it is gone from the stage before the
+journal says `evicted`; an agent killed before the removal leaves a temporary that its
+next start sweeps, cleanup.py) and the remover thread deletes it.
 """
 
 from __future__ import annotations
@@ -38,8 +38,14 @@ class Remover:
         if not os.path.lexists(path):
             return
         aside = temp_name(path)
-        os.rename(path, aside)
-        fsync_dir(path.parent)
+        try:
+            os.rename(path, aside)
+            fsync_dir(path.parent)
+        except OSError as exc:      # as before the thread: removed here, what it can
+            log.warning("stage copy %s not set aside (%s): removing it now", path,
+                        describe(exc))
+            remove_tree(path)
+            return
         self._queue.put(aside)
 
     def close(self, timeout: float) -> bool:

@@ -83,3 +83,17 @@ def test_what_a_killed_agent_set_aside_is_swept_at_the_next_start(tmp_path, monk
     assert len(list(paths.stage.iterdir())) == 1
     remove_stale(paths, 0, coordinator=False)
     assert list(paths.stage.iterdir()) == []
+
+
+def test_a_copy_that_cannot_be_set_aside_is_removed_on_the_spot(tmp_path, monkeypatch):
+    """A rename refused (here: made to fail) falls back to the removal it replaced."""
+    def refused(src, dst):
+        raise PermissionError(13, "Permission denied", str(src))
+    monkeypatch.setattr(remover_module.os, "rename", refused)
+    stage = tmp_path / "stage"
+    part = a_copy(stage)
+    remover = Remover()
+    remover.discard(stage, part)
+    assert not part.exists()
+    assert remover.close(10)
+    assert list(stage.iterdir()) == []
