@@ -492,7 +492,7 @@ def _on_captured(s: CoordinatorState, e: Captured, out: Effects) -> None:
     if e.text is None:
         record.captured_text.pop(str(e.node), None)
     else:
-        record.captured_text[str(e.node)] = f"{compact_json(str(e.node))}:{e.text}"
+        record.captured_text[str(e.node)] = _member(str(e.node), e.text)
     record.built = record.digest = None
     # each node's candidates from its own finished part (GlobalManifest.build keeps
     # those one node alone holds): the first marker saw one node's part only
@@ -855,9 +855,14 @@ def _record_text(r: CheckpointRecord) -> str:
     texts = r.captured_text
     for node, manifest in captured.items():
         if node not in texts:
-            texts[node] = f"{compact_json(node)}:{compact_json(manifest)}"
+            texts[node] = _member(node, compact_json(manifest))
     parts = ",".join(texts[node] for node in captured)
     return f'{compact_json(data)[:-1]},"captured":{{{parts}}}}}'
+
+
+def _member(node: str, text: str) -> str:
+    """One node's manifest as a member of the `captured` object of coordinator.json."""
+    return f"{compact_json(node)}:{text}"
 
 
 def part_bytes(manifest: dict[str, Any]) -> int:

@@ -6,6 +6,7 @@ only renamed manifests (fsutil.write_json). Formats are versioned.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field, is_dataclass
@@ -91,6 +92,7 @@ class LocalManifest:
         """from_json's checks without building the objects: the coordinator checks every
         node's report this way (at 10,000 nodes the objects were most of the cost)."""
         cls.from_json({**_dict(data, source), "files": []}, source, directory)
+        _scalars(data, source)
         for entry in _list(data, "files", source):
             if type(entry) is not dict or entry.keys() != _FILE_KEYS:
                 _file_entry(entry, source)      # raises, naming what is wrong
@@ -290,6 +292,19 @@ def _check_format(data: Any, expected: str, source: object) -> None:
     if data.get("version") != VERSION:
         raise OperationError(f"{source}: {expected} version {data.get('version')!r} is not"
                              f" supported (this cachex reads version {VERSION})")
+
+
+def _scalars(data: dict[str, Any], source: object) -> None:
+    """The fields no path is made of, of the types they have (the coordinator keeps a
+    node's manifest as the text it sent)."""
+    for key in ("run", "algorithm"):
+        if not isinstance(data.get(key, ""), str):
+            raise UnsafeInput(f"{source}: {key} is not text")
+    if type(data.get("seq")) is not int:
+        raise UnsafeInput(f"{source}: seq {data.get('seq')!r:.40} is not an integer")
+    at = data.get("captured_at")
+    if type(at) not in (int, float) or not math.isfinite(at):
+        raise UnsafeInput(f"{source}: captured_at {at!r:.40} is not a time")
 
 
 def _fields(data: dict[str, Any], source: object) -> dict[str, Any]:

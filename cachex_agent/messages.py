@@ -35,6 +35,7 @@ from enum import IntEnum
 from pathlib import Path
 from typing import Any, ClassVar
 
+from .errors import OperationError
 from .fsutil import compact_json
 from .manifest import FileEntry, GlobalManifest, LocalManifest, ManifestDigest
 from .safepath import UnsafeInput, checkpoint_id, index, relative_path, relative_paths
@@ -313,12 +314,18 @@ def _json_object(value: Any, what: str) -> dict[str, Any]:
     if not isinstance(value, bytes):
         raise UnsafeInput(f"{what}: manifest must be JSON text, not {_short(value)}")
     try:
-        data = json.loads(value.decode())   # UTF-8 only: JSON's other encodings are refused
-    except ValueError as exc:               # UnicodeDecodeError too
-        raise UnsafeInput(f"{what}: manifest is not JSON ({exc})") from None
+        # UTF-8 only (JSON's other encodings refused); no NaN or Infinity, which the
+        # coordinator would keep verbatim where strict readers refuse them
+        data = json.loads(value.decode(), parse_constant=_no_constant)
+    except (ValueError, RecursionError) as exc:     # UnicodeDecodeError; nesting too deep
+        raise UnsafeInput(f"{what}: manifest is not JSON ({type(exc).__name__})") from None
     if not isinstance(data, dict):
         raise UnsafeInput(f"{what}: manifest is not a JSON object")
     return data
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not a number JSON knows")
 
 
 def _checked_report(raw: dict[str, Any], source: str) -> dict[str, Any]:
@@ -331,10 +338,15 @@ def _checked_report(raw: dict[str, Any], source: str) -> dict[str, Any]:
                    "global file path")
     for ckpt in _list(raw.get("ckpts", []), "ckpts", what):
         checkpoint_id(ckpt, what)
+    if raw["type"] == "captured" and "manifest" not in raw:
+        raise UnsafeInput(f"{what}: no manifest")
     if "manifest" in raw:
         text = raw["manifest"]
         manifest = _json_object(text, what)
-        LocalManifest.check_json(manifest, what, raw.get("ckpt"))
+        try:
+            LocalManifest.check_json(manifest, what, raw.get("ckpt"))
+        except OperationError as exc:       # e.g. another format: the sender's fault
+            raise UnsafeInput(str(exc)) from None
         # the text is what coordinator.json keeps (decisions.state_text): parsed and
         # checked here, never encoded again (a third of the coordinator's CPU)
         return {**raw, "manifest": manifest, "text": text.decode()}

@@ -116,6 +116,13 @@ def test_a_captured_manifest_travels_as_json_text_kept_as_sent():
     ({"format": "cachex-local-manifest"}, "must be JSON text"),      # a pickled dict
     (b"{not json", "not JSON"),
     (compact_json(local(node=2).to_json()).encode("utf-16"), "not JSON"),
+    (b"[" * 5000, "not JSON"),                                  # nested past the parser
+    (compact_json(local(node=2).to_json()).replace('"captured_at":1.0',
+                                                   '"captured_at":NaN').encode(), "not JSON"),
+    (compact_json({**local(node=2).to_json(), "captured_at": [[[1]]]}).encode(), "captured_at"),
+    (compact_json({**local(node=2).to_json(), "seq": "1"}).encode(), "seq"),
+    (compact_json({**local(node=2).to_json(), "run": {"a": 1}}).encode(), "run"),
+    (compact_json({**local(node=2).to_json(), "format": "other"}).encode(), "format"),
     (b"[1, 2]", "not a JSON object"),
     (compact_json({**local(node=2).to_json(), "node": -1}).encode(), "node"),
     (compact_json({**local(node=2).to_json(),
@@ -126,6 +133,11 @@ def test_a_captured_manifest_that_is_not_safe_json_text_is_refused(manifest, say
     raw = {"type": "captured", "node": 2, "ckpt": "step-1", "manifest": manifest}
     with pytest.raises(UnsafeInput, match=re.escape(says)):
         decode(raw, SOURCE, Tag.COORDINATOR)
+
+
+def test_a_captured_report_without_a_manifest_is_refused():
+    with pytest.raises(UnsafeInput, match="no manifest"):
+        decode({"type": "captured", "node": 2, "ckpt": "step-1"}, SOURCE, Tag.COORDINATOR)
 
 
 HOSTILE = [
