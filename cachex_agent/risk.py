@@ -22,9 +22,10 @@ ALLOCATION_END = ("flushed",)
 
 
 def at_risk(status: dict[str, Any]) -> dict[str, Any] | None:
-    """`{"now", "node_loss", "allocation_end"}`, each loss `{"ckpt", "seconds"}` (ckpt
-    None and seconds None: no checkpoint survives it yet); None for a status without a
-    heartbeat (read from the PFS index: no clock to measure from)."""
+    """`{"now", "node_loss", "allocation_end"}`, each loss `{"ckpt", "level", "seconds"}`
+    (`ckpt` and `seconds` None: no checkpoint survives it yet; `seconds` None alone: its
+    commit time is not known); None for a status without a heartbeat (read from the PFS
+    index: no clock to measure from)."""
     beat = status.get("heartbeat") or {}
     if not isinstance(beat.get("t"), (int, float)):
         return None
@@ -36,13 +37,14 @@ def at_risk(status: dict[str, Any]) -> dict[str, Any] | None:
 
 def _newest(rows: list[dict[str, Any]], levels: tuple[str, ...], now: float
             ) -> dict[str, Any]:
-    held = [r for r in rows if r.get("level") in levels
-            and isinstance((r.get("times") or {}).get("written"), (int, float))]
+    held = [r for r in rows if r.get("level") in levels]
     if not held:
         return {"ckpt": None, "seconds": None}
     newest = max(held, key=lambda r: r["seq"])
-    return {"ckpt": newest["id"], "level": newest["level"],
-            "seconds": max(0.0, now - newest["times"]["written"])}
+    # a coordinator that rebuilt its state from the PFS index knows no commit time
+    written = (newest.get("times") or {}).get("written")
+    seconds = max(0.0, now - written) if isinstance(written, (int, float)) else None
+    return {"ckpt": newest["id"], "level": newest["level"], "seconds": seconds}
 
 
 def survives(redundancy: dict[str, Any] | None) -> str:
@@ -73,6 +75,8 @@ def risk_lines(status: dict[str, Any]) -> list[str]:
 def _cost(loss: dict[str, Any]) -> str:
     if loss["ckpt"] is None:
         return "all training so far (no checkpoint outlives it yet)"
+    if loss["seconds"] is None:
+        return f"the training since {loss['ckpt']} (its commit time is not known here)"
     return f"{_duration(loss['seconds'])} of training since {loss['ckpt']} was committed"
 
 

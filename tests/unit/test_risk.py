@@ -48,6 +48,16 @@ def test_nothing_outlives_a_loss_yet():
     assert "all training so far" in lines[1] and "all training so far" in lines[2]
 
 
+def test_a_checkpoint_without_a_commit_time_still_names_what_outlives_the_loss():
+    """A coordinator that rebuilt its state from the PFS index knows `flushed` only."""
+    rows = [{"id": "step_010", "seq": 10, "level": "flushed", "bytes": 1,
+             "times": {"flushed": 900.0}}]
+    risk = at_risk(status(1300.0, rows))
+    assert risk["node_loss"] == {"ckpt": "step_010", "level": "flushed", "seconds": None}
+    assert "since step_010 (its commit time is not known here)" in \
+        risk_lines({"at_risk": risk})[1]
+
+
 def test_a_status_from_the_index_has_no_clock_to_measure_from():
     assert at_risk({"run": "r", "checkpoints": [row(10, "flushed", 1.0)]}) is None
 
