@@ -47,7 +47,6 @@ from .coordinator import Coordinator
 from .errors import describe
 from .events import EventCopy, EventLog
 from .flush.flusher import Flusher, flushed_report
-from .fsutil import remove_under
 from .handles import ENDED, Stage, StageLog, State, is_done, is_failed, stage_state
 from .inbox import Inbox, exit_watchdog
 from .index import read_index
@@ -106,9 +105,10 @@ IDLE_TICK = 0.1     # the slowed tick: a first message from another agent waits 
 # to a half of a core here at load 8) where a 1 ms Iprobe tick costs 2-3% of one
 # (docs/benchmarks.md#the-main-loops-wait): poll this fast only while a peer message is due
 PEER_TICK = 0.001
-# after this node's part of a checkpoint is written, the coordinator's commit follows as
-# soon as the slowest node's is: poll for it at PEER_TICK that long, not at the idle tick
-# (up to IDLE_TICK added to commit -> partner-durable; 2-3% of a core for at most this)
+# after this node's watcher saw a checkpoint committed, the coordinator's commit follows
+# within a few turns (it commits on the first marker it hears; on node 0 it comes back
+# through the loop's own frames): poll for it at PEER_TICK that long, not at the idle
+# tick, which added up to 20 ms to commit -> partner-durable (2-3% of a core, at most 1 s)
 COMMIT_WAIT = 1.0
 
 
@@ -511,7 +511,7 @@ class Agent:
                 self._after_capture(msg)
             elif kind == "capture_failed" and self.replicator is not None:
                 self.replicator.cancel(msg["ckpt"], f"capture failed: {msg['error']}")
-            elif kind == "marker":
+            elif kind == "marker" and msg["ckpt"] not in self.announced:
                 self._commit_due[msg["ckpt"]] = time.monotonic() + COMMIT_WAIT
             elif kind == "replicated":
                 self._retain_stage()
@@ -660,7 +660,7 @@ class Agent:
         if self.encoder is not None:
             self.encoder.cancel(ckpt)
         if entry and entry.get("mode") == "copy":
-            remove_under(self.paths.stage, self.paths.stage_dir(ckpt))
+            self.remover.discard(self.paths.stage, self.paths.stage_dir(ckpt))
         self.stages.record(Stage.COMMIT, State.FAILED, ckpt, (entry or {}).get("seq"),
                            persist={"reason": msg.reason}, error=msg.reason)
         self.watcher.forget(ckpt)

@@ -40,13 +40,16 @@ class Remover:
         aside = temp_name(path)
         try:
             os.rename(path, aside)
-            fsync_dir(path.parent)
         except OSError as exc:      # as before the thread: removed here, what it can
             log.warning("stage copy %s not set aside (%s): removing it now", path,
                         describe(exc))
             remove_tree(path)
             return
         self._queue.put(aside)
+        try:
+            fsync_dir(path.parent)
+        except OSError as exc:      # the rename stands; the next one's fsync covers it
+            log.warning("stage directory %s not synced: %s", path.parent, describe(exc))
 
     def close(self, timeout: float) -> bool:
         """Finish the removals queued, up to `timeout` seconds; True if all are done
