@@ -107,29 +107,35 @@ def _known(run: str) -> Known:
     try:
         data = read_json(path)
         config = load_recorded(run, {})
-    except (OSError, json.JSONDecodeError, ConfigError) as exc:
+        if config is None:
+            raise FileNotFoundError(f"{path}: removed while read")
+        source = data.get("config") if isinstance(data.get("config"), str) else None
+        pfs = config.node_paths(0).pfs
+        # a PFS whose root is not there (not mounted on this host) says nothing of the run
+        pfs_exists = pfs.is_dir() or not pfs.parent.is_dir()
+        config_exists = bool(source) and os.path.isfile(source)
+    except (OSError, json.JSONDecodeError, ConfigError) as exc:    # EACCES, ESTALE too
         return Known(run, None, None, False, None, False, None, problem=str(exc))
-    assert config is not None
-    source = data.get("config") if isinstance(data.get("config"), str) else None
-    pfs = config.node_paths(0).pfs
     written = data.get("written")
     return Known(run, written if isinstance(written, (int, float)) else None, source,
-                 bool(source) and os.path.isfile(source), str(pfs), pfs.is_dir(),
+                 config_exists, str(pfs), pfs_exists,
                  str(data.get("job")) if data.get("job") is not None else None)
 
 
 def prune() -> list[str]:
-    """Remove the records whose configuration and PFS run directory are both gone."""
+    """Remove the records whose configuration and PFS run directory are both gone (a
+    PFS root that is not there at all counts as present: unmounted here, not gone)."""
     gone = [k.run for k in records() if k.gone]
     for run in gone:
         record_path(run).unlink(missing_ok=True)
     return gone
 
 
-def run_here(cwd: Path) -> str | None:
-    """The one run whose configuration file lies in `cwd` or below it (a command run
-    from a job's directory means that job's run); None when none or several do."""
-    here = [k.run for k in records() if k.config_exists and k.config
+def run_here(cwd: Path, known: list[Known]) -> str | None:
+    """The one run of `known` whose configuration file lies in `cwd` or below it (a
+    command run from a job's directory means that job's run); None when none or
+    several do."""
+    here = [k.run for k in known if k.config_exists and k.config
             and Path(k.config).resolve().is_relative_to(cwd.resolve())]
     return here[0] if len(here) == 1 else None
 
@@ -160,9 +166,10 @@ def only_run(cwd: Path | None = None) -> str | None:
     runs = known_runs()
     if len(runs) <= 1:
         return runs[0] if runs else None
-    here = run_here(cwd or Path.cwd())
+    known = records()
+    here = run_here(cwd or Path.cwd(), known)
     if here is not None:
         return here
-    newest = ", ".join(k.run for k in records()[:3])
+    newest = ", ".join(k.run for k in known[:3])
     raise ConfigError(f"{len(runs)} runs are known (newest: {newest}): give --run NAME or"
                       " --config FILE; 'cachex runs' lists them")

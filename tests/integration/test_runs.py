@@ -58,7 +58,8 @@ def test_commands_find_the_configuration_the_agents_recorded(cluster, state_dir,
     # a second, older run is known, whose configuration and PFS directory are gone
     u = json.loads((state_dir / "t.json").read_text())
     u.update(run="u", config=str(tmp_path / "gone" / "cachex.toml"), written=u["written"] - 60)
-    u["settings"]["paths.pfs"] = str(tmp_path / "gone" / "pfs")
+    u["settings"]["paths.pfs"] = str(tmp_path / "pfs2")     # there, without u's directory
+    (tmp_path / "pfs2").mkdir()
     (state_dir / "u.json").write_text(json.dumps(u))
     several = cachex(elsewhere, "ls")
     assert several.returncode == 2, several.stderr
