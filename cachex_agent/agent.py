@@ -71,6 +71,7 @@ from .messages import (
     GlobalFile,
     HoldManifest,
     ManifestReady,
+    Protected,
     Reroute,
     Tag,
     ToNode,
@@ -192,6 +193,7 @@ class Agent:
         self._from_coordinator = {
             Commit: self._on_commit, ManifestReady: self._on_manifest,
             HoldManifest: self._on_hold, Finalized: self._on_finalized,
+            Protected: self._on_protected,
             Failed: self._on_failed, Drain: self._on_drain, Exit: self._on_exit,
             Reroute: lambda _msg: None}     # the frame's route was the news (uplink.py)
         self._preexisting = set(self._committed_now())
@@ -639,6 +641,11 @@ class Agent:
             self.stages.record(Stage.COMMIT, State.DONE, msg.ckpt, entry.get("seq"),
                                persist={"global": msg.digest.to_json()})
         self._retain_stage()
+
+    def _on_protected(self, msg: Protected) -> None:
+        if msg.ckpt in self.journal.entries:
+            self.journal.update(msg.ckpt, protected=True)
+            self._retain_stage()
 
     def _emit_counters(self, ckpt: str) -> None:
         """What this agent has spent since it started, at each checkpoint's end: the

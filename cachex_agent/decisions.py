@@ -27,6 +27,8 @@ Protocol (agent <-> coordinator):
   coord  -> all    manifest    every node captured: the global manifest's digest
   coord  -> few    hold        every node captured: the whole global manifest, to the
                                metadata holders (and the coordinator's journal)
+  coord  -> all    protected   every node replicated a `ckpt` that is not to be flushed
+                               (flush.every): older unflushed stage copies may go
   coord  -> all    finalized   global manifest and index committed (level "flushed")
   coord  -> all    failed      `ckpt` can never be whole: drop it
   agent  -> coord  stop        a user asked to stop (signal, `cachex stop`)
@@ -48,7 +50,17 @@ from . import layout
 from .fsutil import compact_json
 from .index import Row, state_of_level
 from .manifest import GlobalManifest, LocalManifest, ManifestDigest
-from .messages import Commit, Drain, Exit, Failed, Finalized, HoldManifest, ManifestReady, Reroute
+from .messages import (
+    Commit,
+    Drain,
+    Exit,
+    Failed,
+    Finalized,
+    HoldManifest,
+    ManifestReady,
+    Protected,
+    Reroute,
+)
 from .safepath import checkpoint_id, relative_paths
 
 LEVELS = ("written", "captured", "replicated", "flushed")   # plus failed, evicted, purged
@@ -560,6 +572,8 @@ def _advance(s: CoordinatorState, record: CheckpointRecord, now: float, out: Eff
     if (record.level == "captured" and len(record.replicated) == nodes
             and not record.replication_failed):
         _reach(s, record, "replicated", now, out)
+        if not record.flush:    # its last level: the agents' older stage copies may go
+            out.append(Broadcast(Protected(record.id)))
 
 
 def _on_capture_failed(s: CoordinatorState, e: CaptureFailed, out: Effects) -> None:

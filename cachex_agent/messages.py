@@ -9,9 +9,10 @@ field the type needs present and of the right kind, every name that reaches a pa
 raises UnsafeInput, which the agent refuses with one line.
 
 Protocols (docs/architecture.md draws them):
-  Tag.RELAY        coordinator -> agents: Commit, ManifestReady, Finalized, Failed,
-                   Drain, Reroute, Exit down the broadcast tree, HoldManifest down the holders'
-                   chain (relay.py: serialized once, forwarded as bytes)
+  Tag.RELAY        coordinator -> agents: Commit, ManifestReady, Protected, Finalized,
+                   Failed, Drain, Reroute, Exit down the broadcast tree, HoldManifest
+                   down the holders' chain (relay.py: serialized once, forwarded as
+                   bytes)
   Tag.COORDINATOR  coordinator -> one agent: Commit again (a restarted agent);
                    agents -> coordinator: the names in TO_COORDINATOR, typed by
                    decisions.from_wire (the coordinator's events); all but `captured`
@@ -79,6 +80,14 @@ class HoldManifest:
     TYPE: ClassVar[str] = "hold"
     ckpt: str
     manifest: GlobalManifest
+
+
+@dataclass(frozen=True, slots=True)
+class Protected:
+    """`ckpt`, which flush.every leaves out of the flush, holds `replicated` on every
+    node: the stage copies of older ones that are not flushed may go (retention.py)."""
+    TYPE: ClassVar[str] = "protected"
+    ckpt: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,7 +226,7 @@ class ToNode:
 
 
 TO_AGENT: dict[str, type] = {c.TYPE: c for c in (
-    Commit, ManifestReady, HoldManifest, Finalized, Failed, Drain, Reroute, Exit)}
+    Commit, ManifestReady, HoldManifest, Protected, Finalized, Failed, Drain, Reroute, Exit)}
 PEER: dict[str, type] = {c.TYPE: c for c in (
     Begin, File, Slot, End, Credit, Ack, GlobalFile)}
 # typed on arrival by decisions.from_wire (the coordinator's events); a test keeps the

@@ -23,17 +23,25 @@ def retain_stage(keep: int, journal: Journal, paths: NodePaths, in_use: set[str]
     """Evict the stage copies beyond the newest `keep` (0: keep all) that nothing in
     `in_use` reads and no flush still needs (`remover` deletes them off the caller's
     thread); return the evicted ones not committed yet (the coordinator must hear that
-    this node no longer holds them)."""
+    this node no longer holds them).
+
+    A copy that flush.every leaves out of the flush holds the checkpoint's `replicated`
+    level (the owner's copy is one of the two, and an erasure scheme's data): it goes
+    only once a newer checkpoint is flushed or protected (`replicated` on every node),
+    so a node loss while the next one replicates does not fall back to the PFS."""
     held = sorted(((e["seq"], c) for c, e in journal.entries.items()
                    if is_done(e, Stage.CAPTURE) and not is_failed(e) and e.get("mode") == "copy"),
                   reverse=True)
     if keep == 0 or len(held) <= keep:
         return []
+    safe = max((e.get("seq", 0) for e in journal.entries.values()
+                if e.get("protected") or is_done(e, Stage.COMMIT)), default=0)
     evicted = []
-    for _seq, ckpt in held[keep:]:
+    for seq, ckpt in held[keep:]:
         entry = journal.entries[ckpt]
         committed = is_done(entry, Stage.COMMIT)
-        if ckpt in in_use or (flush_wanted(ckpt) and not committed):
+        if ckpt in in_use or (flush_wanted(ckpt) and not committed) or (
+                not committed and seq >= safe):
             continue
         remover.discard(paths.stage, paths.stage_dir(ckpt))
         journal.update(ckpt, mode="evicted")
