@@ -52,7 +52,8 @@ def _shape(keys: str, optional: str = "", **rows: Shape) -> Shape:
 _CKPT_ROW = _shape("id seq level bytes")
 _LS_ROW = _shape("id seq level bytes path rule")
 _STATUS_ROW = _shape("id seq level bytes times nodes_captured nodes_replicated"
-                     " nodes_flushed flush path rule errors capture progress reason")
+                     " nodes_flushed flush path rule errors capture progress reason",
+                     "predicted")
 
 SHAPES: dict[str, Shape] = {
     "ls": _shape("schema run redundancy unknown checkpoints", checkpoints=_LS_ROW),

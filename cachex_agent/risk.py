@@ -17,22 +17,34 @@ from __future__ import annotations
 
 from typing import Any
 
+from .forecasts import in_flight
+
 NODE_LOSS = ("replicated", "flushed")
 ALLOCATION_END = ("flushed",)
 
 
 def at_risk(status: dict[str, Any]) -> dict[str, Any] | None:
-    """`{"now", "node_loss", "allocation_end"}`, each loss `{"ckpt", "level", "seconds"}`
-    (`ckpt` and `seconds` None: no checkpoint survives it yet; `seconds` None alone: its
-    commit time is not known); None for a status without a heartbeat (read from the PFS
-    index: no clock to measure from)."""
+    """`{"now", "node_loss", "allocation_end", "in_flight"}`, each loss `{"ckpt", "level",
+    "seconds"}` (`ckpt` and `seconds` None: no checkpoint survives it yet; `seconds` None
+    alone: its commit time is not known); None for a status without a heartbeat (read
+    from the PFS index: no clock to measure from). `in_flight`: per checkpoint on its way,
+    `{"ckpt", "level", "next"}`, `next` the model's seconds from now to each later level
+    (`median`, `p95`; negative: overdue), or None: no prediction yet."""
     beat = status.get("heartbeat") or {}
     if not isinstance(beat.get("t"), (int, float)):
         return None
     now = beat["t"] + (beat.get("age") or 0.0)
     rows = status.get("checkpoints") or []
     return {"now": now, "node_loss": _newest(rows, NODE_LOSS, now),
-            "allocation_end": _newest(rows, ALLOCATION_END, now)}
+            "allocation_end": _newest(rows, ALLOCATION_END, now),
+            "in_flight": [_coming(row, now) for row in rows if in_flight(row)]}
+
+
+def _coming(row: dict[str, Any], now: float) -> dict[str, Any]:
+    predicted = row.get("predicted")
+    after = None if not predicted else {
+        level: {q: t - now for q, t in times.items()} for level, times in predicted.items()}
+    return {"ckpt": row["id"], "level": row["level"], "next": after}
 
 
 def _newest(rows: list[dict[str, Any]], levels: tuple[str, ...], now: float
@@ -69,7 +81,20 @@ def risk_lines(status: dict[str, Any]) -> list[str]:
         f"  a node lost: {_cost(node)}"
         + (f" (replicated: outlives {beyond}; beyond that, the allocation's figure)"
            if node["ckpt"] and node["level"] == "replicated" else ""),
-        f"  the allocation ending: {_cost(end)}"]
+        f"  the allocation ending: {_cost(end)}",
+        *(f"  {c['ckpt']} ({c['level']}): {_expected(c['next'])}"
+          for c in risk.get("in_flight") or [])]
+
+
+def _expected(after: dict[str, dict[str, float]] | None) -> str:
+    if not after:
+        return "no prediction yet (the model needs a few checkpoints' stage times)"
+    return "; ".join(f"{level} {_when(t['median'])} (95%: {_when(t['p95'])})"
+                     for level, t in after.items())
+
+
+def _when(seconds: float) -> str:
+    return f"in {_duration(seconds)}" if seconds >= 0 else f"{_duration(-seconds)} overdue"
 
 
 def _cost(loss: dict[str, Any]) -> str:

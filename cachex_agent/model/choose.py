@@ -71,11 +71,38 @@ class PathChooser:
         self.direct_run = 0
         self._lock = threading.Lock()       # the commit's thread and the model's lane
         self._prepared: tuple[float, dict[str, PathPlan], float] | None = None
+        self._fitted: tuple[int, SystemModel] | None = None     # (observations, model)
+        self.observations = 0
 
     def observe(self, stage: str, ckpt: str, node: int, nbytes: int, seconds: float) -> None:
         if stage in self.samples and nbytes > 0 and seconds > 0:
             self.samples[stage].append(StageSample("", ckpt, node, self.nodes, stage, nbytes,
                                                    seconds, 0.0, ""))
+            self.observations += 1
+
+    def forecast(self, size: float, path: str) -> dict[str, dict[str, float]] | None:
+        """Seconds from the commit of a checkpoint of `size` bytes on `path` to each of
+        its levels: `median` and `p95`. None while a stage it needs has too few samples
+        or the model's libraries are missing: no prediction yet."""
+        stages = LEARNED if path == "peer" else ("capture", "flush")
+        if size <= 0 or not have_scipy() or any(
+                len(self.samples[s]) < MIN_SAMPLES for s in stages):
+            return None
+        model = self._model()
+        levels = ("captured", "replicated", "flushed") if path == "peer" else (
+            "captured", "flushed")
+        predicted = {level: model.predict(level, path, size, self.nodes, SAMPLES)
+                     for level in levels}
+        return {level: {"median": p.quantile(0.5), "p95": p.quantile(0.95)}
+                for level, p in predicted.items()}
+
+    def _model(self) -> SystemModel:
+        """The stages fitted on the samples so far; refitted only after new ones."""
+        if self._fitted is None or self._fitted[0] != self.observations:
+            model = SystemModel({s: fit_stage(list(q), families=("lognormal",))
+                                 for s, q in self.samples.items()}, {})
+            self._fitted = (self.observations, model)
+        return self._fitted[1]
 
     def choose(self, size: float, now: float) -> Choice:
         """The choice for a commit of `size` bytes at `now`, its plans computed now."""
@@ -125,8 +152,7 @@ class PathChooser:
         return None
 
     def _plans(self, size: float) -> tuple[dict[str, PathPlan], float]:
-        model = SystemModel({s: fit_stage(list(q), families=("lognormal",))
-                             for s, q in self.samples.items()}, {})
+        model = self._model()
         period = self.period()
         return {p: evaluate(model, p, 1, size, self.nodes, period, self.rates, SAMPLES,
                             self.protection) for p in ("peer", "direct")}, period
