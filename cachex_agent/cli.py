@@ -276,14 +276,38 @@ def main_group() -> None:
 @main_group.command("status")
 @config_options
 @click.option("--json", "as_json", is_flag=True, help="machine-readable output")
-def status_command(cfg: configuration.Config, as_json: bool) -> None:
+@click.option("--at-risk", "risk_only", is_flag=True,
+              help="only the work at risk now (what the job templates print)")
+def status_command(cfg: configuration.Config, as_json: bool, risk_only: bool) -> None:
     """Every checkpoint, the highest level that holds, and work in flight."""
+    from .risk import risk_lines
     from .status import format_status, load_status
     status = load_status(cfg, settle=True)
     if as_json:
         _echo_json(status)
+    elif risk_only:
+        click.echo("\n".join(risk_lines(status))
+                   or "at risk now: not known (no status of the agents, only the PFS index)")
     else:
         click.echo(format_status(status))
+
+
+def _interval(ctx: click.Context, param: click.Parameter, value: float) -> float:
+    if not 0 < value <= 60:             # NaN too, which click.FloatRange lets through
+        raise click.BadParameter(f"{value}: must be more than 0 and at most 60 seconds")
+    return value
+
+
+@main_group.command("watch")
+@config_options
+@click.option("--interval", type=float, default=2.0, show_default=True, metavar="S",
+              callback=_interval, help="seconds between frames (more than 0, at most 60)")
+@click.option("--once", is_flag=True, help="print one frame, without escape codes, and exit")
+def watch_command(cfg: configuration.Config, interval: float, once: bool) -> None:
+    """A live view of the run until Ctrl-C: checkpoints as a bar per node, work at risk,
+    flush bandwidth, errors."""
+    from .watch_view import watch
+    watch(cfg, interval, once)
 
 
 @main_group.command("ls")

@@ -201,7 +201,17 @@ def _parse_hosts(value: Any, key: str) -> tuple[str, ...]:
     return hosts
 
 
+def _parse_prom(value: Any, key: str) -> str:
+    if not isinstance(value, str):
+        raise ConfigError(f"{key}: expected a file path, got {_shown(value)}")
+    if value and not value.endswith(".prom"):
+        raise ConfigError(f"{key}: must end in .prom (node_exporter's textfile collector"
+                          f" reads only those), got {_shown(value)}")
+    return value
+
+
 _bool = Parser(_parse_bool, "boolean", "true | false")
+_prom = Parser(_parse_prom, "file path", "empty (off) or ending in `.prom`")
 _text = Parser(_parse_text, "string", "not empty")
 _hosts = Parser(_parse_hosts, "list of host names", "a string is split on commas and blanks")
 _names = Parser(_parse_names, "list of file names",
@@ -333,6 +343,12 @@ class Model:
 
 
 @dataclass(frozen=True)
+class Metrics:
+    path: str = ""              # empty: no metrics file
+    period: float = 15.0
+
+
+@dataclass(frozen=True)
 class Agent:
     poll: float = 0.02          # main loop tick
     timeout: float = 60.0       # bound on every wait for another agent
@@ -368,10 +384,12 @@ _PARSERS: dict[str, dict[str, Parser]] = {
     "agent": {"poll": _duration(1e-3), "timeout": _duration(1.0),
               "log": _choice("debug", "info", "warning", "error"), "fanout": _int(2, 1024),
               "nice": _int(0, 19), "sched": _choice("other", "batch", "idle")},
+    "metrics": {"path": _prom, "period": _duration(1.0)},
 }
 _SECTIONS = {"paths": Paths, "topology": Topology, "commit": Commit, "stage": Staging,
              "peer": Peer,
-             "flush": Flush, "keep": Keep, "model": Model, "agent": Agent}
+             "flush": Flush, "keep": Keep, "model": Model, "agent": Agent,
+             "metrics": Metrics}
 _RESERVED_ENV = {"CACHEX_CONFIG"}
 
 # What each key means, beside its parser: docs/configuration.md is generated from these
@@ -479,6 +497,13 @@ MEANINGS: dict[str, str] = {
     "agent.sched": "Scheduling policy of every agent thread: `other` (the default), `batch`"
                    " (no wake-up preemption of the trainer), `idle` (only CPU nothing else"
                    " wants). See docs/benchmarks.md for what each costs partner-durable.",
+    "metrics.path": "A Prometheus text-format file the coordinator rewrites (node_exporter's"
+                    " textfile collector: point its `--collector.textfile.directory` here);"
+                    " `{run}`, `{host}`, `{job}` and `$VARS` are filled in. Written 0644: the"
+                    " collector may run as another user. Empty: none. docs/commands.md lists"
+                    " the metrics.",
+    "metrics.period": "How often the metrics file is rewritten (at the next status write"
+                      " after it).",
 }
 
 
@@ -534,6 +559,7 @@ class Config:
     keep: Keep = Keep()
     model: Model = Model()
     agent: Agent = Agent()
+    metrics: Metrics = Metrics()
     source: str = ""            # the file it was read from, for messages
 
     def node_paths(self, node: int, rank: int | None = None, host: str | None = None

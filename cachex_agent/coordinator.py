@@ -11,7 +11,8 @@ carries the effects out:
                 events appended to its PFS log when a checkpoint ends (flushed or
                 failed) and at close, so the level times reach the PFS too
   lane "journal" coordinator.json and status in the journal
-  lane "model"  the path choice's Monte Carlo and its stage samples
+  lane "model"  the path choice's Monte Carlo and its stage samples; the forecasts of
+                the checkpoints in flight (forecasts.py)
 
 so a hung PFS (or a slow model) never holds up the thread that services MPI: credits,
 commits and the levels below `flushed` go on. Status, index and coordinator.json are
@@ -73,12 +74,14 @@ from .decisions import (
     status_rows,
 )
 from .events import EventCopy, EventLog
+from .forecasts import Forecasts
 from .fsutil import makedirs, remove_under, write_json
 from .index import Index, read_index, write_index
 from .journal import Journal
 from .lanes import Lane
 from .manifest import GlobalManifest
 from .messages import wire
+from .metrics import MetricsFile, metrics_file
 from .model.choose import LEARNED, PathChooser, fixed_choice
 from .peer.groups import redundancy
 from .uplink import expand
@@ -120,6 +123,9 @@ class Coordinator:
         self.lanes = {name: Lane(name, threaded) for name in ("pfs", "journal", "model")}
         self.results: queue.SimpleQueue[Any] = queue.SimpleQueue()
         self.chooser = PathChooser(config, len(ranks_by_node), can_replicate)
+        self.forecasts = Forecasts(self.chooser, self.lanes["model"].offer, self._feed_model)
+        self.metrics = metrics_file(config)
+        self._metrics_due, self._metrics_state = 0.0, ""
         self._observed: deque[Observe] = deque(
             maxlen=config.model.window * len(ranks_by_node) * len(LEARNED))
         self.state = self._restored(can_replicate)
@@ -278,6 +284,15 @@ class Coordinator:
         status = self.status()
         self._offer("journal", "status", lambda: self.journal.write(layout.STATUS, status))
         self._offer("pfs", "status", lambda: _write_pfs_status(self.pfs_run, status))
+        # at once when the agents' state changed (their last word before they exit)
+        due = self._metrics_due if status["state"] == self._metrics_state else 0.0
+        if self.metrics is not None and self.clock() >= due:
+            self._metrics_due = self.clock() + self.config.metrics.period
+            self._metrics_state = status["state"]
+            pending = {name: lane.pending() for name, lane in self.lanes.items()}
+            metrics = self.metrics
+            self._offer("journal", "metrics",
+                        lambda: _write_metrics_quietly(metrics, status, pending))
 
     def _write_index(self, _effect: WriteIndex) -> None:
         index = Index.build(self.config.run, index_rows(self.state))
@@ -351,7 +366,8 @@ class Coordinator:
                               "pid": os.getpid(), "host": socket.gethostname(),
                               "period": HEARTBEAT}, **extra,
                 "redundancy": redundancy(self.config, self.nodes),
-                "notes": notes(self.state), "checkpoints": status_rows(self.state)}
+                "notes": notes(self.state),
+                "checkpoints": self.forecasts.annotate(status_rows(self.state))}
 
     def write_status(self) -> None:
         """Into the journal always; onto the PFS when it takes writes."""
@@ -383,6 +399,14 @@ def _write_pfs_status(pfs_run: Path, status: dict[str, Any]) -> None:
         write_json(layout.pfs_status_path(pfs_run), status)
     except OSError:
         pass                # the journal's copy is the one that counts
+
+
+def _write_metrics_quietly(metrics: MetricsFile, status: dict[str, Any],
+                           pending: dict[str, int]) -> None:
+    try:
+        metrics.write(metrics.text(status, pending))
+    except OSError as exc:
+        log.warning("metrics file %s not written: %s", metrics.path, exc)
 
 
 def _copy_events_quietly(copy: EventCopy) -> None:
