@@ -400,6 +400,17 @@ print((s.get("state") or "-").replace(" ", "-"), life, newest["id"], newest["lev
         <<<"${line:-- - - - 0 0}"
 }
 
+cx_at_risk() {      # WHEN: what a node loss or the job's end would cost now, in the log
+    local out
+    if out=$(timeout 60 "$(cx_bin cachex)" status --at-risk --config "$CACHEX_CONFIG" 2>&1); then
+        cx_log "$1: ${out%%$'\n'*}"
+        [[ $out == *$'\n'* ]] && printf '%s\n' "${out#*$'\n'}" | sed 's/^/    /'
+    else
+        cx_log "$1: work at risk not known: ${out##*$'\n'}"
+    fi
+    return 0
+}
+
 # ---------------------------------------------------------------- staging
 cx_venv() { dirname "$CX_BIN"; }
 
@@ -549,6 +560,7 @@ cx_train() {        # [resume]: runs the training step; returns its status
 
 cx_halt_training() {
     CX_HALTED=1
+    cx_at_risk halt
     cx_log "halt: the job ends in $((CX_HALT_AT + HALT_MARGIN - $(cx_now)))s; SIGTERM to the training step"
     "cx_${CX_SCHEDULER}_signal" "$CX_STEP_TRAIN" "$CX_TRAIN_PID" TERM
     if ! cx_wait_pid "$CX_TRAIN_PID" "$TRAIN_STOP_GRACE"; then
@@ -606,6 +618,7 @@ cx_recover() {
 }
 
 cx_relaunch_prepare() {     # after a failed training step; sets CX_RESUME
+    cx_at_risk relaunch
     cx_replace_lost
     cx_agents_stop "$AGENT_STOP_TIMEOUT" || true
     cx_status

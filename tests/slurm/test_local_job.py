@@ -71,6 +71,9 @@ def test_killed_training_step_is_recovered_and_relaunched(local_job, reference):
 
     out = assert_completed(job, job.wait(300))
     assert re.search(r"training step failed with status \d+ \(launch 1\)", out), out
+    # the work at risk as the relaunch began, on the coordinator's clock
+    assert re.search(r"relaunch: at risk now \(the coordinator's clock\):\n"
+                     r"\s+a node lost: .*since step_\d+ was committed", out), out
     recovered = re.search(r"^recovered (step_\d+):", out, re.M)
     assert recovered, f"no `cachex recover` summary in the output:\n{out}"
     assert recovered.group(1) >= max(safe)
@@ -89,6 +92,8 @@ def test_walltime_halt_drains_and_next_job_resumes_from_the_pfs(local_job, refer
                HALT_MARGIN="85")
     out = assert_completed(job, job.wait(150))
     assert "halt: the job ends in" in out and "halted before the walltime" in out, out
+    assert re.search(r"halt: at risk now \(the coordinator's clock\):\n"
+                     r"\s+a node lost: .*\n\s+the allocation ending: ", out), out
     assert not job.state_out.exists(), "the trainer finished: nothing was halted"
     levels = job.levels()
     newest = max(levels)
