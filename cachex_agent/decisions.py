@@ -499,13 +499,15 @@ def _on_captured(s: CoordinatorState, e: Captured, out: Effects) -> None:
     record = s.ckpts.get(e.ckpt)
     if record is None or record.level not in IN_FLIGHT:
         return
+    same = record.captured.get(str(e.node)) == e.manifest
     record.captured[str(e.node)] = e.manifest
     record.sizes.pop(str(e.node), None)     # a node that captured again
     if e.text is None:
         record.captured_text.pop(str(e.node), None)
     else:
         record.captured_text[str(e.node)] = _member(str(e.node), e.text)
-    record.built = record.digest = None
+    if not same:        # a part reported again unchanged (a restart) keeps the manifest
+        record.built = record.digest = None
     # each node's candidates from its own finished part (GlobalManifest.build keeps
     # those one node alone holds): the first marker saw one node's part only
     record.global_files = sorted({*record.global_files, *e.global_files})
@@ -513,6 +515,12 @@ def _on_captured(s: CoordinatorState, e: Captured, out: Effects) -> None:
         record.capture[str(e.node)] = {"mode": e.mode, "reason": e.reason}
     out.append(Observe("capture", e.ckpt, e.node, part_bytes(e.manifest), e.duration))
     record.errors.pop(str(e.node), None)
+    if record.level != "written":
+        # every node had captured: this one restarted, maybe before the broadcast of
+        # the digest reached it (without it, its erasure group never encodes)
+        manifest = global_manifest(record, record.times, _wall(s, e.now))
+        out.append(Send(s.nodes[e.node].rank, ManifestReady(record.id,
+                                                            _digest(record, manifest))))
     _advance(s, record, e.now, out)
 
 

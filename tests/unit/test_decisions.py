@@ -420,3 +420,19 @@ def test_a_node_found_dead_reroutes_the_tree_once():
     first = feed(s, replicated(1, dead=2))
     again = feed(s, replicated(3, dead=2))
     assert len(broadcasts(first, "reroute")) == 1 and broadcasts(again, "reroute") == []
+
+
+def test_a_node_that_captured_again_after_a_restart_hears_the_manifest_again():
+    """It may have been killed before the broadcast reached it: its journal then lacks
+    the digest, and an erasure group waits for its encoding for ever."""
+    s = state()
+    feed(s, d.Marker(0, 1.0, "s1", []))
+    first = captured_all(s, "s1")
+    (ready,) = broadcasts(first, "manifest")
+    digest = s.ckpts["s1"].digest
+    again = feed(s, d.Captured(2, 3.0, "s1", part("s1", 2)))
+    assert not of(again, d.Broadcast)
+    (send,) = of(again, d.Send)
+    assert (send.rank, wire(send.msg)) == (12, ready)
+    assert s.ckpts["s1"].digest is digest           # same part: nothing rebuilt
+    assert not of(feed(s, d.Captured(2, 3.5, "s2", part("s2", 2))), d.Send)   # unknown
