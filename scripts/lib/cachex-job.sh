@@ -47,6 +47,7 @@ CX_UNPACK='set -e; d=$1; rm -rf "$d.new"; mkdir -p "$d.new"; tar -xf "$d.tar" -C
 : "${COMMIT_RULE:=auto}"
 : "${CONFIG_EXTRA:=}"
 : "${RANKS_PER_NODE:=1}"
+: "${MODULE_USE:=}"
 : "${SPARES:=0}"
 : "${VNODES:=}"
 : "${RESUME_ARGS=--resume}"
@@ -172,19 +173,26 @@ cx_check() {
         || cx_die "AGENT_ENV_UNSET=$AGENT_ENV_UNSET: expected variable names" 2
 }
 
-cx_load_modules() {     # MODULES: `module load` them in this shell, whose steps inherit it
+cx_load_modules() {     # MODULE_USE, MODULES: `module use` the directories, `module load`
+                        # the modules in this shell, whose steps inherit it
     [[ -n $MODULES ]] || return 0
-    local -a mods
+    local -a mods dirs
     cx_words mods "$MODULES"
+    cx_words dirs "${MODULE_USE:-}"
     type module >/dev/null 2>&1 \
         || cx_die "MODULES=$MODULES but this shell has no \`module\` command (source the site's module init first, or set MODULES=)" 2
-    local rc=0
+    local rc=0 dir
     set +eu     # module functions (Lmod, Environment Modules) are not written for -eu
-    module load "${mods[@]}"
-    rc=$?
+    for dir in "${dirs[@]}"; do
+        module use "$dir" || rc=$?
+    done
+    if ((rc == 0)); then
+        module load "${mods[@]}"
+        rc=$?
+    fi
     set -eu
-    ((rc == 0)) || cx_die "module load ${mods[*]} failed with status $rc (MODULES)" 2
-    cx_log "modules: ${mods[*]}"
+    ((rc == 0)) || cx_die "module use ${dirs[*]} / load ${mods[*]} failed with status $rc (MODULE_USE, MODULES)" 2
+    cx_log "modules: ${dirs[*]:+use ${dirs[*]}; }${mods[*]}"
 }
 
 cx_job_id() { echo "${SLURM_JOB_ID:-${PBS_JOBID:-local}}"; }

@@ -15,7 +15,9 @@ SCRIPTS = ROOT / "scripts"
 TEMPLATES = {"frontier": SCRIPTS / "slurm" / "frontier.sbatch",
              "neuron": SCRIPTS / "slurm" / "neuron.sbatch",
              "local": SCRIPTS / "slurm" / "local.sbatch",
-             "pbs": SCRIPTS / "pbs" / "cachex.pbs"}
+             "pbs": SCRIPTS / "pbs" / "cachex.pbs",
+             "polaris": SCRIPTS / "pbs" / "polaris.pbs",
+             "aurora": SCRIPTS / "pbs" / "aurora.pbs"}
 
 RECORD = r'''#!/bin/bash
 { printf '%s' "${0##*/}"; printf ' %q' "$@"

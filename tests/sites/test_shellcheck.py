@@ -17,7 +17,7 @@ SCRIPTS_ALL = sorted(p for p in SCRIPTS.rglob("*")
 def test_every_script_is_checked():
     names = {p.name for p in SCRIPTS_ALL}
     assert {"cachex-job.sh", "frontier.sbatch", "neuron.sbatch", "local.sbatch",
-            "cachex.pbs", "setup-slurm.sh"} <= names
+            "cachex.pbs", "polaris.pbs", "aurora.pbs", "setup-slurm.sh"} <= names
 
 
 def test_shellcheck_passes_on_every_script():

@@ -6,11 +6,12 @@ what each launch received."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 from pathlib import Path
 
 import pytest
-from stubs import FakeSite, default, directives, flag, hours
+from stubs import TEMPLATES, FakeSite, default, directives, flag, hours
 
 # OLCF Frontier User Guide, Scheduling Policy: job size bins (max nodes -> max hours)
 FRONTIER_BINS = [(91, 2.0), (183, 6.0), (1881, 12.0), (5644, 12.0), (9472, 12.0)]
@@ -20,10 +21,11 @@ FRONTIER_GCDS, FRONTIER_CORES = 8, 56              # low-noise mode: 56 of 64 co
 NEURON = {"cas_v100nv_8": (5, 8, 32, 40), "cas_v100nv_4": (2, 4, 40, 8),
           "cas_v100_4": (11, 4, 40, 60), "cas_v100_2": (3, 2, 32, 6),
           "amd_a100nv_8": (7, 8, 64, 56), "eme_h200nv_8": (5, 8, 96, 40)}
-NEURON_COMMENTS = {"charmm", "gaussian", "openfoam", "wrf", "inhouse", "python", "R",
-                   "vasp", "gromacs", "lammps", "namd", "qe", "siesta", "tensorflow",
-                   "caffe", "pytorch", "sklearn", "etc"}
-NEURON_MPI = ("cudampi/mvapich2", "cudampi/openmpi", "mpi/impi")
+# the same chapter's SBATCH option table, since 2026-08-12: field and application, both
+# from `showappl`; the template leaves the field for the user (sbatch refuses FIELD)
+NEURON_COMMENT = re.compile(r'^"field=[A-Za-z0-9_]+;appl=[A-Za-z0-9_.+-]+"$')
+# Programming environment: Open MPI for GPU jobs, with its compiler and CUDA
+NEURON_MODULES = "gcc/15.2.0 cuda/12.4.1 cudampi/openmpi-4.1.8"
 
 
 def order(steps: list[tuple[str, list[str]]]) -> list[str]:
@@ -58,15 +60,18 @@ def test_frontier_follows_the_olcf_guide(tmp_path):
     assert found["--constraint"] == "nvme"                 # /mnt/bb/$USER exists
     assert found["--signal"] == f"B:USR1@{default('frontier', 'HALT_MARGIN')}"
 
-    steps = site.plan("frontier")
+    steps = site.plan("frontier", CX_BIN="")     # the template's own venv
     checked_start(steps, staged=True)
-    # modules loaded for real in the batch shell, Cray MPICH among them
+    # OLCF's tested mpi4py build, versions and all, loaded for real in the batch shell
     loads = [c for c in site.calls() if c.startswith("module load")]
-    assert len(loads) == 1 and "cray-mpich" in loads[0] and "PrgEnv-" in loads[0]
+    assert [c.split(" | ")[0] for c in loads] == [
+        "module load PrgEnv-gnu/8.6.0 miniforge3/23.11.0-0"], loads
+    # the venv in Project Home (not purged), the trainer's interpreter by its path
+    venv = "/ccs/proj/abc123/u/envs/cachex"     # the fake site charges ABC123
     # the venv is broadcast to the NVMe and every node step runs that copy
     sbcast = step(steps, "stage")
     assert sbcast[0] == "sbcast" and sbcast[-1] == "/mnt/bb/u/cachex-venv.tar"
-    assert sbcast[-2] == "/home/u/cachex-agent/.venv.tar"
+    assert sbcast[-2] == f"{venv}.tar"
     unpack = step(steps, "unpack")
     assert flag(unpack, "--nodelist").split(",") == site.hosts     # spares get it too
     for kind in ("check", "agents", "recover"):
@@ -74,8 +79,16 @@ def test_frontier_follows_the_olcf_guide(tmp_path):
         assert "/mnt/bb/u/cachex-venv/bin/python" in words, words
         assert words[:3] == ["env", "-u", "MPICH_GPU_SUPPORT_ENABLED"], words
         assert flag(words, "--mpi") is None             # the site default, as the guide
+        # the default --cpu-bind=threads with -c 1 put every agent thread on one
+        # hardware thread: the agent spans the 56 usable cores, unbound
+        if kind == "agents":
+            assert flag(words, "--cpus-per-task") == str(FRONTIER_CORES), words
+            assert flag(words, "--cpu-bind") == "none", words
     train = step(steps, "train")
-    assert train[:2] == ["env", "MPICH_GPU_SUPPORT_ENABLED=1"]
+    # no GPU-aware MPI by default: Cray MPICH exits at MPI_Init without the GTL library,
+    # which OLCF's mpi4py recipe does not link
+    assert train[0] == "srun" and "MPICH_GPU_SUPPORT_ENABLED=1" not in train
+    assert f"{venv}/bin/python" in train                # not whatever `python` is first
     assert flag(train, "--ntasks-per-node") == str(FRONTIER_GCDS)
     assert flag(train, "--gpus-per-task") == "1" and flag(train, "--gpu-bind") == "closest"
     assert FRONTIER_GCDS * int(flag(train, "--cpus-per-task")) <= FRONTIER_CORES
@@ -87,7 +100,7 @@ def test_frontier_follows_the_olcf_guide(tmp_path):
     assert said["stage"][0].startswith("sbcast ")
     for kind in ("unpack", "check", "agents"):
         assert said[kind][0].endswith("MPICH_GPU_SUPPORT_ENABLED=unset"), said[kind]
-    assert said["train"][0].endswith("MPICH_GPU_SUPPORT_ENABLED=1"), said["train"]
+    assert said["train"][0].endswith("MPICH_GPU_SUPPORT_ENABLED=1"), said["train"]   # the user's
 
 
 def test_neuron_follows_the_kisti_guide(tmp_path):
@@ -101,14 +114,19 @@ def test_neuron_follows_the_kisti_guide(tmp_path):
     assert nodes <= part_nodes                                  # the partition has them
     assert found["--gres"] == f"gpu:{gpus}"                     # every GPU of a node, no more
     assert nodes * gpus <= user_gpus
-    assert found["--comment"] in NEURON_COMMENTS                # mandatory
+    assert NEURON_COMMENT.match(found["--comment"]), found["--comment"]     # mandatory
+    assert found["--comment"].endswith(';appl=pytorch"')
     assert hours(found["--time"]) <= 48
     assert default("neuron", "PFS").startswith("/scratch/$USER")
+    # no node-local disk in the guide: nothing of the job's on /tmp; the venv on /scratch
+    assert not any(default("neuron", v).startswith("/tmp") for v in ("SPOOL", "STAGE",
+                                                                    "CACHE", "STAGE_DIR"))
 
-    steps = site.plan("neuron")
+    steps = site.plan("neuron", CX_BIN="")
     checked_start(steps, staged=False)          # the guide says nothing of sbcast
-    loads = [c for c in site.calls() if c.startswith("module load")]
-    assert len(loads) == 1 and any(mpi in loads[0] for mpi in NEURON_MPI), loads
+    loads = [c.split(" | ")[0] for c in site.calls() if c.startswith("module load")]
+    assert loads == [f"module load {NEURON_MODULES}"], loads
+    assert "/scratch/u/cachex-venv/bin/cachex-agent" in step(steps, "agents")
     train = step(steps, "train")
     ranks = int(flag(train, "--ntasks-per-node"))
     assert ranks == gpus and flag(train, "--gpus-per-task") == "1"
@@ -148,6 +166,71 @@ def test_pbs_template_through_mpiexec(tmp_path):
         "STAGE_VENV=1: staging uses Slurm's sbcast, which pbs has not; set STAGE_VENV=0")
 
 
+# ALCF, Running jobs: what qsub refuses a job without; per system, its file systems, its
+# queues (name -> fewest, most nodes), cores a node, the cores the OS keeps
+ALCF_REQUIRED = ("-A", "-l walltime", "-l filesystems")
+ALCF = {"polaris": ({"home", "eagle"}, {"debug": (1, 2), "debug-scaling": (1, 10),
+                                        "prod": (10, 496), "preemptable": (1, 10),
+                                        "capacity": (1, 4)}, 32, 0),
+        "aurora": ({"home", "flare", "daos_user_fs"}, {"debug": (1, 2),
+                                                       "debug-scaling": (2, 256),
+                                                       "prod": (256, 10624),
+                                                       "capacity": (1, 16)}, 104, 2)}
+
+
+def pbs_directives(template: str) -> dict[str, str]:
+    """`-q prod` -> {"-q": "prod"}, `-l select=12:...` -> {"-l select": "12:..."}"""
+    found = {}
+    for line in TEMPLATES[template].read_text().splitlines():
+        if line.startswith("#PBS "):
+            words = line[5:].split(maxsplit=1)
+            option, _, value = (words[0] + " " + words[1]).partition("=") \
+                if "=" in words[1] else (words[0], "", words[1])
+            found[option] = value
+    return found
+
+
+@pytest.mark.parametrize("system", ["polaris", "aurora"])
+def test_alcf_templates_follow_alcfs_guide(tmp_path, system):
+    filesystems, queues, cores, reserved = ALCF[system]
+    found = pbs_directives(system)
+    assert all(option in found for option in ALCF_REQUIRED), found
+    assert set(found["-l filesystems"].split(":")) <= filesystems
+    nodes = int(found["-l select"].split(":")[0])
+    assert nodes == int(default(system, "NODES")) + int(default(system, "SPARES"))
+    fewest, most = queues[found["-q"]]
+    assert fewest <= nodes <= most, (found["-q"], nodes)
+    if system == "polaris":
+        assert found["-l select"].endswith(":system=polaris")
+        assert "-W tolerate_node_failures" not in found     # the Polaris guide: silent
+    else:
+        assert found["-W tolerate_node_failures"] == "all"  # documented, the loop acts on it
+    site = FakeSite(tmp_path, "pbs", hosts=nodes)
+    steps = site.plan(system, CX_BIN="", PROJECT="myproj")
+    checked_start(steps, staged=False)
+    calls = [c.split(" | ")[0] for c in site.calls() if c.startswith("module")]
+    assert calls == (["module use /soft/modulefiles", "module load conda/2025-09-25"]
+                     if system == "polaris" else ["module load frameworks"]), calls
+    pfs = {"polaris": "eagle", "aurora": "flare"}[system]
+    assert default(system, "PFS") == f"/lus/{pfs}/projects/$PROJECT/$USER/cachex"
+    venv = f"/lus/{pfs}/projects/myproj/u/envs/cachex/bin"
+    local = default(system, "SPOOL")
+    # the node SSD on Polaris only; Aurora's parts stay in memory
+    assert local.startswith("/local/scratch/" if system == "polaris" else "/dev/shm/")
+    check = step(steps, "check")
+    assert check[0] == "mpiexec" and flag_after(check, "--ppn") == "1", check
+    assert flag_after(check, "--cpu-bind") == "none" and f"{venv}/cachex-agent" in check
+    train = step(steps, "train")
+    ranks, depth = int(flag_after(train, "--ppn")), int(flag_after(train, "--depth"))
+    assert flag_after(train, "--cpu-bind") == "depth"
+    assert ranks * depth <= cores - reserved and f"{venv}/python" in train
+
+
+def flag_after(words: list[str], name: str) -> str | None:
+    """The word after `name` (PALS' `--ppn 4` form)."""
+    return words[words.index(name) + 1] if name in words else None
+
+
 def test_excluded_nodes_stay_out_and_the_minimum_is_kept(tmp_path):
     site = FakeSite(tmp_path, "slurm", hosts=5)
     steps = site.plan("neuron", EXCLUDE_NODES="n002")
@@ -167,8 +250,8 @@ def test_no_module_command_is_one_line_and_status_2(tmp_path):
     (site.bin / "module").unlink()
     result = site.run("neuron")
     assert result.returncode == 2 and result.stderr.count("\n") == 1
-    assert "MODULES=intel/19.1.2 cuda/11.4 cudampi/mvapich2-2.3.6 but this shell has no" \
-        " `module` command" in result.stderr
+    assert f"MODULES={NEURON_MODULES} but this shell has no `module` command" \
+        in result.stderr
 
 
 def test_the_staged_copy_is_what_the_node_steps_run(tmp_path):
