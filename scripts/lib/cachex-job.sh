@@ -84,6 +84,7 @@ CX_AGENTS_PID=
 CX_TRAIN_PID=
 CX_AGENTS_LIFE0=-
 CX_HALT_AT=
+CX_EXCLUDE=()
 CX_JOB_END=
 CX_CHECKED=0
 CX_HALTED=0
@@ -198,6 +199,7 @@ cx_load_modules() {     # MODULE_USE, MODULES: `module use` the directories, `mo
 cx_job_id() { echo "${SLURM_JOB_ID:-${PBS_JOBID:-local}}"; }
 
 cx_init_nodes() {   # CX_SET: the NODES first hosts (C-sorted, as cachex numbers nodes)
+    cx_expand_exclude
     local -a hosts
     mapfile -t hosts < <("cx_${CX_SCHEDULER}_hosts" | LC_ALL=C sort -u)
     ((${#hosts[@]} > 0)) || cx_die "no hosts in the allocation"
@@ -231,28 +233,32 @@ cx_init_nodes() {   # CX_SET: the NODES first hosts (C-sorted, as cachex numbers
 }
 
 cx_excluded_in() {    # HOST...: those of EXCLUDE_NODES (names, commas, Slurm host lists)
-    [[ -n $EXCLUDE_NODES ]] || return 0
+    ((${#CX_EXCLUDE[@]} > 0)) || return 0
     local -A banned=()
     local h
-    for h in $(cx_exclude_list); do banned[$h]=1; done
+    for h in "${CX_EXCLUDE[@]}"; do banned[$h]=1; done
     for h in "$@"; do [[ -n ${banned[$h]:-} ]] && printf '%s ' "$h"; done
     return 0
 }
 
-cx_exclude_list() {     # EXCLUDE_NODES as host names, one a line
-    local word
+cx_expand_exclude() {   # CX_EXCLUDE: EXCLUDE_NODES as host names. In this shell, not in
+                        # a $(...): there a cx_die would end only the subshell
+    CX_EXCLUDE=()
+    local word out
     for word in ${EXCLUDE_NODES//,/ }; do
         if [[ $word == *\[* && $CX_SCHEDULER == slurm ]]; then
-            scontrol show hostnames "$word" || cx_die "EXCLUDE_NODES: cannot expand $word" 2
+            out=$(scontrol show hostnames "$word" 2>/dev/null) || out=
+            [[ -n $out ]] || cx_die "EXCLUDE_NODES: cannot expand $word (scontrol show hostnames)" 2
+            mapfile -t -O "${#CX_EXCLUDE[@]}" CX_EXCLUDE <<<"$out"
         else
-            echo "$word"
+            CX_EXCLUDE+=("$word")
         fi
     done
 }
 
 cx_exclude_toml() {     # EXCLUDE_NODES as a TOML list of strings
     local h out=
-    while read -r h; do [[ -n $h ]] && out+="${out:+, }$(cx_toml "$h")"; done < <(cx_exclude_list)
+    for h in "${CX_EXCLUDE[@]}"; do out+="${out:+, }$(cx_toml "$h")"; done
     echo "[$out]"
 }
 
@@ -323,10 +329,13 @@ cx_on_warning() {
     fi
 }
 
-cx_fit() {      # SECONDS: that timeout, cut to what is left of the job (minus 30 s)
-    local want=$1 left
-    [[ -n ${CX_JOB_END:-} ]] || { echo "$want"; return; }
-    left=$((CX_JOB_END - $(cx_now) - 30))
+cx_fit() {      # SECONDS [halt]: that timeout, cut to what is left of the job (minus 30 s);
+                # with `halt`, to what is left before the halt, so that a recovery or a
+                # restart never eats the final drain's window
+    local want=$1 until=${CX_JOB_END:-} left
+    if [[ ${2:-} == halt && -n ${CX_HALT_AT:-} ]]; then until=$((CX_HALT_AT + 30)); fi
+    [[ -n $until ]] || { echo "$want"; return; }
+    left=$((until - $(cx_now) - 30))
     ((left < 1)) && left=1
     echo $((want < left ? want : left))
 }
@@ -620,7 +629,7 @@ cx_recover() {
     cx_step recover 1
     cx_log "recover: ${CX_ARGV[*]}"
     local rc=0
-    timeout --kill-after=30 "$(cx_fit "$RECOVER_TIMEOUT")" "${CX_ARGV[@]}" </dev/null || rc=$?
+    timeout --kill-after=30 "$(cx_fit "$RECOVER_TIMEOUT" halt)" "${CX_ARGV[@]}" </dev/null || rc=$?
     ((rc == 0)) || cx_log "cachex recover ended with status $rc"
     return "$rc"
 }
@@ -663,6 +672,24 @@ cx_finish() {       # MODE [MESSAGE] (done | halt | failed): final drain, verdic
     exit "$HALT_EXIT"
 }
 
+cx_on_term() {      # SIGTERM to the batch shell (the job ends, scancel): the agents get
+                    # theirs and drain what they can, within AGENT_STOP_TIMEOUT and the
+                    # job's time, before cx_on_exit kills what is left
+    cx_log "SIGTERM: the job is ending; the agents drain first"
+    if cx_alive_pid "${CX_AGENTS_PID:-}"; then
+        "cx_${CX_SCHEDULER}_signal" "$CX_STEP_AGENTS" "$CX_AGENTS_PID" TERM
+        cx_wait_pid "$CX_AGENTS_PID" "$(cx_fit "$AGENT_STOP_TIMEOUT")" \
+            || cx_log "the agents still run after ${AGENT_STOP_TIMEOUT}s: killing them"
+    fi
+    exit 143
+}
+
+cx_traps() {
+    trap cx_on_warning USR1
+    trap cx_on_exit EXIT
+    trap cx_on_term TERM
+}
+
 cx_on_exit() {      # the batch shell ends: leave no launcher behind
     local pid
     for pid in $CX_TRAIN_PID $CX_AGENTS_PID; do
@@ -698,9 +725,7 @@ cx_main() {
     cx_init_config
     if [[ $CX_PLAN == 1 ]]; then cx_plan; return 0; fi
     cx_init_halt
-    trap cx_on_warning USR1
-    trap cx_on_exit EXIT
-    trap 'cx_log "SIGTERM: the job is ending"; exit 143' TERM
+    cx_traps
     CX_AGENT_RESTARTS=0
     CX_RESUME=
     cx_stage
@@ -731,16 +756,23 @@ cx_main() {
 # ================================================================= Slurm
 cx_slurm_hosts() { scontrol show hostnames "${SLURM_JOB_NODELIST:?not inside a Slurm job}"; }
 
-cx_slurm_alive() {  # HOST...: those still in the job and not down, drained or failing
+cx_slurm_alive() {  # HOST...: those still in the job and not down, drained or failing;
+                    # all of them when squeue or sinfo cannot tell (as the PBS twin)
     local -A in_job=()
-    local h state
-    while read -r h; do in_job[$h]=1; done \
-        < <(scontrol show hostnames "$(squeue -h -j "$SLURM_JOB_ID" -o %N)" 2>/dev/null)
+    local h state nodes states
+    nodes=$(squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null) || nodes=
+    states=$(sinfo -h -N -n "$(cx_join , "$@")" -o '%N %T' 2>/dev/null) || states=
+    if [[ -z $nodes || -z $states ]]; then
+        cx_log "squeue or sinfo said nothing of the job's nodes: every node taken as up" >&2
+        printf '%s\n' "$@"
+        return 0
+    fi
+    while read -r h; do in_job[$h]=1; done < <(scontrol show hostnames "$nodes" 2>/dev/null)
     while read -r h state; do
         [[ -n ${in_job[$h]:-} ]] || continue
         [[ $state =~ (down|drain|fail|\*|maint|reboot|power|unknown) ]] && continue
         echo "$h"
-    done < <(sinfo -h -N -n "$(cx_join , "$@")" -o '%N %T' 2>/dev/null)
+    done <<<"$states"
 }
 
 cx_slurm_launcher() {   # NAME KIND PPN: CX_LAUNCH=(srun ...)

@@ -35,6 +35,8 @@ SCONTROL = r'''#!/usr/bin/env python3
 import re, sys
 if sys.argv[1:3] != ["show", "hostnames"]:
     sys.exit(0)
+if sys.argv[3].count("[") != sys.argv[3].count("]"):
+    sys.exit(f"scontrol: error: Invalid node name specified: {sys.argv[3]}")
 for part in re.findall(r"[^,\[]+(?:\[[^\]]*\])?", sys.argv[3]):
     m = re.fullmatch(r"(.*)\[(\d+)-(\d+)\]", part)
     if not m:

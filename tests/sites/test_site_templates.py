@@ -327,3 +327,58 @@ def test_a_lost_node_without_a_spare_goes_on_with_fewer_down_to_min_nodes(tmp_pa
         assert failed.returncode == 1 and "recover:" not in failed.stdout
         errors = [line for line in failed.stderr.splitlines() if "error:" in line]
         assert len(errors) == 1 and f"only 1 spares left: {why}" in errors[0], failed.stderr
+
+
+def library(site: FakeSite, script: str, timeout: float = 60, **variables: str
+            ) -> subprocess.CompletedProcess[str]:
+    """`script` run in bash after sourcing the job library, as a Slurm job would."""
+    return subprocess.run(
+        ["bash", "-c", f'CX_SCHEDULER=slurm; source "$CX_ROOT/scripts/lib/cachex-job.sh"; {script}'],
+        capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
+        env={**site.env, "CACHEX_CONFIG": str(site.tmp / "c.toml"), **variables}, cwd=site.tmp)
+
+
+def test_when_sinfo_or_squeue_says_nothing_no_node_counts_as_lost(tmp_path):
+    """Every node read as lost had ended the job (the PBS twin takes all as up)."""
+    site = FakeSite(tmp_path, "slurm", hosts=5)
+    for silent in ("sinfo", "squeue"):
+        lost_node_loop(site, {"n002"}, ["n005"])        # writes both stubs
+        (site.bin / silent).write_text("#!/bin/sh\nexit 1\n")
+        run = library(site, "CX_SET=(n001 n002 n003 n004); CX_SPARE=(n005); cx_replace_lost;"
+                            ' echo "set: ${CX_SET[*]}"')
+        assert run.returncode == 0, run.stderr
+        assert "set: n001 n002 n003 n004" in run.stdout, (silent, run.stdout)
+        assert "said nothing of the job's nodes: every node taken as up" in run.stderr
+
+
+def test_a_bad_exclude_list_ends_the_job_in_one_line(tmp_path):
+    """cx_die inside $(...) ended only the subshell: the job went on without the list."""
+    site = FakeSite(tmp_path, "slurm", hosts=5)
+    result = site.run("neuron", EXCLUDE_NODES="n[001-")
+    assert result.returncode == 2, result.stdout
+    assert result.stderr.strip().splitlines()[-1].endswith(
+        "EXCLUDE_NODES: cannot expand n[001- (scontrol show hostnames)"), result.stderr
+
+
+def test_a_recovery_is_cut_to_the_halt_not_to_the_jobs_end(tmp_path):
+    """The final drain's window (HALT_MARGIN) is not the recovery's to use."""
+    site = FakeSite(tmp_path, "slurm", hosts=2)
+    run = library(site, 'now=$(cx_now); CX_JOB_END=$((now + 1000)); CX_HALT_AT=$((now + 100));'
+                        ' echo "$(cx_fit 1800 halt) $(cx_fit 1800) $(cx_fit 50 halt)"')
+    to_halt, to_end, short = (int(x) for x in run.stdout.split())
+    assert 95 <= to_halt <= 100 and 965 <= to_end <= 970 and short == 50, run.stdout
+
+
+def test_sigterm_lets_the_agents_drain_before_anything_is_killed(tmp_path):
+    """The batch shell's SIGTERM went straight to SIGKILL of the agents (cx_on_exit)."""
+    site = FakeSite(tmp_path, "slurm", hosts=2)
+    said = tmp_path / "agent-said"
+    ready = tmp_path / "agent-ready"
+    agent = (f"trap 'echo drained >{said}; exit 0' TERM; touch {ready}; sleep 30 & wait;"
+             f" echo killed >{said}")
+    script = (f'bash -c "{agent}" & CX_AGENTS_PID=$!; CX_STEP_AGENTS=none; cx_traps;'
+              f' until [[ -e {ready} ]]; do sleep 0.05; done; kill -TERM $$; sleep 30 & wait')
+    run = library(site, script, AGENT_STOP_TIMEOUT="20")
+    assert run.returncode == 143, (run.stdout, run.stderr)
+    assert said.read_text().strip() == "drained"
+    assert "SIGTERM: the job is ending; the agents drain first" in run.stdout
