@@ -836,6 +836,22 @@ def demo_command(**options: Any) -> None:
     run_demo(**options)
 
 
+@main_group.group("job")
+def job_group() -> None:
+    """What the job templates ask the package (scripts/lib/cachex-job.sh)."""
+
+
+@job_group.command("failed-nodes")
+@click.argument("stderr", type=click.File("r", errors="replace"))
+@click.option("--hosts", required=True, help="the step's hosts, comma-separated")
+def job_failed_nodes_command(stderr: Any, hosts: str) -> None:
+    """The hosts to blame for a failed training step, one a line, from its launcher's
+    error output (srun's)."""
+    from .failed_nodes import failed_hosts
+    for host in failed_hosts(stderr.read(), [h for h in hosts.split(",") if h]):
+        click.echo(host)
+
+
 @main_group.command("templates")
 @click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--force", is_flag=True, help="overwrite files that exist")

@@ -85,6 +85,7 @@ CX_TRAIN_PID=
 CX_AGENTS_LIFE0=-
 CX_HALT_AT=
 CX_EXCLUDE=()
+CX_BAD=()
 CX_JOB_END=
 CX_CHECKED=0
 CX_HALTED=0
@@ -559,7 +560,10 @@ cx_train() {        # [resume]: runs the training step; returns its status
     cx_step train "$RANKS_PER_NODE" "${1:-}"
     cx_log "training: ${CX_ARGV[*]}"
     export MASTER_ADDR=${CX_SET[0]}
-    "${CX_ARGV[@]}" </dev/null &
+    mkdir -p "$CX_RUNDIR"
+    : >"$CX_RUNDIR/train.err"
+    # its errors also into a file, which names the nodes to blame if it fails
+    "${CX_ARGV[@]}" </dev/null 2> >(tee -a "$CX_RUNDIR/train.err" >&2) &
     CX_TRAIN_PID=$!
     while cx_alive_pid "$CX_TRAIN_PID"; do
         if cx_past_halt; then
@@ -594,6 +598,7 @@ cx_replace_lost() {     # lost nodes out, spares in; too few spares: shrink to M
     local h
     while read -r h; do [[ -n $h ]] && up[$h]=1; done \
         < <("cx_${CX_SCHEDULER}_alive" "${CX_SET[@]}" "${CX_SPARE[@]}")
+    for h in "${CX_BAD[@]}"; do unset "up[$h]"; done      # up, but training fails there
     local -a keep=() lost=() spares=()
     for h in "${CX_SET[@]}"; do
         if [[ -n ${up[$h]:-} ]]; then keep+=("$h"); else lost+=("$h"); fi
@@ -634,8 +639,21 @@ cx_recover() {
     return "$rc"
 }
 
+cx_blame() {        # the nodes the failed training step failed on: into CX_BAD, for good
+    cx_virtual && return 0
+    local h
+    while read -r h; do
+        [[ -n $h ]] || continue
+        CX_BAD+=("$h")
+        printf '%s\n' "$h" >>"$CX_RUNDIR/bad-nodes"
+        cx_log "training failed on $h: left out of this job from now on ($CX_RUNDIR/bad-nodes)"
+    done < <("$(cx_bin cachex)" job failed-nodes "$CX_RUNDIR/train.err" \
+                 --hosts "$(cx_join , "${CX_SET[@]}")" 2>/dev/null || true)
+}
+
 cx_relaunch_prepare() {     # after a failed training step; sets CX_RESUME
     cx_at_risk relaunch
+    cx_blame
     cx_replace_lost
     cx_agents_stop "$AGENT_STOP_TIMEOUT" || true
     cx_status

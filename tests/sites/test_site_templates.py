@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -332,8 +333,9 @@ def test_a_lost_node_without_a_spare_goes_on_with_fewer_down_to_min_nodes(tmp_pa
 def library(site: FakeSite, script: str, timeout: float = 60, **variables: str
             ) -> subprocess.CompletedProcess[str]:
     """`script` run in bash after sourcing the job library, as a Slurm job would."""
+    prelude = 'CX_SCHEDULER=slurm; source "$CX_ROOT/scripts/lib/cachex-job.sh"'
     return subprocess.run(
-        ["bash", "-c", f'CX_SCHEDULER=slurm; source "$CX_ROOT/scripts/lib/cachex-job.sh"; {script}'],
+        ["bash", "-c", f"{prelude}; {script}"],
         capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
         env={**site.env, "CACHEX_CONFIG": str(site.tmp / "c.toml"), **variables}, cwd=site.tmp)
 
@@ -382,3 +384,21 @@ def test_sigterm_lets_the_agents_drain_before_anything_is_killed(tmp_path):
     assert run.returncode == 143, (run.stdout, run.stderr)
     assert said.read_text().strip() == "drained"
     assert "SIGTERM: the job is ending; the agents drain first" in run.stdout
+
+
+def test_a_node_the_training_failed_on_is_left_out_of_the_relaunch(tmp_path):
+    """It still shows allocated, so it was reused until MAX_RELAUNCHES ran out."""
+    site = FakeSite(tmp_path, "slurm", hosts=5)
+    lost_node_loop(site, set(), ["n005"])               # sinfo: every node allocated
+    rundir = tmp_path / "run"
+    rundir.mkdir()
+    (rundir / "train.err").write_text(
+        "srun: error: n002: task 3: Exited with exit code 1\n"
+        "srun: error: n001: tasks 0-1: Killed\nsrun: error: n003: tasks 4-5: Killed\n")
+    run = library(site, "CX_SET=(n001 n002 n003 n004); CX_SPARE=(n005); cx_blame;"
+                        ' cx_replace_lost; echo "set: ${CX_SET[*]}"',
+                  CX_BIN=str(Path(sys.executable).parent))
+    assert run.returncode == 0, run.stderr
+    assert "set: n001 n003 n004 n005" in run.stdout, run.stdout
+    assert "training failed on n002: left out of this job from now on" in run.stdout
+    assert (rundir / "bad-nodes").read_text() == "n002\n"
