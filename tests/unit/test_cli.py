@@ -36,33 +36,8 @@ CACHEX = Path(sys.executable).parent / "cachex"
 # ------------------------------------------------------------------------------ helpers
 
 @pytest.fixture(autouse=True)
-def clean_environment(tmp_path, monkeypatch):
-    """No stray CACHEX_* / SLURM settings, no cachex.toml picked up from the cwd."""
-    for var in list(os.environ):
-        if var.startswith("CACHEX_") or var == "SLURM_JOB_NAME":
-            monkeypatch.delenv(var)
-    monkeypatch.chdir(tmp_path)
-
-
-@pytest.fixture
-def config_file(tmp_path: Path) -> Path:
-    path = tmp_path / "cachex.conf.toml"
-    path.write_text(f"""\
-run = "{RUN}"
-[paths]
-spool = "{tmp_path}/spool/{{node}}"
-stage = "{tmp_path}/stage/{{node}}"
-cache = "{tmp_path}/cache/{{node}}"
-pfs = "{tmp_path}/pfs"
-[topology]
-domain = "rank"
-""")
-    return path
-
-
-@pytest.fixture
-def cfg(config_file: Path) -> configuration.Config:
-    return configuration.load(config_file, environ={})
+def clean_environment(cli_environment):
+    """Every test here: conftest.cli_environment."""
 
 
 def invoke(config_file: Path, *args: str):
