@@ -1,7 +1,9 @@
-"""Shared by every test tier: the configuration of N virtual nodes."""
+"""Shared by every test tier: the configuration of N virtual nodes; the `cachex` script's
+entry point run in this process."""
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 
@@ -30,3 +32,17 @@ def virtual_nodes_config(root: Path, run: str, body: str = "", model: str = 'pat
     """Spool, stage, cache per virtual node (`{node}`), one PFS; failure domain `rank`."""
     return cluster_config(run, f"{root}/node{{node}}/spool", f"{root}/node{{node}}/shm",
                           f"{root}/node{{node}}/nvme", f"{root}/pfs", "rank", body, model)
+
+
+def run_main(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
+    """What the `cachex` script does: cli.main() with sys.argv; (exit code, out, err)."""
+    from cachex_agent import cli
+    monkeypatch.setattr(sys, "argv", ["cachex", *args])
+    capsys.readouterr()
+    try:
+        cli.main()
+        code = 0
+    except SystemExit as exc:
+        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    out, err = capsys.readouterr()
+    return code, out, err

@@ -42,3 +42,4 @@ domain = "rank"
 @pytest.fixture
 def cfg(config_file: Path) -> configuration.Config:
     return configuration.load(config_file, environ={})
+

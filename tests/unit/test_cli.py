@@ -19,6 +19,7 @@ import h5py
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from support import run_main
 
 from cachex_agent import cli
 from cachex_agent import config as configuration
@@ -43,19 +44,6 @@ def clean_environment(cli_environment):
 def invoke(config_file: Path, *args: str):
     """CliRunner on main_group; `--config` appended to the subcommand's options."""
     return CliRunner().invoke(cli.main_group, [*args, "--config", str(config_file)])
-
-
-def run_main(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    """What the `cachex` script does: cli.main() with sys.argv; (exit code, out, err)."""
-    monkeypatch.setattr(sys, "argv", ["cachex", *args])
-    capsys.readouterr()
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def status_doc(updated: float | None, level: str, state: str = "running") -> dict:

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from support import run_main
 
-from cachex_agent import cli
 from cachex_agent import config as configuration
 from cachex_agent.errors import OperationError
 from cachex_agent.fsutil import write_json
@@ -198,19 +198,6 @@ def test_the_loop_says_a_status_it_cannot_read_and_stops_on_ctrl_c(cfg, tmp_path
     assert not frames[2].startswith("status not readable")
     assert 0 <= sleeps[0] <= 0.5 and min(sleeps) >= 0
     assert signal.getsignal(signal.SIGINT) is before       # Ctrl-C's handler put back
-
-
-def run_main(monkeypatch, capsys, *args: str) -> tuple[int, str, str]:
-    """What the `cachex` script does: cli.main() with sys.argv; (exit code, out, err)."""
-    monkeypatch.setattr(sys, "argv", ["cachex", *args])
-    capsys.readouterr()
-    try:
-        cli.main()
-        code = 0
-    except SystemExit as exc:
-        code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 @pytest.mark.timeout(30)
