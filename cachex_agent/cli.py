@@ -841,13 +841,99 @@ def job_group() -> None:
     """What the job templates ask the package (scripts/lib/cachex-job.sh)."""
 
 
+def _hosts_option(name: str, help_text: str, required: bool = False) -> Any:
+    return click.option(name, default="", required=required, metavar="HOSTS",
+                        help=f"{help_text} (names or Slurm host lists, commas or blanks)")
+
+
+def _echo_lines(lines: list[str]) -> None:
+    for line in lines:
+        click.echo(line)
+
+
+@job_group.command("nodes")
+@_hosts_option("--hosts", "the allocation's hosts", required=True)
+@click.option("--nodes", type=int, default=None, help="training nodes (default: all but"
+              " the spares)")
+@click.option("--spares", type=click.IntRange(0), default=0)
+@_hosts_option("--exclude", "hosts never to use")
+@click.option("--min-nodes", type=click.IntRange(0), default=0)
+def job_nodes_command(hosts: str, nodes: int | None, spares: int, exclude: str,
+                      min_nodes: int) -> None:
+    """The job's node set at its start: `nodes H...`, `spares H...`, `note TEXT` lines."""
+    from .job.nodes import choose, expand_hosts
+    _echo_lines(choose(expand_hosts(hosts, "hosts"), nodes, spares,
+                       expand_hosts(exclude), min_nodes).lines())
+
+
+@job_group.command("replace")
+@_hosts_option("--nodes", "the node set", required=True)
+@_hosts_option("--spares", "the spares")
+@_hosts_option("--up", "the hosts the scheduler shows up")
+@_hosts_option("--bad", "the hosts blamed for a failure (up or not, never used again)")
+@click.option("--min-nodes", type=click.IntRange(0), default=0)
+def job_replace_command(nodes: str, spares: str, up: str, bad: str, min_nodes: int) -> None:
+    """After a failure: lost nodes replaced by spares, or the set shrunk (MIN_NODES);
+    exit 1 with one line when the job cannot go on."""
+    from .job.nodes import expand_hosts, replace
+    usable = set(expand_hosts(up, "up")) - set(expand_hosts(bad, "bad"))
+    _echo_lines(replace(expand_hosts(nodes, "nodes"), expand_hosts(spares, "spares"),
+                        usable, min_nodes).lines())
+
+
+@job_group.command("config")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True)
+@click.option("--run", "run_name", required=True)
+@click.option("--spool", required=True)
+@click.option("--stage", required=True)
+@click.option("--cache", required=True)
+@click.option("--pfs", required=True)
+@click.option("--domain", default="node")
+@_hosts_option("--exclude", "hosts never to use")
+@click.option("--min-nodes", type=click.IntRange(0), default=0)
+@click.option("--rule", default="auto")
+@click.option("--extra", default="", help="more TOML lines (the template's CONFIG_EXTRA)")
+@click.option("--job", "job_id", default="local")
+def job_config_command(out: Path, run_name: str, exclude: str, job_id: str,
+                       **paths: Any) -> None:
+    """Write the job's cachex.toml and read it back as the agents will (exit 2 naming
+    the key when a value is bad)."""
+    from .job.config_file import JobConfig, write_job_config
+    from .job.nodes import expand_hosts
+    write_job_config(out, JobConfig(run=run_name, exclude=expand_hosts(exclude),
+                                    job=job_id, **paths))
+
+
+@job_group.command("state")
+@config_options
+def job_state_command(cfg: configuration.Config) -> None:
+    """One line for the job's loop: STATE LIFE NEWEST LEVEL USABLE FLUSHED (`-` unknown)."""
+    from .job.state import state_words
+    from .status import load_status
+    try:
+        status = load_status(cfg, settle=True)
+    except CachexError:
+        status = {}
+    click.echo(" ".join(state_words(status)))
+
+
+@job_group.command("withdraw-stop")
+@config_options
+def job_withdraw_stop_command(cfg: configuration.Config) -> None:
+    """Remove this run's stop requests (the PFS's and this node's journal's): one that no
+    agent read, because they had died, would stop the next agents at once."""
+    here = cfg.node_paths(0)
+    for path in (pfs_stop_file(here.pfs), journal_stop_file(here.journal)):
+        path.unlink(missing_ok=True)
+
+
 @job_group.command("failed-nodes")
 @click.argument("stderr", type=click.File("r", errors="replace"))
 @click.option("--hosts", required=True, help="the step's hosts, comma-separated")
 def job_failed_nodes_command(stderr: Any, hosts: str) -> None:
     """The hosts to blame for a failed training step, one a line, from its launcher's
     error output (srun's)."""
-    from .failed_nodes import failed_hosts
+    from .job.blame import failed_hosts
     for host in failed_hosts(stderr.read(), [h for h in hosts.split(",") if h]):
         click.echo(host)
 

@@ -84,14 +84,12 @@ CX_AGENTS_PID=
 CX_TRAIN_PID=
 CX_AGENTS_LIFE0=-
 CX_HALT_AT=
-CX_EXCLUDE=()
 CX_BAD=()
 CX_JOB_END=
 CX_CHECKED=0
 CX_HALTED=0
 CX_SET=()
 CX_SPARE=()
-CX_STOP_FILES=()
 
 # ---------------------------------------------------------------- helpers
 cx_log() { printf '%s cachex-job: %s\n' "$(date +%H:%M:%S)" "$*"; }
@@ -141,10 +139,6 @@ cx_words() {        # NAME STRING: NAME=(words of STRING, shell quoting honoured
 }
 
 cx_bin() { echo "$CX_BIN/$1"; }
-
-cx_python() {
-    if [[ -x $CX_BIN/python ]]; then echo "$CX_BIN/python"; else echo python3; fi
-}
 
 # ---------------------------------------------------------------- checks and set-up
 cx_check() {
@@ -199,71 +193,48 @@ cx_load_modules() {     # MODULE_USE, MODULES: `module use` the directories, `mo
 
 cx_job_id() { echo "${SLURM_JOB_ID:-${PBS_JOBID:-local}}"; }
 
-cx_init_nodes() {   # CX_SET: the NODES first hosts (C-sorted, as cachex numbers nodes)
-    cx_expand_exclude
-    local -a hosts
-    mapfile -t hosts < <("cx_${CX_SCHEDULER}_hosts" | LC_ALL=C sort -u)
-    ((${#hosts[@]} > 0)) || cx_die "no hosts in the allocation"
+cx_cachex() {       # the cachex of the venv; in a plan (CX_PLAN=1, no venv yet) PATH's
+    if [[ -x $CX_BIN/cachex || $CX_PLAN != 1 ]]; then echo "$CX_BIN/cachex"; else echo cachex; fi
+}
+
+cx_job() {          # ARGS...: `cachex job ARGS`; its lines into CX_JOB_OUT, its one-line
+                    # error (without the prefix) into CX_JOB_ERR; returns its status
+    local err rc=0
+    err=$(mktemp)
+    CX_JOB_OUT=$("$(cx_cachex)" job "$@" 2>"$err") || rc=$?
+    CX_JOB_ERR=$(tail -n 1 "$err")
+    CX_JOB_ERR=${CX_JOB_ERR#cachex: error: }
+    rm -f "$err"
+    return "$rc"
+}
+
+cx_node_lines() {   # CX_JOB_OUT's `nodes`, `spares` and `note` lines: CX_SET, CX_SPARE, the log
+    local key rest
+    while read -r key rest; do
+        case $key in
+            nodes) read -r -a CX_SET <<<"$rest" ;;
+            spares) read -r -a CX_SPARE <<<"$rest" ;;
+            note) cx_log "$rest" ;;
+        esac
+    done <<<"$CX_JOB_OUT"
+}
+
+cx_init_nodes() {   # CX_SET, CX_SPARE: the package chooses (cachex job nodes)
+    local hosts
+    hosts=$("cx_${CX_SCHEDULER}_hosts" | tr '\n' ' ')
+    [[ -n ${hosts// /} ]] || cx_die "no hosts in the allocation"
     if cx_virtual; then
-        CX_SET=("${hosts[0]}")
+        CX_SET=("${hosts%% *}")
         CX_SPARE=()
-        cx_log "node set: $VNODES virtual nodes on ${hosts[0]}"
+        cx_log "node set: $VNODES virtual nodes on ${CX_SET[0]}"
         return
     fi
-    local excluded
-    excluded=$(cx_excluded_in "${hosts[@]}")
-    if [[ -n $excluded ]]; then
-        # shellcheck disable=SC2086  # one word per host
-        mapfile -t hosts < <(printf '%s\n' "${hosts[@]}" | grep -vxF -f <(printf '%s\n' $excluded))
-        cx_log "left out (EXCLUDE_NODES): $excluded"
-    fi
-    local nodes=${NODES:-$((${#hosts[@]} - SPARES))}
-    if ! [[ $nodes =~ ^[0-9]+$ ]] || ((nodes < 1)); then
-        cx_die "NODES=$nodes: the allocation has ${#hosts[@]} usable hosts, SPARES=$SPARES" 2
-    fi
-    if ((nodes > ${#hosts[@]})); then
-        ((MIN_NODES > 0 && ${#hosts[@]} >= MIN_NODES)) \
-            || cx_die "NODES=$nodes but the allocation has only ${#hosts[@]} usable hosts (MIN_NODES=$MIN_NODES)" 2
-        cx_log "NODES=$nodes but only ${#hosts[@]} usable hosts: going on with ${#hosts[@]} (MIN_NODES=$MIN_NODES)"
-        nodes=${#hosts[@]}
-    fi
-    ((nodes >= MIN_NODES)) || cx_die "NODES=$nodes is below MIN_NODES=$MIN_NODES" 2
-    CX_SET=("${hosts[@]:0:nodes}")
-    CX_SPARE=("${hosts[@]:nodes}")
-    cx_log "node set: ${#CX_SET[@]} nodes ($(cx_join , "${CX_SET[@]}")); spares: ${CX_SPARE[*]:-none}"
+    local -a nodes=()
+    [[ -z ${NODES:-} ]] || nodes=(--nodes "$NODES")
+    cx_job nodes --hosts "$hosts" "${nodes[@]}" --spares "$SPARES" \
+        --exclude "$EXCLUDE_NODES" --min-nodes "$MIN_NODES" || cx_die "$CX_JOB_ERR" 2
+    cx_node_lines
 }
-
-cx_excluded_in() {    # HOST...: those of EXCLUDE_NODES (names, commas, Slurm host lists)
-    ((${#CX_EXCLUDE[@]} > 0)) || return 0
-    local -A banned=()
-    local h
-    for h in "${CX_EXCLUDE[@]}"; do banned[$h]=1; done
-    for h in "$@"; do [[ -n ${banned[$h]:-} ]] && printf '%s ' "$h"; done
-    return 0
-}
-
-cx_expand_exclude() {   # CX_EXCLUDE: EXCLUDE_NODES as host names. In this shell, not in
-                        # a $(...): there a cx_die would end only the subshell
-    CX_EXCLUDE=()
-    local word out
-    for word in ${EXCLUDE_NODES//,/ }; do
-        if [[ $word == *\[* && $CX_SCHEDULER == slurm ]]; then
-            out=$(scontrol show hostnames "$word" 2>/dev/null) || out=
-            [[ -n $out ]] || cx_die "EXCLUDE_NODES: cannot expand $word (scontrol show hostnames)" 2
-            mapfile -t -O "${#CX_EXCLUDE[@]}" CX_EXCLUDE <<<"$out"
-        else
-            CX_EXCLUDE+=("$word")
-        fi
-    done
-}
-
-cx_exclude_toml() {     # EXCLUDE_NODES as a TOML list of strings
-    local h out=
-    for h in "${CX_EXCLUDE[@]}"; do out+="${out:+, }$(cx_toml "$h")"; done
-    echo "[$out]"
-}
-
-cx_toml() { local s=${1//\\/\\\\}; echo "\"${s//\"/\\\"}\""; }
 
 cx_init_config() {
     if [[ -n ${CACHEX_CONFIG:-} && -f ${CACHEX_CONFIG:-} ]]; then
@@ -275,27 +246,14 @@ cx_init_config() {
     for var in SPOOL STAGE CACHE PFS; do
         [[ -n ${!var:-} ]] || cx_die "$var is not set and CACHEX_CONFIG names no file" 2
     done
-    local out=${CONFIG_OUT:-$PFS/cachex-$RUN_NAME.toml}
-    [[ $CX_PLAN == 1 ]] || {
-        mkdir -p "$PFS" "$(dirname "$out")" || cx_die "cannot create $PFS (PFS)"
-        cat >"$out.tmp.$$" <<EOF
-# written by cachex-job.sh for job $(cx_job_id)
-run = $(cx_toml "$RUN_NAME")
-[paths]
-spool = $(cx_toml "$SPOOL")
-stage = $(cx_toml "$STAGE")
-cache = $(cx_toml "$CACHE")
-pfs = $(cx_toml "$PFS")
-[topology]
-domain = $(cx_toml "$FAILURE_DOMAIN")
-exclude = $(cx_exclude_toml)
-min_nodes = $MIN_NODES
-[commit]
-rule = $(cx_toml "$COMMIT_RULE")
-$CONFIG_EXTRA
-EOF
-        mv "$out.tmp.$$" "$out"
-    }
+    local out=${CONFIG_OUT:-$PFS/cachex-$RUN_NAME.toml} target
+    target=$out
+    if [[ $CX_PLAN == 1 ]]; then target=$CX_RUNDIR/plan.toml; fi     # checked, not written
+    # written and read back by the agents' own parser: a bad value ends the job here
+    cx_job config --out "$target" --run "$RUN_NAME" --spool "$SPOOL" --stage "$STAGE" \
+        --cache "$CACHE" --pfs "$PFS" --domain "$FAILURE_DOMAIN" --exclude "$EXCLUDE_NODES" \
+        --min-nodes "$MIN_NODES" --rule "$COMMIT_RULE" --extra "$CONFIG_EXTRA" \
+        --job "$(cx_job_id)" || cx_die "$CX_JOB_ERR" 2
     export CACHEX_CONFIG=$out
     cx_log "configuration: $out (written from the template's variables)"
 }
@@ -399,23 +357,16 @@ cx_step_env() {     # KIND: TRAIN_ENV for the training step only; AGENT_ENV_UNSE
     ((${#pre[@]} == 1)) || CX_LAUNCH=("${pre[@]}" "${CX_LAUNCH[@]}")
 }
 
-cx_status() {       # `cachex status --json` of the run into CX_ST_*; "-" when unknown
+cx_status() {       # the run's state into CX_ST_* (cachex job state); "-" when unknown
     local line
-    line=$(timeout 60 "$(cx_bin cachex)" status --json --config "$CACHEX_CONFIG" 2>/dev/null \
-        | "$(cx_python)" -c '
-import json, sys
-s = json.load(sys.stdin)
-rows = sorted(s.get("checkpoints") or [], key=lambda r: r.get("seq", 0))
-live = [r for r in rows if r.get("level") in ("written", "captured", "replicated", "flushed")]
-newest = live[-1] if live else {"id": "-", "level": "-"}
-usable = sum(r["level"] != "written" for r in live)
-flushed = sum(r["level"] == "flushed" for r in live)
-life = str((s.get("heartbeat") or {}).get("life") or "-").split()[0]
-print((s.get("state") or "-").replace(" ", "-"), life, newest["id"], newest["level"],
-      usable, flushed)
-' 2>/dev/null) || true
+    line=$(timeout 60 "$(cx_cachex)" job state --config "$CACHEX_CONFIG" 2>/dev/null) || line=
     read -r CX_ST_STATE CX_ST_LIFE CX_ST_NEWEST CX_ST_LEVEL CX_ST_USABLE CX_ST_FLUSHED \
         <<<"${line:-- - - - 0 0}"
+}
+
+cx_withdraw_stop() {    # a stop request that no agent read (they had died) would stop the
+                        # next agents: the package removes the run's requests
+    timeout 60 "$(cx_cachex)" job withdraw-stop --config "$CACHEX_CONFIG" 2>/dev/null || true
 }
 
 cx_at_risk() {      # WHEN: what a node loss or the job's end would cost now, in the log
@@ -511,19 +462,14 @@ cx_agents_wait_ready() {    # bounded: live agents of this start (a coordinator'
 }
 
 cx_agents_stop() {      # SECONDS: drain and stop; returns the agent step's status
-    local timeout rc out line
+    local timeout rc out
     timeout=$(cx_fit "$1")
     [[ -n $CX_AGENTS_PID ]] || return 0
     if cx_alive_pid "$CX_AGENTS_PID"; then
         cx_log "stopping the agents: cachex stop --timeout $timeout"
-        local -a cmd files
+        local -a cmd
         mapfile -t cmd < <(cx_cmd stop "$timeout")
         out=$(timeout $((timeout + 30)) "${cmd[@]}" 2>&1) || cx_log "cachex stop: ${out##*$'\n'}"
-        while IFS= read -r line; do
-            [[ $line =~ ^stop\ requested\ \((.*)\)$ ]] || continue
-            mapfile -t files <<<"${BASH_REMATCH[1]//, /$'\n'}"
-            CX_STOP_FILES+=("${files[@]}")
-        done <<<"$out"
     fi
     if cx_wait_pid "$CX_AGENTS_PID" 30; then
         rc=$CX_RC
@@ -533,9 +479,7 @@ cx_agents_stop() {      # SECONDS: drain and stop; returns the agent step's stat
         if cx_wait_pid "$CX_AGENTS_PID" 30; then rc=$CX_RC; else cx_kill_tree "$CX_AGENTS_PID"; rc=137; fi
     fi
     CX_AGENTS_PID=
-    # A stop request that no agent read (they had died) would stop the next agents.
-    ((${#CX_STOP_FILES[@]} == 0)) || rm -f "${CX_STOP_FILES[@]}"
-    CX_STOP_FILES=()
+    cx_withdraw_stop
     cx_log "agent step ended with status $rc"
     return "$rc"
 }
@@ -551,7 +495,7 @@ cx_agents_watch() {     # during training: an agent step that died is restarted
     fi
     CX_AGENT_RESTARTS=$((CX_AGENT_RESTARTS + 1))
     cx_log "the agent step exited ($CX_RC) while training runs: restarting it"
-    ((${#CX_STOP_FILES[@]} == 0)) || rm -f "${CX_STOP_FILES[@]}"
+    cx_withdraw_stop
     cx_agents_start
 }
 
@@ -592,42 +536,14 @@ cx_halt_training() {
 }
 
 # ---------------------------------------------------------------- recovery
-cx_replace_lost() {     # lost nodes out, spares in; too few spares: shrink to MIN_NODES
+cx_replace_lost() {     # lost or blamed nodes out, spares in; too few spares: shrink to
+                        # MIN_NODES, else the job ends (cachex job replace decides)
     cx_virtual && return 0
-    local -A up=()
-    local h
-    while read -r h; do [[ -n $h ]] && up[$h]=1; done \
-        < <("cx_${CX_SCHEDULER}_alive" "${CX_SET[@]}" "${CX_SPARE[@]}")
-    for h in "${CX_BAD[@]}"; do unset "up[$h]"; done      # up, but training fails there
-    local -a keep=() lost=() spares=()
-    for h in "${CX_SET[@]}"; do
-        if [[ -n ${up[$h]:-} ]]; then keep+=("$h"); else lost+=("$h"); fi
-    done
-    for h in "${CX_SPARE[@]}"; do
-        if [[ -n ${up[$h]:-} ]]; then spares+=("$h"); fi
-    done
-    if ((${#lost[@]} == 0)); then
-        cx_log "every node of the set is up"
-        return 0
-    fi
-    if ((${#lost[@]} > ${#spares[@]})); then
-        cx_shrink "${#keep[@]}" "${#spares[@]}" "${lost[*]}"
-        mapfile -t CX_SET < <(printf '%s\n' "${keep[@]}" "${spares[@]}" | LC_ALL=C sort)
-        CX_SPARE=()
-        return 0
-    fi
-    mapfile -t CX_SET < <(printf '%s\n' "${keep[@]}" "${spares[@]:0:${#lost[@]}}" | LC_ALL=C sort)
-    CX_SPARE=("${spares[@]:${#lost[@]}}")
-    cx_log "lost ${lost[*]}; replaced by spares; node set now $(cx_join , "${CX_SET[@]}")"
-}
-
-cx_shrink() {   # KEPT SPARES LOST: go on with fewer nodes, or end the job saying why
-    local nodes=$(($1 + $2)) was=${#CX_SET[@]}
-    local why="lost $((was - $1)) nodes ($3), only $2 spares left"
-    ((MIN_NODES > 0)) || cx_finish failed \
-        "$why: recovery needs $was nodes (MIN_NODES=0; set MIN_NODES to go on with fewer)"
-    ((nodes >= MIN_NODES)) || cx_finish failed "$why: $nodes nodes, below MIN_NODES=$MIN_NODES"
-    cx_log "$why: going on with $nodes of $was nodes (MIN_NODES=$MIN_NODES); cachex recover places the checkpoint onto them"
+    local up
+    up=$("cx_${CX_SCHEDULER}_alive" "${CX_SET[@]}" "${CX_SPARE[@]}" | tr '\n' ' ')
+    cx_job replace --nodes "${CX_SET[*]}" --spares "${CX_SPARE[*]}" --up "$up" \
+        --bad "${CX_BAD[*]}" --min-nodes "$MIN_NODES" || cx_finish failed "$CX_JOB_ERR"
+    cx_node_lines
 }
 
 cx_recover() {

@@ -8,6 +8,7 @@ import os
 import re
 import shlex
 import subprocess
+import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -58,6 +59,8 @@ class FakeSite:
         for name, text in STUBS.items():
             (self.bin / name).write_text(text)
             (self.bin / name).chmod(0o755)
+        # a plan with no venv at CX_BIN asks the package through PATH's cachex
+        (self.bin / "cachex").symlink_to(Path(sys.executable).parent / "cachex")
         self.hosts = [f"n{i:03d}" for i in range(1, hosts + 1)]
         nodefile = tmp / "nodefile"
         nodefile.write_text("".join(f"{h}\n" * 4 for h in self.hosts))

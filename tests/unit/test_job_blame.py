@@ -7,7 +7,7 @@ import pytest
 from click.testing import CliRunner
 
 from cachex_agent import cli
-from cachex_agent.failed_nodes import failed_hosts
+from cachex_agent.job.blame import failed_hosts
 
 pytestmark = pytest.mark.timeout(30)
 HOSTS = [f"n{i:03d}" for i in range(1, 9)]
