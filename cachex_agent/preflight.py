@@ -19,6 +19,7 @@ from .errors import ConfigError
 from .layout import run_lock_path
 from .mpi_env import NETMOD
 from .node_dirs import prepare_dirs, probe_writable
+from .peer.encoder import erasure_groups
 from .peer.partners import replication_map
 from .runlock import REFRESH, blocking_holder, stale_after
 from .topology import place_checked
@@ -76,6 +77,7 @@ def mpi_warning(library: str, env: dict[str, str] | None = None) -> str | None:
 def check(config: Config, comm: Any) -> list[str]:
     """Every check, collectively; the plan's lines on rank 0 (others: [])."""
     placement = place_checked(comm, config.topology)
+    erasure_groups(comm, config, list(placement.hosts))     # as the agents, before any dir
     paths = agree(comm, "paths", lambda: prepare_dirs(config, placement))
     library = loaded_mpi_library()
 

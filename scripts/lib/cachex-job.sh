@@ -248,7 +248,11 @@ cx_init_config() {
     done
     local out=${CONFIG_OUT:-$PFS/cachex-$RUN_NAME.toml} target
     target=$out
-    if [[ $CX_PLAN == 1 ]]; then target=$CX_RUNDIR/plan.toml; fi     # checked, not written
+    if [[ $CX_PLAN == 1 ]]; then
+        target=$CX_RUNDIR/plan.toml     # checked, not written where the job would
+    else
+        mkdir -p "$PFS" || cx_die "cannot create $PFS (PFS)"
+    fi
     # written and read back by the agents' own parser: a bad value ends the job here
     cx_job config --out "$target" --run "$RUN_NAME" --spool "$SPOOL" --stage "$STAGE" \
         --cache "$CACHE" --pfs "$PFS" --domain "$FAILURE_DOMAIN" --exclude "$EXCLUDE_NODES" \

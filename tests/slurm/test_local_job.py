@@ -126,18 +126,31 @@ def test_the_schedulers_walltime_warning_halts_at_once(local_job):
     assert not job.state_out.exists(), "the trainer finished: nothing was halted"
 
 
-def test_agents_that_cannot_start_fail_the_job_with_one_line(local_job):
-    """A bad key: the agents' pre-flight check (`cachex-agent --check`, the same
-    launcher) refuses it before anything starts; the job fails with status 2."""
+def test_a_bad_key_fails_the_job_before_any_step_with_one_line(local_job):
+    """The job's configuration is read back by the agents' parser as it is written: a
+    bad CONFIG_EXTRA key ends the job there, naming it, status 2, nothing launched."""
     job = local_job("cx-badconf")
     job.submit(TRAIN_CMD=job.train_cmd(), CONFIG_EXTRA='[flush]\nno_such_key = 1')
     state, code = job.wait(120)
     out = job.output()
     assert (state, code) == ("FAILED", "2:0"), f"{state} {code}\n{out}"
     errors = [line for line in out.splitlines() if "cachex-job: error:" in line]
+    assert len(errors) == 1 and "flush.no_such_key: unknown configuration key" in errors[0], out
+    assert "srun" not in out
+
+
+def test_agents_that_cannot_start_fail_the_job_with_one_line(local_job):
+    """A configuration that parses but that the agents refuse for this job (an erasure
+    group larger than its 2 nodes): the pre-flight check (`cachex-agent --check`, the
+    same launcher) refuses it before anything starts; the job fails with status 2."""
+    job = local_job("cx-badgroup")
+    job.submit(TRAIN_CMD=job.train_cmd(), CONFIG_EXTRA='[peer]\nscheme = "xor"\ngroup = 8')
+    state, code = job.wait(120)
+    out = job.output()
+    assert (state, code) == ("FAILED", "2:0"), f"{state} {code}\n{out}"
+    errors = [line for line in out.splitlines() if "cachex-job: error:" in line]
     assert len(errors) == 1 and "pre-flight check failed" in errors[0], out
     assert re.search(r"tasks? [0-9,-]+: Exited with exit code 2", out), out
-    assert sum("no_such_key: unknown configuration key" in line
-               for line in out.splitlines()) == 1, out
+    assert "peer.group" in out, out
     assert "agents: srun" not in out
     assert "training: srun" not in out
