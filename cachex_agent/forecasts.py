@@ -13,10 +13,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
-
-if TYPE_CHECKING:       # `cachex status` reads in_flight without the model's imports
-    from .model.choose import PathChooser
+from typing import Any, Protocol
 
 LEVELS = ("written", "captured", "replicated", "flushed")
 #: (path, size, samples seen): what a forecast was computed for
@@ -30,10 +27,17 @@ def in_flight(row: dict[str, Any]) -> bool:
     return level in ("written", "captured") or (level == "replicated" and row.get("flush"))
 
 
+class Forecaster(Protocol):
+    """What a forecast needs of the model (model.choose.PathChooser)."""
+    observations: int
+
+    def forecast(self, size: float, path: str) -> dict[str, dict[str, float]] | None: ...
+
+
 class Forecasts:
     """`offer(key, work)` queues work on the model lane (latest wins per key)."""
 
-    def __init__(self, chooser: PathChooser, offer: Callable[[Any, Callable[[], None]], bool],
+    def __init__(self, chooser: Forecaster, offer: Callable[[Any, Callable[[], None]], bool],
                  before: Callable[[], None] = lambda: None) -> None:
         self.chooser = chooser
         self.offer = offer
