@@ -23,7 +23,7 @@ import random
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any
 
@@ -94,10 +94,12 @@ class Flusher:
             handle.cancel()
 
     def pending(self) -> list[str]:
-        """Not ended, and a worker still has it (after `close`, none does)."""
+        """A worker still has it (after `close`, none does). Until the worker returns,
+        not only until the handle ended: its report goes after the state is recorded,
+        and a drain that took a flush done but unreported as finished told the
+        coordinator `drained` before `flushed`, which then exited unfinalized."""
         return [ckpt for ckpt, handle in list(self.handles.items())
-                if not handle.test() and handle.future is not None
-                and not handle.future.done()]
+                if handle.future is not None and not handle.future.done()]
 
     def close(self, timeout: float) -> list[str]:
         """Wait up to `timeout` for queued flushes; return the ones left unfinished (their
@@ -105,6 +107,9 @@ class Flusher:
         deadline = time.monotonic() + timeout
         for handle in list(self.handles.values()):
             handle.wait(max(0.0, deadline - time.monotonic()))
+        # a handle ends before its worker has reported: wait for the workers too
+        wait([h.future for h in list(self.handles.values()) if h.future is not None],
+             timeout=max(0.0, deadline - time.monotonic()))
         left = self.pending()
         self._stop.set()
         self.pool.shutdown(wait=not left, cancel_futures=True)
@@ -158,9 +163,9 @@ class Flusher:
         duration = time.monotonic() - start
         if handle.set(State.DONE, persist={"bundle": target.name}, bytes=manifest.bytes,
                       duration=duration, adopted=adopted, target=str(target)):
-            self._copy_events()
             self.report(flushed_report(manifest.ckpt, manifest.node, target.name, duration,
                                        adopted))
+            self._copy_events()
 
     def copy_events_soon(self) -> None:
         """The node's new events to the PFS on a flush worker (never the MPI thread): a

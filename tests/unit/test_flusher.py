@@ -195,6 +195,28 @@ def test_flush_states_reach_the_journal_before_the_report(tmp_path, pfs_run, eve
 
 
 @pytest.mark.timeout(20)
+def test_a_flush_stays_pending_until_its_report_is_out(tmp_path, pfs_run, events):
+    """A drain asks `pending()` before it says `drained`: a flush done but not yet
+    reported counted as finished, and the coordinator heard `drained` before `flushed`."""
+    manifest, stage = stage_checkpoint(tmp_path)
+    in_report, release = threading.Event(), threading.Event()
+
+    def report(msg: dict[str, Any]) -> None:
+        if msg["type"] == "flushed":
+            in_report.set()
+            release.wait(DEADLINE)
+
+    flusher = Flusher(pfs_run, SETTINGS, events, report)
+    handle = flusher.submit(manifest, stage)
+    assert in_report.wait(DEADLINE)
+    assert handle.test() and handle.state == State.DONE     # recorded before the report
+    assert flusher.pending() == [CKPT]
+    release.set()
+    wait_for(lambda: flusher.pending() == [], "the worker returned")
+    assert flusher.close(timeout=5) == []
+
+
+@pytest.mark.timeout(20)
 def test_resubmitting_a_queued_ckpt_is_a_no_op(tmp_path, pfs_run, make_flusher):
     manifest, stage = stage_checkpoint(tmp_path)
     obstacle = block_pfs(pfs_run)
