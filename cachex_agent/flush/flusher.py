@@ -104,12 +104,9 @@ class Flusher:
     def close(self, timeout: float) -> list[str]:
         """Wait up to `timeout` for queued flushes; return the ones left unfinished (their
         state stays `queued` or `running`: a restarted agent flushes them)."""
-        deadline = time.monotonic() + timeout
-        for handle in list(self.handles.values()):
-            handle.wait(max(0.0, deadline - time.monotonic()))
-        # a handle ends before its worker has reported: wait for the workers too
+        # the workers, not the handles: a handle ends before its worker has reported
         wait([h.future for h in list(self.handles.values()) if h.future is not None],
-             timeout=max(0.0, deadline - time.monotonic()))
+             timeout=timeout)
         left = self.pending()
         self._stop.set()
         self.pool.shutdown(wait=not left, cancel_futures=True)
