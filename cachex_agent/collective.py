@@ -127,3 +127,17 @@ def _wait_all(requests: list[Any], timeout: float) -> None:
         requests = [r for r in requests if not r.Test()]
         if requests:
             time.sleep(_POLL)
+
+
+def wait(request: Any, timeout: float, name: str) -> None:
+    """Test in a tight loop first (a chunk takes milliseconds, and the progress of a
+    shared-memory transfer happens inside these calls), then poll gently."""
+    deadline = time.monotonic() + timeout
+    spins = 0
+    while not request.Test():
+        spins += 1
+        if spins > 20000:
+            if time.monotonic() > deadline:
+                request.Cancel()
+                raise OperationError(f"{name} did not answer within {timeout:.0f}s")
+            time.sleep(0.0002)

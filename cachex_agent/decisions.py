@@ -61,9 +61,9 @@ from .messages import (
     Protected,
     Reroute,
 )
+from .names import LEVELS
 from .safepath import checkpoint_id, relative_paths
 
-LEVELS = ("written", "captured", "replicated", "flushed")   # plus failed, evicted, purged
 IN_FLIGHT = LEVELS[:-1]
 FINAL = ("flushed", "failed", "evicted", "purged")  # no message moves these on
 ENDED = ("failed", "purged", "flushed")     # reports about these change nothing

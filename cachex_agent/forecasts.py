@@ -15,7 +15,8 @@ import threading
 from collections.abc import Callable
 from typing import Any, Protocol
 
-LEVELS = ("written", "captured", "replicated", "flushed")
+from .names import LEVELS
+
 #: (path, size, samples seen): what a forecast was computed for
 Key = tuple[str, float, int]
 

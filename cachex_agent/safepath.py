@@ -17,7 +17,7 @@ from typing import Any
 
 from .errors import OperationError
 from .fsutil import NAME_MAX
-from .stage.rules import is_checkpoint_name
+from .names import is_checkpoint_name
 
 
 class UnsafeInput(OperationError):

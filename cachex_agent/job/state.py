@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-HELD = ("written", "captured", "replicated", "flushed")
+from ..names import LEVELS as HELD
 
 
 def state_words(status: dict[str, Any]) -> list[str]:

@@ -26,12 +26,11 @@ import numpy as np
 from mpi4py import MPI
 
 from ..checksum import hasher
-from ..collective import agree, arrive
+from ..collective import agree, arrive, wait
 from ..errors import OperationError, describe
 from ..fsutil import commit_rename, create_file, fsync_dir, makedirs, temp_name
 from ..layout import parity_chunk_path, parity_dir, parity_manifest_path
 from ..manifest import LocalManifest
-from ..recovery.transfer import wait
 from .erasure import PartReader, Scheme, chunk_length, pwrite_all, scheme_of, segments
 from .parity import ParityManifest
 

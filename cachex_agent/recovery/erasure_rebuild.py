@@ -26,14 +26,13 @@ import numpy as np
 from mpi4py import MPI
 
 from ..checksum import file_checksum, hasher
-from ..collective import agree
+from ..collective import agree, wait
 from ..errors import OperationError, describe
 from ..fsutil import commit_rename, create_file, makedirs, temp_name, trainer_mode
 from ..manifest import FileEntry, LocalManifest
 from ..peer.encode_exchange import SEGMENT
 from ..peer.erasure import PartReader, PartWriter, Scheme, segments
 from ..peer.parity import ParityManifest
-from .transfer import wait
 
 REBUILD_TAG = 1300          # + codeword
 IN_FLIGHT = 4               # segments a survivor has on the wire at once

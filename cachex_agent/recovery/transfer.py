@@ -29,7 +29,7 @@ import numpy as np
 from mpi4py import MPI
 
 from ..checksum import CHUNK, copy_with_checksum, file_problem, hasher
-from ..errors import OperationError
+from ..collective import wait
 from ..fsutil import makedirs, open_private, temp_name, trainer_mode
 from ..manifest import FileEntry
 from ..messages import Tag
@@ -281,17 +281,3 @@ class _Receiver:
             yield memoryview(buffer)[:n]
             size -= n
             self._post()        # into the buffer just handed out, now consumed
-
-
-def wait(request: Any, timeout: float, name: str) -> None:
-    """Test in a tight loop first (a chunk takes milliseconds, and the progress of a
-    shared-memory transfer happens inside these calls), then poll gently."""
-    deadline = time.monotonic() + timeout
-    spins = 0
-    while not request.Test():
-        spins += 1
-        if spins > 20000:
-            if time.monotonic() > deadline:
-                request.Cancel()
-                raise OperationError(f"{name} did not answer within {timeout:.0f}s")
-            time.sleep(0.0002)

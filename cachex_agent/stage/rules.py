@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 
 from ..errors import ConfigError
+from ..names import is_checkpoint_name, is_temp_dir_name, natural_key, natural_sorted
 from .quiescence import FileState, open_for_write, snapshot
 
 __all__ = [
@@ -54,30 +55,6 @@ RULES = "auto, dcp, deepspeed, hf, megatron, orbax, torch, marker:<glob> or quie
 _TEMP_FILE = re.compile(
     r"(\.(tmp|temp|part|partial|swp)$|~$|\.tmp[-.]|^\.nfs|\.orbax-checkpoint-tmp)",
     re.IGNORECASE)
-
-
-def natural_key(text: str) -> tuple[tuple[object, ...], str]:
-    """Sort key that orders step_9 before step_10 (ties broken by the raw text)."""
-    # re.split with a capturing group alternates text/number, so positions compare
-    # str with str and int with int.
-    parts = tuple(int(p) if i % 2 else p for i, p in enumerate(re.split(r"(\d+)", text)))
-    return parts, text
-
-
-def natural_sorted(ids: Iterable[str]) -> list[str]:
-    return sorted(set(ids), key=natural_key)
-
-
-def is_temp_dir_name(name: str) -> bool:
-    """A directory that is being written under a name it will lose (HF, Orbax, ours)."""
-    lowered = name.lower()
-    return (lowered.endswith((".tmp", "-tmp")) or lowered.startswith("tmp-")
-            or ".orbax-checkpoint-tmp" in lowered)
-
-
-def is_checkpoint_name(name: str) -> bool:
-    """Hidden and temporary top-level directories are never checkpoints."""
-    return not (name.startswith(".") or is_temp_dir_name(name) or name == "lost+found")
 
 
 def is_temp_file(relpath: str) -> bool:
