@@ -55,6 +55,10 @@ one JSON line of everything (also written to --json).
     python benchmarks/partner.py [--sizes 64MiB,256MiB,1GiB] [--files 4] [--repeat 3]
                                  [--dir /dev/shm] [--pfs /tmp] [--conditions quiet,loaded]
                                  [--json FILE] [--nice N] [--sched other|batch|idle]
+                                 [--cpus LIST]
+
+--cpus is the agents' agent.cpus (e.g. 1: both agents on CPU 1, the trainer and the
+burners on every CPU, as a job whose agent step is bound to a core of its own).
 
 On a shared machine run it under `nice` (the agents, the burners and the trainer inherit
 it). Run it also with MPIR_CVAR_NOLOCAL=1 in the environment (the agents and the raw
@@ -516,6 +520,7 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--json", default=None, help="write the results here")
     parser.add_argument("--nice", type=int, default=0, help="the agents' agent.nice")
     parser.add_argument("--sched", default="other", help="the agents' agent.sched")
+    parser.add_argument("--cpus", default="", help="the agents' agent.cpus")
     hidden = argparse.SUPPRESS      # the modes this file runs itself in
     parser.add_argument("--raw-worker", action="store_true", help=hidden)
     parser.add_argument("--root", help=hidden)
@@ -544,7 +549,8 @@ def condition_run(args: argparse.Namespace, condition: str, sizes: list[str], ma
     agents: AgentJob | None = None
     out: dict[str, dict[str, Any]] = {}
     try:
-        config = write_config(root, pfs, extra=f'nice = {args.nice}\nsched = "{args.sched}"\n')
+        config = write_config(root, pfs, extra=f'nice = {args.nice}\nsched = "{args.sched}"\n'
+                                                f'cpus = "{args.cpus}"\n')
         peer = load(config, environ={}).peer
         agents = start_agents(root, config)
         procs = agent_processes(agents)
@@ -659,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
     header: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(), "load": os.getloadavg()[0],
         "nodes": NODES, "files": args.files, "repeat": args.repeat, "dir": args.dir,
-        "agent_nice": args.nice, "agent_sched": args.sched,
+        "agent_nice": args.nice, "agent_sched": args.sched, "agent_cpus": args.cpus,
         "file_sizes": {s: part_sizes(parse_size(s, "--sizes"), args.files) for s in sizes},
         "matmuls_per_step": matmuls, "burners": BURNERS, "slot": Peer().slot,
         "slots": Peer().slots,

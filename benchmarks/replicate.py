@@ -35,6 +35,7 @@ fit, then the remainder as one last file. At 1 GiB: 16, 32, 64, 128, 256, 512 Mi
 
     mpiexec -n 2 python benchmarks/replicate.py [--size 1GiB] [--slot 16MiB] [--slots 4]
                                                 [--dir DIR] [--cache DIR] [--repeat 3]
+                                                [--streams K]
                                                 [--tcp [--iface IF]] [--profile]
                                                 [--tick peer,busy,spin] [--back-to-back N]
                                                 [--json FILE]
@@ -393,8 +394,8 @@ class Driver:
     `--tick`, on the agent's Inbox). Keep the two in step, so a change to the agent's
     cadence shows up here."""
 
-    def __init__(self, comm: Any, cfg: Config, trace: Trace | None, tick: str = "peer"
-                 ) -> None:
+    def __init__(self, comm: Any, cfg: Config, trace: Trace | None, tick: str = "peer",
+                 streams: int = 1) -> None:
         from cachex_agent.inbox import Inbox
         from cachex_agent.peer.partners import replication_map
         from cachex_agent.peer.replicator import Replicator
@@ -415,7 +416,8 @@ class Driver:
         self.replicator = Replicator(comm, placement.node,
                                      replication_map(cfg, list(placement.hosts)),
                                      list(range(comm.size)), cfg, self.paths, self.events,
-                                     self.send, post, wake=self.posts.wake)
+                                     self.send, post, wake=self.posts.wake,
+                                     streams=streams)
         if trace is not None:
             instrument(self.replicator, trace, comm.rank)
         self.results: list[dict[str, Any]] = []
@@ -545,6 +547,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--size", default="1GiB")
     parser.add_argument("--slot", default="16MiB")
     parser.add_argument("--slots", type=int, default=4)
+    parser.add_argument("--streams", type=int, default=1,
+                        help="files in flight to the partner, its write lanes (peer.streams)")
     parser.add_argument("--dir", help="where the partner's cache (replicas) lives"
                                       " (default: a new directory under /tmp)")
     parser.add_argument("--cache", help="where each rank's cache lives, when not under --dir"
@@ -599,7 +603,7 @@ def main(argv: list[str] | None = None) -> int:
         ticks = args.tick.split(",")
         if not set(ticks) <= set(TICKS):
             raise SystemExit(f"--tick: one or more of {', '.join(TICKS)}")
-        driver = Driver(comm, cfg, trace)
+        driver = Driver(comm, cfg, trace, streams=args.streams)
         driver.back_to_back = args.back_to_back
         win = MPI.Win.Allocate(slots * slot if comm.rank == 1 else 1, disp_unit=1, comm=comm)
         win.Lock_all()
@@ -612,6 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         if comm.rank == 0:
             print(f"{len(sizes)} files, {size / GiB:.2f} GiB, sizes:"
                   f" {[round(s / MiB, 3) for s in sizes]} MiB; slot {human(slot)} x {slots};"
+                  f" {args.streams} stream(s);"
                   f" files under {root};"
                   f" MPIR_CVAR_NOLOCAL={os.environ.get('MPIR_CVAR_NOLOCAL', '')!r};"
                   f" agent.poll {cfg.agent.poll}s", flush=True)

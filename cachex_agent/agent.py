@@ -86,7 +86,7 @@ from .peer.globals import GlobalFiles
 from .peer.mirror import Mirror
 from .peer.partners import domains_of, metadata_holders, replication_map
 from .peer.replicator import Replicator
-from .priority import lower_process
+from .priority import bind_cpus, cpu_list, lower_process, streams
 from .runlock import RunLock, stale_after
 from .safepath import UnsafeInput
 from .stage.quiescence import pid_namespace, skip_processes
@@ -129,6 +129,7 @@ class Agent:
         skip_processes(agents_here)
         for problem in lower_process(config.agent.nice, config.agent.sched, agents_here):
             log.warning("agent.nice/agent.sched: %s", problem)
+        self.cpus = agree(comm, "agent.cpus", lambda: bind_cpus(config.agent.cpus))
         groups = erasure_groups(comm, config, list(self.placement.hosts))   # before any dir
         self.paths = agree(comm, "start-up", lambda: prepare_dirs(config, self.placement))
         self.rule = make_rule(config.commit.rule, config.commit.settle, config.commit.globals)
@@ -217,7 +218,8 @@ class Agent:
         feed = Feed(self.config.peer.slot, wake=self.inbox.wake) if one else None
         return Replicator(self.comm, self.placement.node, pmap, self.ranks_by_node,
                           self.config, self.paths, self.events, self._send_peer,
-                          self.inbox.put, self.stages, wake=self.inbox.wake, feed=feed)
+                          self.inbox.put, self.stages, wake=self.inbox.wake, feed=feed,
+                          streams=streams(self.config.peer.streams, len(self.cpus)))
 
     def _holders(self) -> list[int]:
         domains = domains_of(self.config.topology.domain, list(self.placement.hosts))
@@ -249,7 +251,9 @@ class Agent:
         threading.excepthook = self._thread_failed
         self.events.emit("agent_start", spool=str(self.paths.spool), pfs=str(self.paths.pfs),
                          nodes=self.placement.nodes, pid=os.getpid(),
-                         partners=self.replicator.partners if self.replicator else [])
+                         partners=self.replicator.partners if self.replicator else [],
+                         cpus=cpu_list(self.cpus),
+                         streams=self.replicator.streams if self.replicator else 0)
         log.info("agent node %d/%d: spool %s -> stage %s -> pfs %s", self.node,
                  self.placement.nodes, self.paths.spool, self.paths.stage, self.paths.pfs)
         self.capture.start()

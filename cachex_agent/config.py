@@ -210,7 +210,24 @@ def _parse_prom(value: Any, key: str) -> str:
     return value
 
 
+def parse_cpus(value: Any, key: str) -> tuple[int, ...]:
+    """A CPU list as Linux writes it ("0-3,8"); empty: the job step's binding."""
+    if isinstance(value, list | tuple) and all(type(c) is int for c in value):
+        value = ",".join(map(str, value))       # a TOML list of CPU numbers
+    text = str(value).replace(" ", "") if isinstance(value, str) else None
+    if text is None or not re.fullmatch(r"(\d{1,5}(-\d{1,5})?(,\d{1,5}(-\d{1,5})?)*)?", text):
+        raise ConfigError(f"{key}: expected a CPU list such as 0-3,8, got {_shown(value)}")
+    cpus: set[int] = set()
+    for part in filter(None, text.split(",")):
+        low, _, high = part.partition("-")
+        if high and int(high) < int(low):
+            raise ConfigError(f"{key}: {part} runs backwards")
+        cpus.update(range(int(low), int(high or low) + 1))
+    return tuple(sorted(cpus))
+
+
 _bool = Parser(_parse_bool, "boolean", "true | false")
+_cpus = Parser(parse_cpus, "CPU list", "empty (the job step's binding) or like `0-3,8`")
 _prom = Parser(_parse_prom, "file path", "empty (off) or ending in `.prom`")
 _text = Parser(_parse_text, "string", "not empty")
 _hosts = Parser(_parse_hosts, "list of host names", "a string is split on commas and blanks")
@@ -307,6 +324,7 @@ class Peer:
     stride: int = 1
     slot: int = 16 * 1024**2
     slots: int = 4
+    streams: int = 0            # files in flight per partner, partner write lanes; 0: auto
     scheme: str = "copy"        # copy | xor | rs:K+M (peer/erasure.py)
     group: int = 4              # nodes per erasure group (xor, rs:K+M)
 
@@ -356,6 +374,7 @@ class Agent:
     fanout: int = 16            # children per agent in the coordinator's broadcast tree
     nice: int = 0               # CPU nice value of every agent thread (priority.py)
     sched: str = "other"        # scheduling policy of every agent thread
+    cpus: tuple[int, ...] = ()  # the CPUs of every agent thread; (): the step's binding
 
 
 _PARSERS: dict[str, dict[str, Parser]] = {
@@ -370,7 +389,8 @@ _PARSERS: dict[str, dict[str, Parser]] = {
     },
     "stage": {"capture": _choice("auto", "link", "copy")},
     "peer": {"copies": _int(1, 64), "stride": _int(1), "slot": _buffer_size,
-             "slots": _int(1, 1024), "scheme": _scheme, "group": _int(2, MAX_GROUP)},
+             "slots": _int(1, 1024), "streams": _int(0, 16), "scheme": _scheme,
+             "group": _int(2, MAX_GROUP)},
     "flush": {
         "bandwidth": _size(0, MAX_BANDWIDTH), "concurrency": _int(1, 64), "writers": _int(1, 64),
         "every": _int(1),
@@ -383,7 +403,8 @@ _PARSERS: dict[str, dict[str, Parser]] = {
               "window": _int(4), "explore": _int(0)},
     "agent": {"poll": _duration(1e-3), "timeout": _duration(1.0),
               "log": _choice("debug", "info", "warning", "error"), "fanout": _int(2, 1024),
-              "nice": _int(0, 19), "sched": _choice("other", "batch", "idle")},
+              "nice": _int(0, 19), "sched": _choice("other", "batch", "idle"),
+              "cpus": _cpus},
     "metrics": {"path": _prom, "period": _duration(1.0)},
 }
 _SECTIONS = {"paths": Paths, "topology": Topology, "commit": Commit, "stage": Staging,
@@ -448,6 +469,11 @@ MEANINGS: dict[str, str] = {
     "peer.slot": "Size of one RMA slot. Each owner replicating to a partner has `peer.slots`"
                  " slots in the partner's window.",
     "peer.slots": "Slots per owner in each partner's window: transfers in flight.",
+    "peer.streams": "Files of one part in flight to each partner at once (their slots"
+                    " interleaved), and the partner's threads writing them, one file per"
+                    " thread. 0: one per two CPUs the agent is given (`agent.cpus`), at most"
+                    " 4. A part streamed while its capture hashes it goes one file at a time"
+                    " whatever this says: the capture reads them in turn.",
     "peer.scheme": "Redundancy of the node-local copies: `copy` (a full copy on each of"
                    " `peer.copies` partners), `xor` (one parity over each group of"
                    " `peer.group` nodes: survives one lost node per group), `rs:K+M`"
@@ -497,6 +523,10 @@ MEANINGS: dict[str, str] = {
     "agent.sched": "Scheduling policy of every agent thread: `other` (the default), `batch`"
                    " (no wake-up preemption of the trainer), `idle` (only CPU nothing else"
                    " wants). See docs/benchmarks.md for what each costs partner-durable.",
+    "agent.cpus": "CPUs every agent thread runs on, a subset of the job step's binding"
+                  " (`srun --cpu-bind`, a cgroup's cpuset): empty keeps the binding. The"
+                  " agent sizes its threads (`peer.streams` = 0) from this set, and refuses"
+                  " to start if a CPU named here is not in the binding.",
     "metrics.path": "A Prometheus text-format file the coordinator rewrites (node_exporter's"
                     " textfile collector: point its `--collector.textfile.directory` here);"
                     " `{run}`, `{host}`, `{job}` and `$VARS` are filled in. Written 0644: the"

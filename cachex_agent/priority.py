@@ -1,4 +1,5 @@
-"""The agent's CPU priority beside the trainer (`agent.nice`, `agent.sched`, `flush.nice`).
+"""The agent's CPU priority beside the trainer (`agent.nice`, `agent.sched`, `flush.nice`)
+and the CPUs it runs on (`agent.cpus`).
 
 Linux keeps the nice value and the scheduling policy per thread, and a new thread takes
 its creator's: the agent lowers every thread it has at start-up (MPI's included), and the
@@ -21,6 +22,12 @@ nobody started with setsid, as under some containers' init) has no autogroup to 
 and shares the CPU by nice alone. Under cgroup CPU weights (one Slurm step's cgroup
 against another's), nothing inside the process can lower its share: bind the agent's
 step to cores of its own instead (docs/benchmarks.md).
+
+The CPUs: the job step's binding (`srun --cpu-bind`, the step cgroup's cpuset) is the
+process's affinity when it starts. `agent.cpus` narrows every thread to a subset of it
+(the kernel keeps the affinity per thread too, and a new thread takes its creator's);
+a CPU outside the binding is a configuration error, never silently widened. What the
+agent ends up with sizes its threads (`peer.streams`).
 """
 
 from __future__ import annotations
@@ -30,6 +37,8 @@ import threading
 from collections.abc import Iterable
 
 import psutil
+
+from .errors import ConfigError
 
 POLICIES = {"other": os.SCHED_OTHER, "batch": os.SCHED_BATCH, "idle": os.SCHED_IDLE}
 _TASKS = "/proc/self/task"
@@ -47,6 +56,42 @@ def lower_process(nice: int, sched: str = "other", peers: Iterable[int] = ()) ->
     if nice:
         problems += _lower_autogroup(nice, peers)
     return sorted(set(problems))
+
+
+def bind_cpus(cpus: Iterable[int]) -> list[int]:
+    """Every thread of this process on `cpus` (all of the step's binding if empty); the
+    CPUs it runs on now. ConfigError if `cpus` names one outside the binding."""
+    binding = os.sched_getaffinity(0)
+    wanted = set(cpus)
+    if not wanted or wanted == binding:
+        return sorted(binding)
+    outside = sorted(wanted - binding)
+    if outside:
+        raise ConfigError(f"agent.cpus: CPU {outside[0]} is not in this job step's binding"
+                          f" ({cpu_list(binding)})")
+    for tid in (int(t) for t in os.listdir(_TASKS)):
+        try:
+            os.sched_setaffinity(tid, wanted)
+        except ProcessLookupError:
+            pass        # the thread ended since it was listed
+    return sorted(wanted)
+
+
+def cpu_list(cpus: Iterable[int]) -> str:
+    """0-3,8: the kernel's way of writing a CPU set."""
+    runs: list[list[int]] = []
+    for cpu in sorted(cpus):
+        if runs and cpu == runs[-1][1] + 1:
+            runs[-1][1] = cpu
+        else:
+            runs.append([cpu, cpu])
+    return ",".join(str(a) if a == b else f"{a}-{b}" for a, b in runs)
+
+
+def streams(configured: int, cpus: int) -> int:
+    """Files in flight per partner (`peer.streams`): as configured, or one per two CPUs
+    the agent runs on, 1 to 4 (the main loop and the capture keep a CPU busy already)."""
+    return configured or max(1, min(4, cpus // 2))
 
 
 def autogroup() -> tuple[str, int] | None:

@@ -109,6 +109,21 @@ def _hashed(files: list[FileEntry], msg: FileCaptured) -> bool:
 
 
 @dataclass
+class Cursor:
+    """One file of a part on its way: the next piece's offset, the open file."""
+
+    file: int                   # index in the manifest
+    offset: int = 0
+    handle: BinaryIO | None = None
+    mapped: bool = False        # its pieces are Put from mappings
+
+    def close(self) -> None:
+        if self.handle is not None:
+            self.handle.close()
+            self.handle = None
+
+
+@dataclass
 class Sender:
     """One checkpoint to one partner: the owner's side of the stream."""
 
@@ -120,11 +135,11 @@ class Sender:
     free: deque[int]
     mapped: bool = True     # Put straight from a mapping of each piece (see `next_chunk`)
     stream: Stream | None = None    # files still being captured (then `source` is partial)
-    file: int = 0
-    offset: int = 0
+    streams: int = 1        # files in flight at once, their pieces in turn (peer.streams)
+    cursors: list[Cursor] = field(default_factory=list)     # the files in flight
+    opened: int = 0         # files taken into `cursors` so far
+    turn: int = 0           # the cursor whose piece goes next
     announced: int = 0      # File messages sent (a stream)
-    handle: BinaryIO | None = None
-    piece_mapped: bool = False      # the open file is Put from mappings
     feed: Feed | None = None        # a stream's linked files, as the capture hashes them
     fed: np.ndarray | None = None   # the fed piece last returned, until it was Put
     # queued | sending | ending | waiting (a stream abandoned, for the final manifest)
@@ -138,13 +153,20 @@ class Sender:
         """Send the whole part again, from its final manifest (the stream was abandoned)."""
         self.close()
         self.manifest, self.source, self.mapped, self.stream = manifest, source, mapped, None
-        self.file = self.offset = self.announced = 0
+        self.opened = self.turn = self.announced = 0
         self.state, self.error, self.aborted = "queued", None, False
+
+    def width(self) -> int:
+        """Files in flight: one while the capture feeds the pieces, which it reads in the
+        files' order (a later file's piece would only wait for it)."""
+        return 1 if self.feed is not None and self.stream is not None else self.streams
 
     def next_chunk(self, buffer: np.ndarray) -> tuple[int, int, np.ndarray] | str | None:
         """The next piece, at most `buffer.nbytes` long: (file index, offset, its bytes),
         NOT_READY while the capture is still hashing it for the feed, or None when every
         file was sent. A fed piece is the capture's buffer: `release` it once it was Put.
+        With `streams` > 1 the pieces of that many files go in turn (the partner writes
+        each file on a thread of its own).
 
         Mapped, the bytes are a view of a mapping of just that piece (no copy, and memory
         bounded by one slot whatever the file size); drop the view once it was Put. A
@@ -153,29 +175,40 @@ class Sender:
         the agent with SIGBUS. Nothing is hashed here: the partner hashes what it writes
         and names a file that differs from the manifest in its ack (`mismatch`)."""
         files = self.manifest.files
-        while self.file < len(files):
-            entry = files[self.file]
-            if self.offset < entry.size:
-                length = min(buffer.nbytes, entry.size - self.offset)
-                data = self._fed(entry, length)
-                if data is WAIT_FOR_IT:
-                    return NOT_READY
-                if data is None:
-                    if self.handle is None:
-                        self.handle = self._open(entry.path, entry.size)
-                    data = (map_piece(self.handle.fileno(), self.offset, length)
-                            if self.piece_mapped else self._read(buffer, length))
-                chunk = (self.file, self.offset, data)
-                self.offset += length
-                return chunk
-            self._next_file()
-        return None
+        while True:
+            while len(self.cursors) < self.width() and self.opened < len(files):
+                self.cursors.append(Cursor(self.opened))
+                self.opened += 1
+            if not self.cursors:
+                return None
+            self.turn %= len(self.cursors)
+            cursor = self.cursors[self.turn]
+            entry = files[cursor.file]
+            if cursor.offset >= entry.size:
+                cursor.close()
+                self.cursors.remove(cursor)
+                continue
+            length = min(buffer.nbytes, entry.size - cursor.offset)
+            data = self._fed(cursor, entry, length)
+            if data is WAIT_FOR_IT:
+                return NOT_READY
+            if data is None:
+                if cursor.handle is None:
+                    self._open(cursor, entry.size)
+                assert cursor.handle is not None
+                data = (map_piece(cursor.handle.fileno(), cursor.offset, length)
+                        if cursor.mapped else self._read(cursor, buffer, length))
+            chunk = (cursor.file, cursor.offset, data)
+            cursor.offset += length
+            self.turn += 1
+            return chunk
 
-    def _fed(self, entry: FileEntry, length: int) -> np.ndarray | str | None:
+    def _fed(self, cursor: Cursor, entry: FileEntry, length: int
+             ) -> np.ndarray | str | None:
         """The piece from the feed, WAIT_FOR_IT, or None (read it from the file)."""
         if self.feed is None or self.stream is None:
             return None
-        got = self.feed.serve(self.manifest.ckpt, self.file, self.offset, length,
+        got = self.feed.serve(self.manifest.ckpt, cursor.file, cursor.offset, length,
                               pending=entry.checksum == PENDING)
         if isinstance(got, str):
             return None if got == READ else got
@@ -195,17 +228,17 @@ class Sender:
             path = self.stream.final_dir / relpath      # the part was renamed into place
         return path
 
-    def _open(self, relpath: str, size: int) -> BinaryIO:
+    def _open(self, cursor: Cursor, size: int) -> None:
+        relpath = self.manifest.files[cursor.file].path
         handle = open(self._path(relpath), "rb", buffering=0)  # noqa: SIM115
         st = os.fstat(handle.fileno())
         if st.st_size < size:
             handle.close()
             raise OSError(errno.EIO, f"{self.source / relpath}: shorter than its manifest")
-        handle.seek(self.offset)
+        cursor.handle = handle
         # a second name is the trainer's spool file (a capture by hard link): read, not
         # mapped; the partner checks its checksum as it writes (`mismatch` says why not)
-        self.piece_mapped = self.mapped and st.st_nlink == 1
-        return handle
+        cursor.mapped = self.mapped and st.st_nlink == 1
 
     def mismatch(self, index: int) -> str | None:
         """What the partner's word that file `index` arrived with another checksum means
@@ -215,29 +248,24 @@ class Sender:
         path = self._path(self.manifest.files[index].path)
         return f"{path}: checksum differs from the capture's{linked_hint(path)}"
 
-    def _read(self, buffer: np.ndarray, length: int) -> np.ndarray:
-        assert self.handle is not None
+    @staticmethod
+    def _read(cursor: Cursor, buffer: np.ndarray, length: int) -> np.ndarray:
+        assert cursor.handle is not None
         view = memoryview(buffer)[:length]
-        self.handle.seek(self.offset)       # fed pieces before this one were not read
         done = 0
         while done < length:
-            n = self.handle.readinto(view[done:])
+            # positional: fed pieces before this one were not read, and files take turns
+            n = os.preadv(cursor.handle.fileno(), [view[done:]], cursor.offset + done)
             if not n:
-                raise OSError(errno.EIO, f"{self.handle.name}: shorter than its manifest")
+                raise OSError(errno.EIO, f"{cursor.handle.name}: shorter than its manifest")
             done += n
         return buffer[:length]
 
-    def _next_file(self) -> None:
-        if self.handle is not None:
-            self.handle.close()
-            self.handle = None
-        self.file, self.offset = self.file + 1, 0
-
     def close(self) -> None:
         self.release()
-        if self.handle is not None:
-            self.handle.close()
-            self.handle = None
+        for cursor in self.cursors:
+            cursor.close()
+        self.cursors.clear()
 
 
 def map_piece(fd: int, offset: int, length: int) -> np.ndarray:
@@ -286,11 +314,15 @@ class Replicator:
     def __init__(self, comm: Any, node: int, pmap: list[list[int]], ranks_by_node: list[int],
                  config: Config, paths: NodePaths, events: EventLog, send: Send,
                  post: Post, log_: StageLog | None = None,
-                 wake: Callable[[], None] = lambda: None, feed: Feed | None = None) -> None:
+                 wake: Callable[[], None] = lambda: None, feed: Feed | None = None,
+                 streams: int = 1) -> None:
         """`log_`: where stage states go (journal and events); events only if None.
         `wake`: ends the main loop's sleep (the agent's inbox), see `waits_on_peer`.
-        `feed`: the capture's pieces of linked files (one partner only, peer/feed.py)."""
+        `feed`: the capture's pieces of linked files (one partner only, peer/feed.py).
+        `streams`: files of a part in flight to each partner, and the threads that write
+        what others send here (priority.streams sizes it)."""
         self.feed = feed
+        self.streams = streams
         self.node = node
         self.partners = pmap[self.node]
         self.ranks = ranks_by_node
@@ -309,7 +341,7 @@ class Replicator:
         self.store = ReplicaStore(paths.replicas, self.window,
                                   {o: i for i, o in enumerate(incoming(self.node, pmap))},
                                   config.keep.replica, post, events, config.agent.timeout,
-                                  wake)
+                                  wake, lanes=streams)
         self.buffer = np.empty(config.peer.slot, dtype=np.uint8)
         self.queues: dict[int, deque[Sender]] = {p: deque() for p in self.partners}
         self.dead: dict[int, str] = {}
@@ -375,7 +407,7 @@ class Replicator:
             self.queues[partner].append(Sender(
                 manifest, handle.source, partner, self.ranks[partner], self.regions[partner],
                 deque(range(self.slots)), handle.mapped and partner in self.map_to,
-                handle.stream, feed=self.feed))
+                handle.stream, self.streams, feed=self.feed))
 
     def cancel(self, ckpt: str, reason: str = "cancelled") -> None:
         """Drop the partners' streams of `ckpt` not begun yet; a begun one runs to its ack

@@ -5,8 +5,12 @@
 
 (layout.py names them.) One writer thread does all disk work, in the
 order the slots were filled, so a file's checksum is computed as its bytes arrive (a
-second thread hashes each slot while the writer writes it, in 1 MiB pieces); the
-main thread only queues work (`begin`, `file`, `slot`, `end`) and forwards what the
+second thread hashes each slot while the writer writes it, in 1 MiB pieces). With
+`lanes` > 1 (`peer.streams`: the owner sends that many files in turn) the writer hands
+each slot to lane `file % lanes`, a thread of its own: the files are written side by
+side (a file system serializes the writes into one file, not into several), each file's
+slots still in order on one lane, and a part ends only once its lanes are done with it.
+The main thread only queues work (`begin`, `file`, `slot`, `end`) and forwards what the
 writer `post`s: a `credit` once a slot's bytes are on disk (the owner may refill it), and
 an `ack` once every file is verified against the owner's checksums, fsynced, renamed into
 place and the manifest written: only then is the replica durable. A part streamed while
@@ -27,7 +31,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -139,13 +143,21 @@ class _Incoming:
     error: str | None = None
     mismatch: int | None = None     # the file whose bytes had another checksum
     streamed: bool = False      # files announced one by one; the final manifest at `end`
+    writes: list[Future[None]] = field(default_factory=list)   # slots on the lanes
+
+    def written_out(self) -> None:
+        """Every slot handed to a lane is written (or failed)."""
+        for write in self.writes:
+            write.result()
+        self.writes.clear()
 
 
 class ReplicaStore:
     def __init__(self, root: Path, window: ReceiveWindow, regions: dict[int, int], keep: int,
                  post: Post, events: EventLog, idle: float = 60.0,
-                 wake: Callable[[], None] = lambda: None) -> None:
-        """`wake`: ends the main loop's sleep; called when the writer runs out of work."""
+                 wake: Callable[[], None] = lambda: None, lanes: int = 1) -> None:
+        """`wake`: ends the main loop's sleep; called when the writer runs out of work.
+        `lanes`: threads writing files side by side (1: the writer writes them all)."""
         self.root = makedirs(root)
         self.window, self.regions, self.keep = window, regions, keep
         self.post, self.events, self.wake = post, events, wake
@@ -154,7 +166,10 @@ class ReplicaStore:
         self._linger_until = 0.0    # monotonic: the last ack's LINGER ends
         self._tasks: queue.Queue[tuple[str, tuple[Any, ...]] | None] = queue.Queue()
         self._incoming: dict[tuple[int, str], _Incoming] = {}
-        self._hashing = ThreadPoolExecutor(1, thread_name_prefix="replica-hash")
+        self._hashing = ThreadPoolExecutor(lanes, thread_name_prefix="replica-hash")
+        self._lanes = [ThreadPoolExecutor(1, thread_name_prefix=f"replica-lane-{i}")
+                       for i in range(lanes)] if lanes > 1 else []
+        self._evicting = threading.Lock()      # lanes meet a full disk at once
         self._thread = threading.Thread(target=self._run, name="replica-writer", daemon=True)
         self._thread.start()
 
@@ -199,21 +214,32 @@ class ReplicaStore:
     def close(self, timeout: float = 10.0) -> None:
         self._tasks.put(None)
         self._thread.join(timeout)
+        for lane in self._lanes:
+            lane.shutdown(wait=False)
         self._hashing.shutdown(wait=False)
 
     # ---------------------------------------------------------- writer thread
     def _run(self) -> None:
         while (task := self._tasks.get()) is not None:
             kind, args = task
-            try:
-                getattr(self, f"_do_{kind}")(*args)
-            except Exception:       # noqa: BLE001 (the writer must never die silently)
-                log.exception("replica writer: %s %s", kind, args[:2])
-            finally:
-                self._tasks.task_done()
-            if self._tasks.unfinished_tasks == 0:
-                self.wake()     # dry: the main loop polls for the owner's next slot again
+            item = self._incoming.get(args[:2]) if kind == "write" and self._lanes else None
+            if item is None:
+                self._task(kind, args)
+                continue
+            # its task is done when the lane is: `unfinished_tasks` counts lane work too
+            lane = self._lanes[args[3] % len(self._lanes)]
+            item.writes.append(lane.submit(self._task, kind, args))
         self._tasks.task_done()
+
+    def _task(self, kind: str, args: tuple[Any, ...]) -> None:
+        try:
+            getattr(self, f"_do_{kind}")(*args)
+        except Exception:       # noqa: BLE001 (the writer must never die silently)
+            log.exception("replica writer: %s %s", kind, args[:2])
+        finally:
+            self._tasks.task_done()
+        if self._tasks.unfinished_tasks == 0:
+            self.wake()     # dry: the main loop polls for the owner's next slot again
 
     def _do_begin(self, owner: int, manifest: LocalManifest, streamed: bool) -> None:
         partial = partial_dir(self.root, owner, manifest.ckpt)
@@ -249,6 +275,7 @@ class ReplicaStore:
             self._created_if_empty(item, index, entry)
         except OSError as exc:
             item.error = describe(exc)
+            item.written_out()      # no lane writes into what is removed
             self._abandon(item)
 
     def _created_if_empty(self, item: _Incoming, index: int, entry: FileEntry) -> None:
@@ -265,7 +292,8 @@ class ReplicaStore:
                 self._write(item, self.regions[owner], slot, index, offset, length)
         except OSError as exc:
             item.error = describe(exc)
-            self._abandon(item)             # give the space back now, not at `end`
+            if not self._lanes:     # with lanes, at `end`: another may still write
+                self._abandon(item)         # give the space back now, not at `end`
         finally:
             self.post(ToNode(owner, Credit(slot)))
 
@@ -316,9 +344,11 @@ class ReplicaStore:
         item.done.add(index)
 
     def _do_end(self, owner: int, ckpt: str, final: LocalManifest | None) -> None:
-        item = self._incoming.pop((owner, ckpt), None)
+        item = self._incoming.get((owner, ckpt))
         if item is None:
             return
+        item.written_out()
+        del self._incoming[(owner, ckpt)]
         error = item.error or _differs(owner, item, final) or self._missing(item)
         if error is None:
             item.manifest = final or item.manifest
@@ -366,6 +396,10 @@ class ReplicaStore:
                     raise
 
     def _evict_one(self) -> bool:
+        with self._evicting:
+            return self._evict_superseded()
+
+    def _evict_superseded(self) -> bool:
         superseded = [m for items in held_replicas(self.root).values() for m in items[:-1]]
         if not superseded:
             return False

@@ -7,14 +7,16 @@ import contextlib
 import json
 import os
 import signal
+import subprocess
 import time
 
 import psutil
 import pytest
-from harness import Cluster, files_of, finish, wait_for
+from harness import BIN, MPIEXEC, Cluster, files_of, finish, wait_for
 
 from cachex_agent.layout import pfs_manifest_path
 from cachex_agent.manifest import GlobalManifest
+from cachex_agent.priority import cpu_list
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 TRAIN = ["--shard-size", "256KiB", "--chunk-size", "64KiB", "--step-time", "0.02"]
@@ -183,3 +185,31 @@ def _running(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_agent_cpus_binds_every_agent_thread_and_a_cpu_outside_the_binding_ends_the_start(
+        cluster):
+    """`agent.cpus`: every thread of every agent (MPI's, the writer's, the capture's) runs
+    on the CPU named, the start event says so, and a checkpoint still replicates; a CPU
+    the job step was not given is refused at start-up, one line naming the key, exit 2."""
+    cpu = max(os.sched_getaffinity(0))
+    c = cluster(nodes=2, extra=f'cpus = "{cpu}"')      # in [agent]
+    c.start_agents()
+    finish(c.trainer("--steps", "2", "--every", "2", *TRAIN, ranks=4))
+    c.wait_level("step_00002", "replicated", "flushed")
+    for node in (0, 1):
+        start = events(c, node, "agent_start")[-1]
+        assert (start["cpus"], start["streams"]) == (str(cpu), 1)
+        threads = [t.id for t in psutil.Process(start["pid"]).threads()]
+        assert len(threads) > 3 and all(os.sched_getaffinity(t) == {cpu} for t in threads)
+    assert c.stop() == 0
+
+    binding = cpu_list(os.sched_getaffinity(0))
+    outside = max(os.sched_getaffinity(0)) + 1
+    c.config.write_text(c.config.read_text().replace(f'cpus = "{cpu}"', f'cpus = "{outside}"'))
+    proc = subprocess.run([str(MPIEXEC), "-n", "2", str(BIN / "cachex-agent"), "--config",
+                           str(c.config)], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    assert f"agent.cpus: CPU {outside} is not in this job step's binding ({binding})" \
+        in proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr

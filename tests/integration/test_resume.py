@@ -100,8 +100,12 @@ def test_killed_while_capturing_captures_again_and_nothing_else_twice(two_nodes,
     stage_events_follow_the_schema(c, 1)
 
 
-def test_killed_while_replicating_replicates_again_not_capture(two_nodes, tmp_path):
-    c = two_nodes
+@pytest.mark.parametrize("extra", ["", '[peer]\nstreams = 3\n[stage]\ncapture = "copy"'],
+                         ids=["1-stream", "3-streams-copied"])
+def test_killed_while_replicating_replicates_again_not_capture(cluster, tmp_path, extra):
+    """Also with 3 files in flight to the partner (a copied part streams its files as
+    they are captured, and the restart sends the staged part whole, its files in turn)."""
+    c = cluster(nodes=2, extra=extra)
     kill_while_running(c, "replicate", "replicate")
     restart_until_flushed(c, tmp_path)
     for node in (0, 1):
@@ -110,6 +114,8 @@ def test_killed_while_replicating_replicates_again_not_capture(two_nodes, tmp_pa
     assert len(named(c, 1, "replicate_start")) == 2          # cut short, then again
     assert len(named(c, 0, "replicate_start")) == 1          # done: not again
     stage_events_follow_the_schema(c, 0)
+    starts = [e["streams"] for n in (0, 1) for e in c.events(n) if e["event"] == "agent_start"]
+    assert starts == [3 if extra else starts[0]] * 4, starts
 
 
 def test_killed_while_flushing_flushes_again_and_keeps_the_finished_ones(two_nodes, tmp_path):

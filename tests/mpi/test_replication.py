@@ -27,6 +27,16 @@ from cachex_agent.topology import place_in
 
 pytestmark = [pytest.mark.mpi(min_size=2), pytest.mark.timeout(180)]
 PEER = Tag.PEER
+STREAMS = {"streams": 1}    # files in flight per partner (peer.streams), set per run below
+
+
+@pytest.fixture(autouse=True, params=[1, 3], ids=["1-stream", "3-streams"])
+def streams(request):
+    """Every test here runs with one file in flight per partner and with three, their
+    pieces in turn and the partner writing each file on a lane of its own."""
+    STREAMS["streams"] = request.param
+    yield request.param
+    STREAMS["streams"] = 1
 
 
 def all_ok(comm, ok) -> bool:
@@ -78,7 +88,8 @@ def run_replication(root: Path, cfg, sizes_of_rank, ckpts=("c1",), mapped=True,
     pmap = replication_map(cfg, list(placement.hosts))
     replicator = Replicator(comm, placement.node, pmap, list(range(comm.size)), cfg, paths,
                             events, send, posts.put, wake=posts.wake,
-                            feed=pieces(posts.wake) if pieces else None)
+                            feed=pieces(posts.wake) if pieces else None,
+                            streams=STREAMS["streams"])
     results = {}
     later = []
     for seq, ckpt in enumerate(ckpts, 1):

@@ -103,3 +103,71 @@ def test_an_autogroup_shared_with_another_process_is_left_alone():
         assert result["session"][1] == 0, result
     else:
         assert result["child"]["problems"] == [] and result["session"] is None
+
+
+# agent.cpus: every thread narrowed to the set, later ones inherit; outside the binding
+# is a configuration error naming the key and the binding
+_CPUS = r"""
+import json, os, sys, threading
+from cachex_agent.errors import ConfigError
+from cachex_agent.priority import bind_cpus
+wanted = [int(c) for c in sys.argv[1].split(",") if c]
+started = threading.Event()
+before = threading.Thread(target=started.wait, daemon=True)
+before.start()
+try:
+    got = bind_cpus(wanted)
+except ConfigError as exc:
+    print(json.dumps({"error": str(exc)}))
+    sys.exit(0)
+seen = {}
+after = threading.Thread(target=lambda: seen.update(after=sorted(os.sched_getaffinity(0))))
+after.start(); after.join()
+seen["before"] = sorted(os.sched_getaffinity(before.native_id))
+seen["main"] = sorted(os.sched_getaffinity(0))
+started.set()
+print(json.dumps({"got": got, "seen": seen}))
+"""
+
+
+def cpus_child(wanted: str, binding: set[int] | None = None) -> dict:
+    out = subprocess.run([sys.executable, "-c", _CPUS, wanted], capture_output=True,
+                         text=True, timeout=30, check=True,
+                         preexec_fn=(lambda: os.sched_setaffinity(0, binding))
+                         if binding else None)
+    return json.loads(out.stdout)
+
+
+def test_agent_cpus_narrows_every_thread_and_later_ones_inherit():
+    cpu = min(os.sched_getaffinity(0))
+    result = cpus_child(str(cpu))
+    assert result["got"] == [cpu]
+    assert result["seen"] == {"before": [cpu], "after": [cpu], "main": [cpu]}
+
+
+def test_no_agent_cpus_keeps_the_steps_binding():
+    binding = {min(os.sched_getaffinity(0))}    # as srun --cpu-bind would leave it
+    result = cpus_child("", binding)
+    assert result["got"] == sorted(binding)
+    assert result["seen"]["main"] == sorted(binding)
+
+
+def test_agent_cpus_outside_the_binding_is_refused_with_the_binding_named():
+    cpu = min(os.sched_getaffinity(0))
+    result = cpus_child(f"{cpu},{cpu + 4096}", {cpu})
+    assert result == {"error": f"agent.cpus: CPU {cpu + 4096} is not in this job step's"
+                               f" binding ({cpu})"}
+
+
+def test_cpu_lists_parse_and_print_as_the_kernel_writes_them():
+    from cachex_agent.config import ConfigError, parse_cpus
+    from cachex_agent.priority import cpu_list, streams
+    assert parse_cpus("0-3,8", "agent.cpus") == (0, 1, 2, 3, 8)
+    assert parse_cpus("", "agent.cpus") == ()
+    assert parse_cpus([5, 2], "agent.cpus") == (2, 5)       # a TOML list
+    assert cpu_list([8, 0, 1, 2, 3, 10, 11]) == "0-3,8,10-11"
+    for bad in ("3-1", "a", "1,,2", "-1", True):
+        with pytest.raises(ConfigError, match="agent.cpus"):
+            parse_cpus(bad, "agent.cpus")
+    assert [streams(0, n) for n in (1, 2, 3, 4, 8, 64)] == [1, 1, 1, 2, 4, 4]
+    assert streams(3, 1) == 3
