@@ -579,7 +579,8 @@ class Agent:
             self._replicated_again(ckpt)
         elif self.replicator is not None and peer:
             self.replicator.captured(manifest, Path(entry["source"]),
-                                     mapped=entry.get("mode") == "copy")
+                                     mapped=entry.get("mode") == "copy",
+                                     fed_wait=float(msg.get("fed_wait", 0.0)))
         if "global" in entry:
             self._encode_if_wanted(ckpt)    # resumed after ManifestReady was heard
         self._flush_if_wanted(ckpt)

@@ -216,6 +216,7 @@ class Captured:
     duration: float = 0.0
     global_files: list[str] = field(default_factory=list)   # the node's own candidates
     text: str | None = None     # `manifest` as its compact JSON text, as the agent sent it
+    fed_wait: float = 0.0       # the replication's part of the capture's time (peer/feed.py)
 
 
 @dataclass(frozen=True, slots=True)

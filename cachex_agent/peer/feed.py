@@ -16,11 +16,18 @@ it does for a part whose capture fed nothing. One part is fed at a time (capture
 one after another): `begin` takes back whatever an earlier part left unsent. The feed
 serves one partner (`peer.copies = 1`): with several, the buffers would wait for the
 slowest of them.
+
+The time the capture spends waiting for a buffer (`waited`) is the replication's, not
+the capture's: with the feed the two move at the pace of the slower, and the model must
+not take a replication that holds the capture back for a slow capture (it would then
+see no gain in the direct path, whose capture nothing holds back). The capture reports
+its duration without it, and the replication's duration counts it.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -44,20 +51,24 @@ class Feed:
         self._feeding = False
         self._cond = threading.Condition()
         self.served = 0     # pieces the replication took from the feed (not read again)
+        self.waited = 0.0   # seconds this part's capture waited for a buffer
 
     # ------------------------------------------------------------ capture thread
     def begin(self, ckpt: str) -> None:
         """A capture (attempt) of `ckpt` starts: earlier parts' unsent pieces come back."""
         with self._cond:
             self._reclaim()
-            self._ckpt, self._feeding = ckpt, True
+            self._ckpt, self._feeding, self.waited = ckpt, True, 0.0
 
     def take(self) -> np.ndarray | None:
         """A buffer to read the next piece into; None once the feed has stopped for this
         part (no buffer came back within `wait`: hash on without it)."""
         with self._cond:
-            if self._feeding and not self._cond.wait_for(lambda: self._free, self.wait):
-                self._feeding = False
+            if self._feeding and not self._free:
+                began = time.monotonic()
+                if not self._cond.wait_for(lambda: self._free, self.wait):
+                    self._feeding = False
+                self.waited += time.monotonic() - began
             buffer = self._free.pop() if self._feeding else None
         if buffer is None:
             self.wake()     # a replication waiting for the next piece reads it itself

@@ -374,18 +374,20 @@ class Replicator:
             handle.stream.add(msg)
         return handle
 
-    def captured(self, manifest: LocalManifest, source: Path, mapped: bool
-                 ) -> ReplicateHandle:
+    def captured(self, manifest: LocalManifest, source: Path, mapped: bool,
+                 fed_wait: float = 0.0) -> ReplicateHandle:
         """The part is captured: replicate it, or end its stream with this manifest
-        (a stream of other files is abandoned and the whole part sent again)."""
+        (a stream of other files is abandoned and the whole part sent again).
+        `fed_wait`: the seconds the feed held the capture back, the replication's."""
         handle = self.handles.get(manifest.ckpt)
         if handle is None or handle.stream is None:
             return self.replicate(manifest, source, mapped)
         handle.stream.finish((manifest, source, mapped))
         handle.manifest = manifest
         # the duration the model hears of: what replication adds after the capture
-        # (the stream's time beside the capture is not the replication's cost)
-        self.started[manifest.ckpt] = time.monotonic()
+        # (the stream's time beside the capture is not the replication's cost), and the
+        # time it held the capture back through the feed (which is)
+        self.started[manifest.ckpt] = time.monotonic() - fed_wait
         for sender in self._senders(manifest.ckpt):
             if sender.state == "queued":        # not begun: no stream to end
                 sender.restart(manifest, source, mapped and sender.partner in self.map_to)

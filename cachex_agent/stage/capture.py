@@ -61,8 +61,10 @@ from .quiescence import FileState
 
 class PieceSink(Protocol):
     """Where a linked file's pieces go as they are hashed (peer/feed.py's `Feed`): the
-    capture of a part calls `begin`, then `take`/`give` per piece, `stop` at its end."""
+    capture of a part calls `begin`, then `take`/`give` per piece, `stop` at its end;
+    `waited`: the seconds `take` kept this part's capture waiting for a buffer."""
     piece: int
+    waited: float
 
     def begin(self, ckpt: str) -> None: ...
 

@@ -148,6 +148,7 @@ class CaptureWorker:
                                or self._wait_for_own_marker(handle, source, deadline))
         # A marker vouches at most for files written before it: a directory that
         # appeared after the commit gets this node's own check.
+        feed = self.feed if task.get("path", "peer") == "peer" else None
         vouched = self.rule.vouches_for(source) and not late
         header = LocalManifest(run=self.config.run, ckpt=ckpt, seq=seq,
                                node=self.placement.node, host=self.placement.host,
@@ -159,7 +160,9 @@ class CaptureWorker:
             handle.cancelled.wait(3600)
         manifest = dataclasses.replace(header, files=entries, captured_at=time.time())
         self.journal.save_manifest(manifest)
-        duration = time.monotonic() - start
+        # the time the feed held the capture back is the replication's (peer/feed.py)
+        fed_wait = feed.waited if feed is not None and linked else 0.0
+        duration = time.monotonic() - start - fed_wait
         # This node's own candidates, from its finished part: the marker's list is the
         # view of whichever node committed first (HF: node 1's trainer_state.json may
         # come before node 0 wrote the weights that it alone holds).
@@ -169,12 +172,12 @@ class CaptureWorker:
                 "source": str(target), "mode": mode, "mode_reason": reason,
                 "linked": linked, "bytes": manifest.bytes, "global_files": candidates},
                 bytes=manifest.bytes, files=len(entries), linked=linked, mode=mode,
-                reason=reason, duration=duration,
+                reason=reason, duration=duration, fed_wait=fed_wait,
                 write_start=self.first_seen(ckpt), committed_at=task.get("received")):
             return
         self.post({"type": "captured", "ckpt": ckpt, "manifest": manifest.to_json(),
-                   "duration": duration, "mode": mode, "reason": reason,
-                   "global_files": candidates})
+                   "duration": duration, "fed_wait": fed_wait, "mode": mode,
+                   "reason": reason, "global_files": candidates})
 
     def _wait_for_part(self, handle: CaptureHandle, source: Path, deadline: float) -> bool:
         """Wait (until `deadline`: `commit.timeout`) for this node's directory; True if

@@ -1,9 +1,12 @@
 """`model.path = "auto"`: the agents pick each checkpoint's path from the fitted model.
 
 The PFS is a real ext4 on a loop device; the agents run in a cgroup v1 blkio group that
-caps their writes to it (benchmarks/contention.py). Unthrottled, a flush here beats the
-replication protocol, so `auto` goes direct; throttled to 1 MiB/s, the flush takes
-seconds while replication still takes a tenth of one, so `auto` must come back to peer.
+caps their writes to it (benchmarks/contention.py). The replication is held back by
+design, one 16 KiB slot in flight (128 round trips for a 2 MiB part, about a quarter of a
+second), so that unthrottled, a flush decisively beats it and `auto` goes direct; throttled
+to 1 MiB/s, the flush takes seconds, so `auto` must come back to peer. (With the default
+slots the two took the same 0.07-0.1 s here on a slow day: the model, rightly, saw no 10%
+margin to switch, and the test failed one fresh run in four.)
 """
 
 from __future__ import annotations
@@ -24,6 +27,9 @@ MiB = 1024 * 1024
 MODEL = '''path = "auto"
 node_rate = 0.1      # node loss weighs: the choice is between the two lags to safety
 window = 4'''
+REPLICATION = '''[peer]
+slot = "16KiB"
+slots = 1'''
 
 
 def committed(cluster) -> dict[str, dict]:
@@ -50,7 +56,7 @@ def test_a_slowed_pfs_flips_the_choice_from_direct_to_peer(cluster, tmp_path):
     assert unavailable() is None, f"this test needs root, loop devices, blkio: {unavailable()}"
     with ThrottledPFS(tmp_path / "mnt", size="512MiB") as pfs:
         (tmp_path / "pfs").symlink_to(pfs.path)
-        c = cluster(nodes=2, model=MODEL)
+        c = cluster(nodes=2, model=MODEL, extra=REPLICATION)
         cfg = configuration.load(c.config)
         c.start_agents(prefix=tuple(pfs.popen_args_prefix()))
 

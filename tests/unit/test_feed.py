@@ -88,6 +88,21 @@ def test_a_buffer_waited_for_is_handed_over_when_the_piece_is_put():
     feed.release(piece)
     thread.join(5)
     assert taken and taken[0] is buffer
+    # the capture's wait is the replication's time, counted for the model; a new part
+    # starts from nothing
+    assert 0.04 < feed.waited < 5.0
+    feed.begin("c2")
+    assert feed.waited == 0.0
+
+
+def test_a_capture_that_never_waits_counts_no_wait():
+    feed = Feed(PIECE, count=2, wait=5.0)
+    feed.begin("c1")
+    for offset in (0, PIECE):
+        buffer = feed.take()
+        assert buffer is not None
+        feed.give(0, offset, buffer, PIECE)
+    assert feed.waited == 0.0
 
 
 def test_drop_and_the_next_part_take_back_unsent_pieces():
