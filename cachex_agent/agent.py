@@ -179,7 +179,7 @@ class Agent:
             config, self.ranks_by_node, self.journal, self.paths.pfs, self.events, self._send,
             can_replicate=self.replicator is not None or self.encoder is not None,
             wake=self.inbox.wake, events_copy=self.events_copy, forward=self._forward,
-            holders=self._holders())
+            holders=self._holders(), generation=self.run_lock.generation)
             if self.rank == 0 else None)
         self.globals = GlobalFiles(comm, self.paths.journal, self._send_peer,
                                    config.agent.timeout)

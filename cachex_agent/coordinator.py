@@ -106,7 +106,9 @@ class Coordinator:
                  wake: Callable[[], None] | None = None,
                  events_copy: EventCopy | None = None, forward: ForwardFn | None = None,
                  holders: list[int] | None = None,
-                 wall: Callable[[], float] = time.time) -> None:
+                 wall: Callable[[], float] = time.time, generation: int = 0) -> None:
+        """`generation`: the run lock's count of this run's coordinators (runlock.py),
+        which orders two coordinators' statuses without their clocks."""
         self.config = config
         self.forward = forward or self._deliver_in_process
         self.holders = list(holders or [])
@@ -118,6 +120,7 @@ class Coordinator:
         self.send = send
         self.clock, self.wall = clock, wall
         self.life, self.beat = secrets.token_hex(8), 0     # the status's heartbeat
+        self.generation = generation
         self.wake = wake or (lambda: None)
         threaded = wake is not None
         self.lanes = {name: Lane(name, threaded) for name in ("pfs", "journal", "model")}
@@ -363,6 +366,7 @@ class Coordinator:
         return {"format": "cachex-status", "version": 1, "run": self.config.run,
                 "updated": now, "state": self.state.phase, "nodes": self.nodes,
                 "heartbeat": {"beat": self.beat, "life": self.life, "t": now,
+                              "generation": self.generation,
                               "pid": os.getpid(), "host": socket.gethostname(),
                               "period": HEARTBEAT}, **extra,
                 "redundancy": redundancy(self.config, self.nodes),

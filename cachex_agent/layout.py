@@ -213,6 +213,11 @@ def run_lock_path(pfs_run: Path) -> Path:
     return pfs_run / RUN_LOCK
 
 
+def run_generation_path(pfs_run: Path) -> Path:
+    """How many coordinators the run has had: their order, whatever their clocks say."""
+    return pfs_run / "coordinator.generation"
+
+
 def pfs_status_path(pfs_run: Path) -> Path:
     return pfs_run / STATUS
 

@@ -18,6 +18,11 @@ lock by how long, on its own monotonic clock, it saw the same lock (beats.py). S
 waits up to one refresh before it refuses a live holder, and `stale` seconds before it
 takes over a lock whose holder vanished without releasing it.
 
+Each holder also counts itself in `<pfs>/<run>/coordinator.generation`, one more than
+the holder before it (the lock makes it the only writer): its statuses carry that
+generation, so of two coordinators' statuses the later one is told without comparing
+the clocks of the hosts they ran on (status.newest).
+
 Creating the lock is atomic (O_EXCL); a refresh or a takeover replaces it with a
 rename, so a reader never sees half a lock. A refresh reads the lock, then rewrites it:
 a holder that resumes after a stall of `stale` seconds can read its own record just
@@ -46,11 +51,37 @@ import psutil
 from .beats import Watch
 from .errors import ConfigError
 from .fsutil import create_file, fsync_dir, write_json
-from .layout import run_lock_path
+from .layout import run_generation_path, run_lock_path
 
 log = logging.getLogger(__name__)
 REFRESH = 2.0       # seconds between refreshes of a held lock
 STALE = 60.0        # seconds without a refresh before another job takes the run over
+
+
+def next_generation(pfs_run: Path) -> int:
+    """One more than the run's previous coordinator's, recorded (the lock's holder only):
+    the order of coordinators without a clock. 0 if the count cannot be kept (then the
+    statuses fall back to their times, status.newest)."""
+    path = run_generation_path(pfs_run)
+    try:
+        found = json.loads(path.read_bytes()[:256])     # a count, not a document
+    except FileNotFoundError:
+        found = {"generation": 0}
+    except (OSError, ValueError) as exc:
+        log.warning("%s: unreadable (%s); coordinators of this run are ordered by their"
+                    " clocks from here on", path, exc)
+        return 0
+    last = found.get("generation") if isinstance(found, dict) else None
+    if type(last) is not int or last < 0:
+        log.warning("%s: not a count (%r); coordinators of this run are ordered by their"
+                    " clocks from here on", path, last)
+        return 0
+    try:
+        write_json(path, {"generation": last + 1})
+    except OSError as exc:
+        log.warning("%s: not written (%s)", path, exc)
+        return 0
+    return last + 1
 
 
 def stale_after(agent_timeout: float) -> float:
@@ -74,6 +105,7 @@ class RunLock:
                  ) -> None:
         self.path, self.record = path, record
         self.displaced = displaced      # the token of the holder whose lock this took over
+        self.generation = next_generation(path.parent)
         self._stop = threading.Event()
         self._writing = threading.Lock()    # a refresh never recreates a released lock
         self._thread = threading.Thread(target=self._refresh, name="run-lock", daemon=True)

@@ -85,11 +85,25 @@ def _newest_status(config: Config) -> dict[str, Any]:
 
 def newest(statuses: list[dict[str, Any]]) -> dict[str, Any]:
     """Of the journal's and the PFS's copy: the higher beat of one coordinator's life
-    (its clock may have stepped between them); of two lives, the later `updated`."""
+    (its clock may have stepped between them); of two lives, the later coordinator."""
     lives = {(s.get("heartbeat") or {}).get("life") for s in statuses}
     if len(lives) == 1 and None not in lives:
-        return max(statuses, key=lambda s: s["heartbeat"].get("beat", 0))
-    return max(statuses, key=lambda s: s.get("updated") or 0)
+        return max(statuses, key=lambda s: _count(s["heartbeat"].get("beat")))
+    return max(statuses, key=order)
+
+
+def order(status: dict[str, Any]) -> tuple[int, float]:
+    """Sorts a run's coordinators' statuses oldest first: by the run lock's count of its
+    coordinators (runlock.next_generation), never by two hosts' clocks; `updated` (the
+    writer's clock) only between statuses of one generation, which are one host's, or
+    of none (written before generations were counted, or where the count was lost)."""
+    updated = status.get("updated")
+    return (_count((status.get("heartbeat") or {}).get("generation")),
+            updated if type(updated) in (int, float) else 0.0)
+
+
+def _count(value: Any) -> int:
+    return value if type(value) is int and value >= 0 else 0
 
 
 def with_liveness(status: dict[str, Any], seen: Unchanged) -> dict[str, Any]:

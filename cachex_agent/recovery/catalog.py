@@ -23,7 +23,7 @@ from ..layout import (
     pfs_manifest_path,
 )
 from ..manifest import GlobalManifest, LocalManifest
-from ..status import coordinator_statuses
+from ..status import coordinator_statuses, order
 
 
 def global_manifest(config: Config, ckpt: str) -> GlobalManifest | None:
@@ -58,7 +58,7 @@ def level_of(config: Config, ckpt: str) -> str | None:
     index, else `flushed` when its global manifest is on the PFS (written last); None
     when none of them knows it. Never a journal's global manifest: that is kept by some
     nodes from the coordinator's commit, before anything reached the PFS."""
-    statuses = sorted(coordinator_statuses(config), key=lambda s: s.get("updated") or 0)
+    statuses = sorted(coordinator_statuses(config), key=order)
     for status in reversed(statuses):
         for row in status.get("checkpoints") or []:
             if isinstance(row, dict) and row.get("id") == ckpt and row.get("level"):

@@ -141,3 +141,47 @@ def test_a_taker_takes_its_lock_back_from_a_holder_that_wrote_after_a_stall(tmp_
     finally:
         lock.release()
     assert not path.exists()
+
+
+def test_each_coordinator_of_a_run_counts_one_generation_more(tmp_path, monkeypatch):
+    """Released, taken over or refused, the count only grows with each holder; a count
+    that is not one is said and gives 0 (the statuses fall back to their times)."""
+    monkeypatch.setenv("SLURM_JOB_ID", "100")
+    seen = []
+    for _ in range(2):
+        lock = RunLock.acquire(tmp_path, stale=60)
+        seen.append(lock.generation)
+        lock.release()
+    _holder(tmp_path, job="slurm:100", host="other-host", pid=1, t=0)   # taken over
+    lock = RunLock.acquire(tmp_path, stale=60)
+    seen.append(lock.generation)
+    monkeypatch.setenv("SLURM_JOB_ID", "200")
+    with pytest.raises(ConfigError):
+        RunLock.acquire(tmp_path, stale=60)     # refused: no generation of its own
+    lock.release()
+    assert seen == [1, 2, 3]
+    path = tmp_path / "coordinator.generation"
+    assert json.loads(path.read_text()) == {"generation": 3}
+    assert path.stat().st_mode & 0o777 == 0o600
+    for hostile in (b'{"generation": -4}', b'{"generation": "9"}', b"\xff", b"[]"):
+        path.write_bytes(hostile)
+        lock = RunLock.acquire(tmp_path, stale=60)
+        assert lock.generation == 0
+        lock.release()
+
+
+def test_of_two_coordinators_statuses_the_later_generation_wins_whatever_the_clocks():
+    """The earlier job's host ran an hour ahead: its status's `updated` is later, yet
+    the later coordinator's is the newest (issue 26: no two hosts' clocks compared)."""
+    from cachex_agent.status import newest
+    earlier = {"updated": 1e9 + 3600, "state": "stopped",
+               "heartbeat": {"life": "a", "beat": 900, "generation": 4}}
+    later = {"updated": 1e9, "state": "running",
+             "heartbeat": {"life": "b", "beat": 2, "generation": 5}}
+    assert newest([earlier, later]) is later and newest([later, earlier]) is later
+    before = {"updated": 1e9 + 3600, "heartbeat": {"life": "c", "beat": 1}}  # no count
+    assert newest([before, later]) is later
+    hostile = {"updated": "soon", "heartbeat": {"life": "d", "generation": [7]}}
+    assert newest([hostile, later]) is later
+    one_life = [{**later, "heartbeat": {**later["heartbeat"], "beat": 3}, "updated": 0}, later]
+    assert newest(one_life) is one_life[0]      # the higher beat of one life
