@@ -49,7 +49,7 @@ from .events import EventCopy, EventLog
 from .flush.flusher import Flusher, flushed_report
 from .handles import ENDED, Stage, StageLog, State, is_done, is_failed, stage_state
 from .inbox import Inbox, exit_watchdog
-from .index import read_index
+from .index import NotAnIndex, read_index
 from .journal import Journal
 from .layout import (
     bundle_path,
@@ -385,7 +385,7 @@ class Agent:
         if not known:
             try:
                 known = read_index(self.paths.pfs).ids()
-            except (OSError, ValueError):   # none, or not an index: an unsafe one raises
+            except (OSError, NotAnIndex):  # none, or not an index: an unsafe one raises
                 pass
         return known
 

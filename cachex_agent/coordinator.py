@@ -76,7 +76,7 @@ from .decisions import (
 from .events import EventCopy, EventLog
 from .forecasts import Forecasts
 from .fsutil import makedirs, remove_under, write_json
-from .index import Index, read_index, write_index
+from .index import Index, NotAnIndex, read_index, write_index
 from .journal import Journal
 from .lanes import Lane
 from .manifest import GlobalManifest
@@ -157,7 +157,7 @@ class Coordinator:
         what was flushed, so it neither re-flushes nor reuses sequence numbers."""
         try:
             rows = read_index(self.pfs_run).checkpoints
-        except (OSError, ValueError):       # none, or not an index: an unsafe one raises
+        except (OSError, NotAnIndex):      # none, or not an index: an unsafe one raises
             return {}
         ckpts = {row.id: {"id": row.id, "seq": row.seq, "level": row.level,
                           "bytes": row.bytes, "times": {"flushed": row.flushed_at}}

@@ -17,7 +17,6 @@ coordinator later writes and purges.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +32,7 @@ VERSION = 1
 STATES = ("valid", "failed", "purged")
 
 
-class NotAnIndex(ValueError):
+class NotAnIndex(OperationError):
     """The file is no index at all (not JSON, another format or version)."""
 
 
@@ -94,7 +93,7 @@ def read_index(pfs_run: Path) -> Index:
     path = index_path(pfs_run)
     try:
         data = read_json(path)
-    except json.JSONDecodeError as exc:
+    except ValueError as exc:       # not JSON, or not UTF-8 at all
         raise NotAnIndex(f"{path}: not JSON ({exc})") from None
     return from_json(data, path)
 

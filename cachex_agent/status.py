@@ -24,7 +24,7 @@ from .beats import Unchanged
 from .config import Config
 from .errors import OperationError
 from .fsutil import read_json
-from .index import read_index
+from .index import NotAnIndex, read_index
 from .layout import index_path, status_paths
 from .risk import at_risk, risk_lines
 
@@ -71,7 +71,7 @@ def _newest_status(config: Config) -> dict[str, Any]:
         return newest(found)
     try:
         index = read_index(node0.pfs)
-    except (OSError, ValueError):       # none, or not an index: an unsafe one raises
+    except (OSError, NotAnIndex):      # none, or not an index: an unsafe one raises
         places = ", ".join(str(p) for p in [*status_paths(node0), index_path(node0.pfs)])
         unseen = ("; node 0's journal is on node 0 only, not visible from another node"
                   if config.topology.domain != "rank" else "")

@@ -39,7 +39,7 @@ import h5py
 import numpy as np
 
 from ..checksum import hasher
-from ..errors import OperationError, describe
+from ..errors import CachexError, OperationError, describe
 from ..fsutil import commit_rename, create_file, fsync_dir, makedirs, temp_name, trainer_mode
 from ..manifest import FileEntry, LocalManifest
 from ..safepath import checkpoint_id, component, index, relative_path
@@ -317,7 +317,9 @@ def is_complete(path: Path) -> bool:
         with _open(path) as h5:
             _checked_root(path, h5, need_complete=True)
             return True
-    except Exception:
+    except (OSError, ValueError, KeyError, CachexError):
+        # not HDF5, not ours, attributes of other types (an array's truth value, bytes
+        # that are no UTF-8): not a complete bundle. Any other error is a bug, raised
         return False
 
 

@@ -16,7 +16,7 @@ import json
 
 from ..config import Config
 from ..errors import OperationError
-from ..index import read_index
+from ..index import NotAnIndex, read_index
 from ..layout import (
     journal_global_manifest_path,
     local_manifest_path,
@@ -66,7 +66,7 @@ def level_of(config: Config, ckpt: str) -> str | None:
     pfs = config.node_paths(0).pfs
     try:
         return next(r.level for r in read_index(pfs).checkpoints if r.id == ckpt)
-    except (OSError, ValueError, StopIteration):
+    except (OSError, NotAnIndex, StopIteration):
         pass
     return "flushed" if pfs_manifest_path(pfs, ckpt).is_file() else None
 

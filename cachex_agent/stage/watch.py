@@ -17,6 +17,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from ..errors import CachexError
 from .rules import CommitRule
 
 __all__ = ["SpoolWatcher"]
@@ -151,7 +152,10 @@ class SpoolWatcher:
             self._note_directories()
             try:
                 ids = self.rule.committed(self.spool)
-            except Exception as exc:  # a dir deleted mid-scan, EACCES, a rule bug
+            except (OSError, ValueError, CachexError) as exc:
+                # a dir deleted mid-scan, EACCES, a trainer's file that does not parse or
+                # names an unsafe path: the next scan tries again. A rule's bug (any other
+                # error) ends the agent (the watcher's thread, threading.excepthook)
                 self._log_error(f"commit rule {self.rule.name} failed on {self.spool}: {exc!r}")
                 return []
             finally:
@@ -166,10 +170,7 @@ class SpoolWatcher:
                     continue
                 self._reported.add(ckpt_id)
                 new.append(ckpt_id)
-                try:
-                    self.on_commit(ckpt_id)
-                except Exception:
-                    log.exception("on_commit(%s) failed", ckpt_id)
+                self.on_commit(ckpt_id)     # its error is a bug: it ends the agent
             return new
 
     def _period(self) -> float:
@@ -240,7 +241,7 @@ class SpoolWatcher:
     def _open_inotify(self) -> None:
         try:
             self._inotify = INotify()
-        except Exception as exc:
+        except OSError as exc:      # no inotify instances left, or none in this kernel
             log.info("inotify unavailable (%s); polling %s every %gs", exc, self.spool,
                      self.scan)
             self._inotify_broken = True

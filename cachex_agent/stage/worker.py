@@ -336,8 +336,8 @@ def global_candidates(rule: CommitRule, spool: Path, ckpt: str) -> list[str]:
         inside = ([] if rule.is_file_checkpoint(spool, ckpt)
                   else rule.global_files(ckpt_dir(spool, ckpt)))
         return inside + [root_entry(n) for n in rule.root_entries(spool, ckpt)]
-    except OSError:
-        return []
+    except (OSError, ValueError, CachexError):   # gone, or a trainer's file that does not
+        return []                               # parse: as the watcher takes them
 
 
 def memory_allows(nbytes: int) -> bool:

@@ -444,3 +444,24 @@ def test_a_temporary_the_pfs_will_not_remove_is_named_then_swept(
     paths = NodePaths(tmp_path / "spool", tmp_path / "nostage", tmp_path / "cache", pfs)
     assert remove_stale(paths, manifest.node, coordinator=False) == [str(left[0])]
     assert list(out.iterdir()) == []
+
+
+def test_hostile_attributes_are_incomplete_and_a_bug_is_not_hidden(tmp_path: Path, bundle: Path,
+                                                                   monkeypatch) -> None:
+    """Attributes of other types (an array where a flag goes, bytes that are no UTF-8)
+    make a bundle incomplete; an error of the code's own (here a TypeError) is raised,
+    not taken for an incomplete bundle."""
+    with h5py.File(bundle, "r+", locking=False) as h5:
+        h5.attrs["complete"] = np.array([True, False])
+    assert not is_complete(bundle)
+    with h5py.File(bundle, "r+", locking=False) as h5:
+        h5.attrs["complete"] = True
+        h5.attrs["format"] = np.bytes_(b"\xff\xfe")
+    assert not is_complete(bundle)
+    from cachex_agent.flush import bundle as module
+
+    def broken(*_args, **_kwargs):
+        raise TypeError("a bug")
+    monkeypatch.setattr(module, "_checked_root", broken)
+    with pytest.raises(TypeError, match="a bug"):
+        is_complete(bundle)

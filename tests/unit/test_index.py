@@ -42,6 +42,16 @@ def test_a_file_that_is_no_index_is_told_apart(tmp_path: Path, text: str):
         read_index(tmp_path)
 
 
+def test_not_an_index_is_of_the_packages_error_family_also_for_bytes_that_are_no_text(
+        tmp_path: Path):
+    """Not UTF-8 at all was a bare UnicodeDecodeError: a traceback from `cachex index`."""
+    from cachex_agent.errors import CachexError
+    index_path(tmp_path).write_bytes(b"\xff\xfe{not text")
+    with pytest.raises(NotAnIndex, match="index.json: not JSON") as caught:
+        read_index(tmp_path)
+    assert isinstance(caught.value, CachexError) and not isinstance(caught.value, ValueError)
+
+
 @pytest.mark.parametrize("change, what", [
     ({"id": "../escape"}, "unsafe checkpoint id '../escape'"),
     ({"seq": "1"}, "seq of step_1 '1'"),

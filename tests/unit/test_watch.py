@@ -314,23 +314,36 @@ def test_rule_errors_do_not_kill_the_thread(tmp_path, make_watcher):
     assert rule.calls > 3 and watcher.alive
 
 
-def test_callback_errors_do_not_kill_the_thread(tmp_path):
+class BuggyRule(CommitRule):
+    """A rule with a bug (not an unreadable or unparsable trainer file)."""
+
+    name = "buggy"
+
+    def _select(self, spool: Path, names: list[str]) -> list[str]:
+        raise TypeError("a bug in the rule")
+
+
+@pytest.mark.parametrize("where", ["rule", "callback"])
+def test_a_bug_in_the_rule_or_the_callback_ends_the_watcher_through_excepthook(
+        tmp_path, monkeypatch, where):
+    """Only an unreadable spool or trainer file is retried: a bug reaches
+    threading.excepthook (the agent's ends the agent) instead of a watcher that goes
+    on without ever reporting the checkpoint."""
     spool = tmp_path / "spool"
-    spool.mkdir()
-    calls: list[str] = []
+    (spool / "a").mkdir(parents=True)
+    (spool / "a" / "OK").write_bytes(b"")
+    hooked: list[BaseException] = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: hooked.append(args.exc_value))
 
     def explode(ckpt_id: str) -> None:
-        calls.append(ckpt_id)
-        raise RuntimeError("boom")
-
-    watcher = SpoolWatcher(spool, MarkerRule("*/OK"), explode, scan=0.1, use_inotify=True)
+        raise RuntimeError(f"boom on {ckpt_id}")
+    rule = BuggyRule() if where == "rule" else MarkerRule("*/OK")
+    watcher = SpoolWatcher(spool, rule, explode, scan=0.1, use_inotify=True)
     watcher.start()
     try:
-        for name in ("a", "b"):
-            (spool / name).mkdir()
-            (spool / name / "OK").write_bytes(b"")
-            assert wait_for(lambda n=name: n in calls)
-        assert watcher.alive and calls == ["a", "b"]
+        assert wait_for(lambda: hooked and not watcher.alive)
+        expected = TypeError if where == "rule" else RuntimeError
+        assert isinstance(hooked[0], expected)
     finally:
         watcher.stop()
 
