@@ -17,12 +17,11 @@ flush not done -> flush again (a finished bundle is adopted); done -> never agai
 
 from __future__ import annotations
 
-import os
 import threading
 from enum import StrEnum
 from typing import Any, Protocol
 
-TEST_HOLD = "CACHEX_TEST_HOLD"  # tests: "<stage>:<node>" holds that stage in `running`
+from . import faults
 
 
 class Stage(StrEnum):
@@ -177,5 +176,5 @@ def is_failed(entry: dict[str, Any] | None) -> bool:
 
 def held_for_tests(stage: Stage, node: int) -> bool:
     """The integration tests' way to keep a stage `running` long enough to kill the
-    agent there (CACHEX_TEST_HOLD=<stage>:<node>); never set in production."""
-    return os.environ.get(TEST_HOLD) == f"{stage.value}:{node}"
+    agent there (faults.py); never so in production."""
+    return faults.held(stage.value, node)

@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from .. import faults
 from ..checksum import CHUNK, copy_with_checksum, file_problem, hasher
 from ..collective import wait
 from ..fsutil import makedirs, open_private, temp_name, trainer_mode
@@ -41,10 +42,6 @@ WORKERS = 2
 Problems = dict[str, str]
 Stop = Callable[[], bool]       # True: this rank was asked to stop (a signal)
 _ZEROS = np.zeros(CHUNK, np.uint8)      # what stands for a file its holder cannot send
-#: the integration tests' way to make a transfer between ranks last long enough to
-#: signal it midway (seconds the holder waits before each file after the first); never
-#: set in production
-TEST_PACE = "CACHEX_TEST_PACE"
 
 
 # ------------------------------------------------------------------------ local
@@ -107,7 +104,7 @@ def send_files(comm: Any, directory: Path, files: list[FileEntry], dest: int,
     problems: Problems = {}
     stream = _Sender(comm, dest, timeout, name)
     ends = _Ends(comm, dest, timeout, name, stop)
-    pace = float(os.environ.get(TEST_PACE) or 0)
+    pace = faults.pace()    # the tests' way to signal a transfer midway (faults.py)
     for k, entry in enumerate(files):
         if k and pace:
             time.sleep(pace)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import queue
 import threading
 import time
@@ -29,6 +28,7 @@ from typing import Any
 
 import psutil
 
+from .. import faults
 from ..config import Config
 from ..errors import CachexError, describe
 from ..fsutil import remove_under
@@ -57,10 +57,6 @@ from .rules import CommitRule
 log = logging.getLogger(__name__)
 MEMORY_RESERVE = 1 << 30    # capture by reference when the copy would leave less than this
 CAPTURE_ATTEMPTS = 3        # captures of a part that keeps changing before it fails
-TEST_FAIL_CAPTURE = "CACHEX_TEST_FAIL_CAPTURE"  # tests: this rank's capture thread raises
-# tests: "<node>:<dir>": after the first file of a checkpoint is copied, this node's
-# capture writes <dir>/paused-<ckpt> and waits for <dir>/resume-<ckpt>
-TEST_PAUSE = "CACHEX_TEST_CAPTURE_PAUSE"
 # where, entries, mode, why that mode (or why a link fell back to a copy), files linked
 Captured = tuple[Path, list[FileEntry], str, str, int]
 
@@ -88,7 +84,7 @@ class CaptureWorker:
         self.removed = removed
         self.queue: queue.Queue[CaptureHandle | None] = queue.Queue()
         self.handles: dict[str, CaptureHandle] = {}     # not ended yet
-        self._paused: set[str] = set()      # TEST_PAUSE: checkpoints paused once already
+        self._paused: set[str] = set()      # faults.capture_pause: paused once already
         self._thread = threading.Thread(target=self._loop, name="capture", daemon=True)
 
     def start(self) -> None:
@@ -131,10 +127,10 @@ class CaptureWorker:
                 self.handles.pop(handle.ckpt, None)
 
     def _fail_for_tests(self) -> None:
-        """The integration tests' way to raise an unexpected error in this thread; the
-        variable is never set in production."""
-        if os.environ.get(TEST_FAIL_CAPTURE) == str(self.placement.rank):
-            raise RuntimeError(f"{TEST_FAIL_CAPTURE}={self.placement.rank}")
+        """The integration tests' way to raise an unexpected error in this thread
+        (faults.py); never so in production."""
+        if faults.capture_fails(self.placement.rank):
+            raise RuntimeError(f"{faults.FAIL_CAPTURE}={self.placement.rank}")
 
     def _capture(self, handle: CaptureHandle) -> None:
         task, ckpt, seq = handle.task, handle.ckpt, handle.seq
@@ -154,8 +150,7 @@ class CaptureWorker:
                                node=self.placement.node, host=self.placement.host,
                                rank=self.placement.rank, files=[])
         target, entries, mode, reason, linked = self._capture_whole(
-            handle, source, vouched, deadline, self._streamer(handle, header),
-            self.feed if task.get("path", "peer") == "peer" else None)
+            handle, source, vouched, deadline, self._streamer(handle, header), feed)
         if held_for_tests(Stage.CAPTURE, self.placement.node):
             handle.cancelled.wait(3600)
         manifest = dataclasses.replace(header, files=entries, captured_at=time.time())
@@ -218,10 +213,10 @@ class CaptureWorker:
         return on_file
 
     def _pause_for_tests(self, handle: CaptureHandle) -> None:
-        """The integration tests' way to hold a capture between its files (TEST_PAUSE),
-        once per checkpoint; never set in production."""
-        node, _, where = os.environ.get(TEST_PAUSE, "").partition(":")
-        if node != str(self.placement.node) or handle.ckpt in self._paused:
+        """The integration tests' way to hold a capture between its files (faults.py),
+        once per checkpoint; never so in production."""
+        where = faults.capture_pause(self.placement.node)
+        if where is None or handle.ckpt in self._paused:
             return
         self._paused.add(handle.ckpt)
         Path(where, f"paused-{handle.ckpt}").touch()
