@@ -144,11 +144,11 @@ class CaptureWorker:
                                or self._wait_for_own_marker(handle, source, deadline))
         # A marker vouches at most for files written before it: a directory that
         # appeared after the commit gets this node's own check.
-        feed = self.feed if task.get("path", "peer") == "peer" else None
         vouched = self.rule.vouches_for(source) and not late
         header = LocalManifest(run=self.config.run, ckpt=ckpt, seq=seq,
                                node=self.placement.node, host=self.placement.host,
                                rank=self.placement.rank, files=[])
+        feed = self.feed if task.get("path", "peer") == "peer" else None
         target, entries, mode, reason, linked = self._capture_whole(
             handle, source, vouched, deadline, self._streamer(handle, header), feed)
         if held_for_tests(Stage.CAPTURE, self.placement.node):
