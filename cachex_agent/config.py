@@ -3,7 +3,9 @@
 Precedence (lowest first): built-in defaults < `cachex.toml` (or `--config`, or
 `$CACHEX_CONFIG`) < `CACHEX_<SECTION>_<KEY>` environment variables < `--set
 section.key=value` flags. Unknown keys and bad values raise `ConfigError` naming the key.
-The key names are a contract: scripts and tests use them.
+The key names are a contract: scripts and tests use them. Each key is declared once, as
+a field of its section's dataclass (`key`: default, parser with its type and range,
+meaning); the parsers, the meanings and the reference are read from those fields.
 
 Every number has a finite range (docs/configuration.md, generated from `reference()` by
 `python -m cachex_agent.config_doc`): a value past it is a typo or
@@ -20,7 +22,7 @@ import re
 import socket
 import tomllib
 from collections.abc import Callable, Mapping
-from dataclasses import MISSING, dataclass, fields
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -288,253 +290,227 @@ def check_scheme(peer: Peer) -> None:
                           f" (K+M), got {peer.group}")
 
 
+def key(default: Any, parse: Parser, meaning: str) -> Any:
+    """A configuration key, declared once: its default (MISSING: required), its parser
+    (type and range: the checks) and its meaning. The parsers by section, the meanings
+    and docs/configuration.md are all read from these declarations."""
+    extra = {} if default is MISSING else {"default": default}
+    return field(**extra, metadata={"parse": parse, "meaning": meaning})
+
+
 @dataclass(frozen=True)
 class Paths:
-    spool: str
-    pfs: str
-    stage: str = "/dev/shm/cachex-$USER"
-    cache: str = "/tmp/cachex-$USER"
+    spool: str = key(MISSING, _text,
+                     "The trainer's checkpoint directory on this node, the one the agent watches."
+                     " Created if its parent exists.")
+    pfs: str = key(MISSING, _text,
+                   "The parallel file system's directory for cachex. Must exist; `<pfs>/<run>/`"
+                   " is created.")
+    stage: str = key("/dev/shm/cachex-$USER", _text,
+                     "Local memory (tmpfs), owned by the agent: the captured copies.")
+    cache: str = key("/tmp/cachex-$USER", _text,
+                     "Node-local disk (NVMe), owned by the agent: the journal, events and the"
+                     " replicas kept for partners.")
 
 
 @dataclass(frozen=True)
 class Topology:
-    domain: str = "node"
-    exclude: tuple[str, ...] = ()   # hosts never to use (SCR_EXCLUDE_NODES)
-    min_nodes: int = 0              # fewer agents than this: refuse (SCR_MIN_NODES)
+    domain: str = key("node", _choice("node", "rank", prefixes=("regex:", "file:")),
+                      "Failure domains, so that partners sit in another one: `node` (one agent"
+                      " per host name), `rank` (every agent its own node: tests on one machine),"
+                      " `regex:<re>` (the domain is the first match of <re> in the host name, or"
+                      " its first group), `file:<path>` (lines `host domain`, `#` comments; every"
+                      " host must be listed).")
+    exclude: tuple[str, ...] = key((), _hosts,
+                                   "Nodes never to use (host names, as `hostname` prints them):"
+                                   " an agent started on one refuses, and the job templates leave"
+                                   " them out of the node set (`EXCLUDE_NODES`).")
+    min_nodes: int = key(0, _int(0),
+                         "The fewest nodes to go on with: agents started on fewer refuse (exit"
+                         " 2); the job templates start on fewer nodes than `NODES` when some are"
+                         " excluded or missing, down to this many (`MIN_NODES`). 0: no minimum.")
 
 
 @dataclass(frozen=True)
 class Commit:
-    rule: str = "auto"
-    settle: float = 2.0
-    timeout: float = 600.0      # how long an agent waits for its own files after a commit
-    scan: float = 5.0           # polling rescan period (inotify is the fast path)
-    mirror: bool = True         # mirror global metadata files to every node's spool
-    globals: tuple[str, ...] = ()   # more coordinator-only files (DCP: "__0_0.distcp")
+    rule: str = key("auto", _choice("auto", "dcp", "deepspeed", "megatron", "hf", "orbax",
+                                    "torch", "quiescence", prefixes=("marker:",)),
+                    "How a checkpoint in the spool is known complete: `auto` recognises each of"
+                    " the others per checkpoint; `dcp` (PyTorch DCP `.metadata`), `deepspeed`"
+                    " (`latest`), `megatron` (tracker or `metadata.json`), `hf`"
+                    " (`trainer_state.json`), `orbax` (renamed step directory or"
+                    " `commit_success.txt`), `torch` (single files at the spool root, once"
+                    " settled), `marker:<glob>` (a file the trainer writes last, glob relative to"
+                    " the spool), `quiescence` (nothing open for writing and nothing changed for"
+                    " `commit.settle`).")
+    settle: float = key(2.0, _duration(),
+                        "How long a node's files must stay unchanged before they are captured"
+                        " when the rule's marker does not vouch for every node (`quiescence`,"
+                        " `marker:<glob>`, `torch`, `hf`, `deepspeed`).")
+    timeout: float = key(600.0, _duration(1.0),
+                         "How long every node may take to capture its part after a commit (its"
+                         " directory may appear late); past it the checkpoint fails.")
+    scan: float = key(5.0, _duration(1e-3),
+                      "Period of the polling rescan of the spool; inotify is the fast path.")
+    mirror: bool = key(True, _bool,
+                       "Put the global files (written by one node only, e.g. DCP's `.metadata`)"
+                       " into every node's spool once every node captured.")
+    globals: tuple[str, ...] = key((), _names,
+                                   "More files that only one node writes and every rank reads,"
+                                   " e.g. `[\"__0_0.distcp\"]` for DCP saved with"
+                                   " `dedup_save_to_lowest_rank=True`.")
 
 
 @dataclass(frozen=True)
 class Staging:
-    capture: str = "auto"       # auto | link | copy (stage/capture.py)
+    capture: str = key("auto", _choice("auto", "link", "copy"),
+                       "How a node's part goes from the spool into the stage: `auto` hard-links"
+                       " the files of a framework that writes every save into new files (`dcp`,"
+                       " `deepspeed`, `megatron`, `hf`, `orbax`) when spool and stage share a"
+                       " file system, and copies the others; `link` hard-links every file it can"
+                       " (trackers excepted); `copy` always copies. A linked file is the"
+                       " trainer's own: one rewritten in place later fails its checksum and is"
+                       " never served (docs/levels.md).")
 
 
 @dataclass(frozen=True)
 class Peer:
-    copies: int = 1
-    stride: int = 1
-    slot: int = 16 * 1024**2
-    slots: int = 4
-    streams: int = 0            # files in flight per partner, partner write lanes; 0: auto
-    scheme: str = "copy"        # copy | xor | rs:K+M (peer/erasure.py)
-    group: int = 4              # nodes per erasure group (xor, rs:K+M)
+    copies: int = key(1, _int(1, 64), "Partners per node, each in a different failure domain.")
+    stride: int = key(1, _int(1),
+                      "The partners of node i are i+stride, i+2*stride, ... on the ring of nodes,"
+                      " skipping the node's own failure domain.")
+    slot: int = key(16 * 1024**2, _buffer_size,
+                    "Size of one RMA slot. Each owner replicating to a partner has `peer.slots`"
+                    " slots in the partner's window.")
+    slots: int = key(4, _int(1, 1024),
+                     "Slots per owner in each partner's window: transfers in flight.")
+    streams: int = key(0, _int(0, 16),
+                       "Files of one part in flight to each partner at once (their slots"
+                       " interleaved), and the partner's threads writing them, one file per"
+                       " thread. 0: one per two CPUs the agent is given (`agent.cpus`), at most"
+                       " 4. A part streamed while its capture hashes it goes one file at a time"
+                       " whatever this says: the capture reads them in turn.")
+    scheme: str = key("copy", _scheme,
+                      "Redundancy of the node-local copies: `copy` (a full copy on each of"
+                      " `peer.copies` partners), `xor` (one parity over each group of"
+                      " `peer.group` nodes: survives one lost node per group), `rs:K+M`"
+                      " (Reed-Solomon, M parities over groups of K+M nodes: survives M lost nodes"
+                      " per group; needs MPI_THREAD_MULTIPLE). See docs/redundancy.md.")
+    group: int = key(4, _int(2, MAX_GROUP),
+                     "Nodes per erasure group, each in a different failure domain (`xor`: any"
+                     " size, K = group-1; `rs:K+M`: must be K+M). Ignored by `copy`.")
 
 
 @dataclass(frozen=True)
 class Flush:
-    bandwidth: int = 0          # bytes/s per node, 0 = unlimited
-    concurrency: int = 1
-    writers: int = 1            # threads copying files into one bundle at once
-    every: int = 1
-    chunk: int = 8 * 1024**2
-    retry_max: float = 60.0     # cap of the exponential backoff between retries
-    drain_timeout: float = 600.0
-    verify: bool = True         # re-read the renamed bundle and compare checksums
-    nice: int = 10
+    bandwidth: int = key(0, _size(0, MAX_BANDWIDTH),
+                         "Bytes per second per node written to the PFS, enforced by a token"
+                         " bucket; 0 is unlimited.")
+    concurrency: int = key(1, _int(1, 64),
+                           "Bundles in flight per node, each of another checkpoint.")
+    writers: int = key(1, _int(1, 64),
+                       "Threads copying files into one bundle at once, a `flush.chunk` buffer"
+                       " each.")
+    every: int = key(1, _int(1),
+                     "Flush every k-th checkpoint. The newest is always flushed at the drain, and"
+                     " a direct-path checkpoint always.")
+    chunk: int = key(8 * 1024**2, _buffer_size,
+                     "I/O size of capture and flush, and the verify's window.")
+    retry_max: float = key(60.0, _duration(),
+                           "Cap of the jittered exponential backoff between flush retries.")
+    drain_timeout: float = key(600.0, _duration(),
+                               "How long `cachex stop` or SIGTERM waits for pending flushes.")
+    verify: bool = key(True, _bool,
+                       "Re-read each renamed bundle and compare checksums before reporting it"
+                       " flushed.")
+    nice: int = key(10, _int(0, 19),
+                    "CPU nice value of the flush threads (their I/O runs best-effort at the"
+                    " lowest priority).")
 
 
 @dataclass(frozen=True)
 class Keep:
-    stage: int = 1
-    replica: int = 2
-    pfs: int = 0
+    stage: int = key(1, _int(0),
+                     "Captured checkpoints kept in the stage; one whose replication or flush is"
+                     " pending is never evicted. 0 keeps all.")
+    replica: int = key(2, _int(0), "Replicas kept per owner on each partner. 0 keeps all.")
+    pfs: int = key(0, _int(0),
+                   "Flushed checkpoints kept on the PFS; older ones are purged. 0 keeps all.")
 
 
 @dataclass(frozen=True)
 class Model:
-    path: str = "auto"
-    crash_rate: float = 0.05    # trainer crashes per hour (whole job)
-    node_rate: float = 0.001    # node losses per node-hour
-    job_rate: float = 0.01      # allocation losses per hour (preemption, system faults)
-    period: float = 0.0         # checkpoint period for `model plan`; 0 = the observed one
-    window: int = 32            # checkpoints the online path choice learns from
-    explore: int = 16           # after this many direct checkpoints, one goes peer
+    path: str = key("auto", _choice("auto", "peer", "direct"),
+                    "The write path: `peer` (replicate to the partners, and flush beside it),"
+                    " `direct` (flush right after capture, no replica), `auto` (per checkpoint,"
+                    " the path the model expects to lose less work).")
+    crash_rate: float = key(0.05, _rate, "Trainer crashes per hour, for the whole job.")
+    node_rate: float = key(0.001, _rate,
+                           "Node losses per node-hour; with the checkpoint period it gives the"
+                           " chance that a group loses more than `peer.scheme` rebuilds"
+                           " (docs/model.md).")
+    job_rate: float = key(0.01, _rate, "Allocation losses per hour (preemption, system faults).")
+    period: float = key(0.0, _duration(),
+                        "Checkpoint period for `cachex model plan`; 0 takes the observed one.")
+    window: int = key(32, _int(4), "Checkpoints the online path choice learns from.")
+    explore: int = key(16, _int(0),
+                       "After this many direct checkpoints in a row, one goes by the peer path to"
+                       " refresh the replication estimate.")
 
 
 @dataclass(frozen=True)
 class Metrics:
-    path: str = ""              # empty: no metrics file
-    period: float = 15.0
+    path: str = key("", _prom,
+                    "A Prometheus text-format file the coordinator rewrites (node_exporter's"
+                    " textfile collector: point its `--collector.textfile.directory` here);"
+                    " `{run}`, `{host}`, `{job}` and `$VARS` are filled in. Written 0644: the"
+                    " collector may run as another user. Empty: none. docs/commands.md lists the"
+                    " metrics.")
+    period: float = key(15.0, _duration(1.0),
+                        "How often the metrics file is rewritten (at the next status write after"
+                        " it).")
 
 
 @dataclass(frozen=True)
 class Agent:
-    poll: float = 0.02          # main loop tick
-    timeout: float = 60.0       # bound on every wait for another agent
-    log: str = "info"
-    fanout: int = 16            # children per agent in the coordinator's broadcast tree
-    nice: int = 0               # CPU nice value of every agent thread (priority.py)
-    sched: str = "other"        # scheduling policy of every agent thread
-    cpus: tuple[int, ...] = ()  # the CPUs of every agent thread; (): the step's binding
+    poll: float = key(0.02, _duration(1e-3), "Main loop tick; 100ms after 2s with nothing to do.")
+    timeout: float = key(60.0, _duration(1.0),
+                         "Bound on every wait for another agent (credits, collectives, recovery"
+                         " transfers); a partner silent this long is taken for dead.")
+    log: str = key("info", _choice("debug", "info", "warning", "error"), "Log level.")
+    fanout: int = key(16, _int(2, 1024),
+                      "Children per agent in the tree that carries the coordinator's messages to"
+                      " every agent: each message is serialized once and forwarded, never sent N"
+                      " times by one thread (docs/architecture.md).")
+    nice: int = key(0, _int(0, 19),
+                    "CPU nice value of every agent thread, set at start-up (the flush threads run"
+                    " at the larger of this and `flush.nice`).")
+    sched: str = key("other", _choice("other", "batch", "idle"),
+                     "Scheduling policy of every agent thread: `other` (the default), `batch` (no"
+                     " wake-up preemption of the trainer), `idle` (only CPU nothing else wants)."
+                     " See docs/benchmarks.md for what each costs partner-durable.")
+    cpus: tuple[int, ...] = key((), _cpus,
+                                "CPUs every agent thread runs on, a subset of the job step's"
+                                " binding (`srun --cpu-bind`, a cgroup's cpuset): empty keeps the"
+                                " binding. The agent sizes its threads (`peer.streams` = 0) from"
+                                " this set, and refuses to start if a CPU named here is not in"
+                                " the binding.")
 
 
-_PARSERS: dict[str, dict[str, Parser]] = {
-    "paths": {"spool": _text, "pfs": _text, "stage": _text, "cache": _text},
-    "topology": {"domain": _choice("node", "rank", prefixes=("regex:", "file:")),
-                 "exclude": _hosts, "min_nodes": _int(0)},
-    "commit": {
-        "rule": _choice("auto", "dcp", "deepspeed", "megatron", "hf", "orbax", "torch",
-                        "quiescence", prefixes=("marker:",)),
-        "settle": _duration(), "timeout": _duration(1.0), "scan": _duration(1e-3),
-        "mirror": _bool, "globals": _names,
-    },
-    "stage": {"capture": _choice("auto", "link", "copy")},
-    "peer": {"copies": _int(1, 64), "stride": _int(1), "slot": _buffer_size,
-             "slots": _int(1, 1024), "streams": _int(0, 16), "scheme": _scheme,
-             "group": _int(2, MAX_GROUP)},
-    "flush": {
-        "bandwidth": _size(0, MAX_BANDWIDTH), "concurrency": _int(1, 64), "writers": _int(1, 64),
-        "every": _int(1),
-        "chunk": _buffer_size, "retry_max": _duration(), "drain_timeout": _duration(),
-        "verify": _bool, "nice": _int(0, 19),
-    },
-    "keep": {"stage": _int(0), "replica": _int(0), "pfs": _int(0)},
-    "model": {"path": _choice("auto", "peer", "direct"), "crash_rate": _rate,
-              "node_rate": _rate, "job_rate": _rate, "period": _duration(),
-              "window": _int(4), "explore": _int(0)},
-    "agent": {"poll": _duration(1e-3), "timeout": _duration(1.0),
-              "log": _choice("debug", "info", "warning", "error"), "fanout": _int(2, 1024),
-              "nice": _int(0, 19), "sched": _choice("other", "batch", "idle"),
-              "cpus": _cpus},
-    "metrics": {"path": _prom, "period": _duration(1.0)},
-}
 _SECTIONS = {"paths": Paths, "topology": Topology, "commit": Commit, "stage": Staging,
-             "peer": Peer,
-             "flush": Flush, "keep": Keep, "model": Model, "agent": Agent,
+             "peer": Peer, "flush": Flush, "keep": Keep, "model": Model, "agent": Agent,
              "metrics": Metrics}
+_PARSERS: dict[str, dict[str, Parser]] = {
+    name: {f.name: f.metadata["parse"] for f in fields(cls)} for name, cls in _SECTIONS.items()}
 _RESERVED_ENV = {"CACHEX_CONFIG"}
 
-# What each key means, beside its parser: docs/configuration.md is generated from these
+# What each key means (from its declaration): docs/configuration.md is generated from these
 # (`python -m cachex_agent.config_doc`) and a unit test keeps the file equal to the output.
 MEANINGS: dict[str, str] = {
     "run": "The run's name. Checkpoints of a run survive relaunches and later jobs: every"
            " directory of the run is `<root>/<run>`.",
-    "paths.spool": "The trainer's checkpoint directory on this node, the one the agent"
-                   " watches. Created if its parent exists.",
-    "paths.pfs": "The parallel file system's directory for cachex. Must exist;"
-                 " `<pfs>/<run>/` is created.",
-    "paths.stage": "Local memory (tmpfs), owned by the agent: the captured copies.",
-    "paths.cache": "Node-local disk (NVMe), owned by the agent: the journal, events and the"
-                   " replicas kept for partners.",
-    "topology.domain": "Failure domains, so that partners sit in another one: `node` (one"
-                       " agent per host name), `rank` (every agent its own node: tests on"
-                       " one machine), `regex:<re>` (the domain is the first match of <re>"
-                       " in the host name, or its first group), `file:<path>` (lines"
-                       " `host domain`, `#` comments; every host must be listed).",
-    "topology.exclude": "Nodes never to use (host names, as `hostname` prints them): an"
-                        " agent started on one refuses, and the job templates leave them"
-                        " out of the node set (`EXCLUDE_NODES`).",
-    "topology.min_nodes": "The fewest nodes to go on with: agents started on fewer refuse"
-                          " (exit 2); the job templates start on fewer nodes than `NODES`"
-                          " when some are excluded or missing, down to this many"
-                          " (`MIN_NODES`). 0: no minimum.",
-    "commit.rule": "How a checkpoint in the spool is known complete: `auto` recognises"
-                   " each of the others per checkpoint; `dcp` (PyTorch DCP `.metadata`),"
-                   " `deepspeed` (`latest`), `megatron` (tracker or `metadata.json`), `hf`"
-                   " (`trainer_state.json`), `orbax` (renamed step directory or"
-                   " `commit_success.txt`), `torch` (single files at the spool root, once"
-                   " settled), `marker:<glob>` (a file the trainer writes last, glob"
-                   " relative to the spool), `quiescence` (nothing open for writing and"
-                   " nothing changed for `commit.settle`).",
-    "commit.settle": "How long a node's files must stay unchanged before they are captured"
-                     " when the rule's marker does not vouch for every node (`quiescence`,"
-                     " `marker:<glob>`, `torch`, `hf`, `deepspeed`).",
-    "commit.timeout": "How long every node may take to capture its part after a commit (its"
-                      " directory may appear late); past it the checkpoint fails.",
-    "commit.scan": "Period of the polling rescan of the spool; inotify is the fast path.",
-    "commit.mirror": "Put the global files (written by one node only, e.g. DCP's"
-                     " `.metadata`) into every node's spool once every node captured.",
-    "commit.globals": "More files that only one node writes and every rank reads, e.g."
-                      " `[\"__0_0.distcp\"]` for DCP saved with"
-                      " `dedup_save_to_lowest_rank=True`.",
-    "stage.capture": "How a node's part goes from the spool into the stage: `auto` hard-links"
-                     " the files of a framework that writes every save into new files"
-                     " (`dcp`, `deepspeed`, `megatron`, `hf`, `orbax`) when spool and stage"
-                     " share a file system, and copies the others; `link` hard-links every"
-                     " file it can (trackers excepted); `copy` always copies. A linked file"
-                     " is the trainer's own: one rewritten in place later fails its checksum"
-                     " and is never served (docs/levels.md).",
-    "peer.copies": "Partners per node, each in a different failure domain.",
-    "peer.stride": "The partners of node i are i+stride, i+2*stride, ... on the ring of"
-                   " nodes, skipping the node's own failure domain.",
-    "peer.slot": "Size of one RMA slot. Each owner replicating to a partner has `peer.slots`"
-                 " slots in the partner's window.",
-    "peer.slots": "Slots per owner in each partner's window: transfers in flight.",
-    "peer.streams": "Files of one part in flight to each partner at once (their slots"
-                    " interleaved), and the partner's threads writing them, one file per"
-                    " thread. 0: one per two CPUs the agent is given (`agent.cpus`), at most"
-                    " 4. A part streamed while its capture hashes it goes one file at a time"
-                    " whatever this says: the capture reads them in turn.",
-    "peer.scheme": "Redundancy of the node-local copies: `copy` (a full copy on each of"
-                   " `peer.copies` partners), `xor` (one parity over each group of"
-                   " `peer.group` nodes: survives one lost node per group), `rs:K+M`"
-                   " (Reed-Solomon, M parities over groups of K+M nodes: survives M lost"
-                   " nodes per group; needs MPI_THREAD_MULTIPLE). See docs/redundancy.md.",
-    "peer.group": "Nodes per erasure group, each in a different failure domain (`xor`:"
-                  " any size, K = group-1; `rs:K+M`: must be K+M). Ignored by `copy`.",
-    "flush.bandwidth": "Bytes per second per node written to the PFS, enforced by a token"
-                       " bucket; 0 is unlimited.",
-    "flush.concurrency": "Bundles in flight per node, each of another checkpoint.",
-    "flush.writers": "Threads copying files into one bundle at once, a `flush.chunk` buffer"
-                     " each.",
-    "flush.every": "Flush every k-th checkpoint. The newest is always flushed at the drain,"
-                   " and a direct-path checkpoint always.",
-    "flush.chunk": "I/O size of capture and flush, and the verify's window.",
-    "flush.retry_max": "Cap of the jittered exponential backoff between flush retries.",
-    "flush.drain_timeout": "How long `cachex stop` or SIGTERM waits for pending flushes.",
-    "flush.verify": "Re-read each renamed bundle and compare checksums before reporting it"
-                    " flushed.",
-    "flush.nice": "CPU nice value of the flush threads (their I/O runs best-effort at the"
-                  " lowest priority).",
-    "keep.stage": "Captured checkpoints kept in the stage; one whose replication or flush is"
-                  " pending is never evicted. 0 keeps all.",
-    "keep.replica": "Replicas kept per owner on each partner. 0 keeps all.",
-    "keep.pfs": "Flushed checkpoints kept on the PFS; older ones are purged. 0 keeps all.",
-    "model.path": "The write path: `peer` (replicate to the partners, and flush beside it),"
-                  " `direct` (flush right after capture, no replica), `auto` (per"
-                  " checkpoint, the path the model expects to lose less work).",
-    "model.crash_rate": "Trainer crashes per hour, for the whole job.",
-    "model.node_rate": ("Node losses per node-hour; with the checkpoint period it gives the"
-                        " chance that a group loses more than `peer.scheme` rebuilds"
-                        " (docs/model.md)."),
-    "model.job_rate": "Allocation losses per hour (preemption, system faults).",
-    "model.period": "Checkpoint period for `cachex model plan`; 0 takes the observed one.",
-    "model.window": "Checkpoints the online path choice learns from.",
-    "model.explore": "After this many direct checkpoints in a row, one goes by the peer path"
-                     " to refresh the replication estimate.",
-    "agent.poll": "Main loop tick; 100ms after 2s with nothing to do.",
-    "agent.timeout": "Bound on every wait for another agent (credits, collectives,"
-                     " recovery transfers); a partner silent this long is taken for dead.",
-    "agent.log": "Log level.",
-    "agent.fanout": "Children per agent in the tree that carries the coordinator's messages"
-                    " to every agent: each message is serialized once and forwarded, never"
-                    " sent N times by one thread (docs/architecture.md).",
-    "agent.nice": "CPU nice value of every agent thread, set at start-up (the flush threads"
-                  " run at the larger of this and `flush.nice`).",
-    "agent.sched": "Scheduling policy of every agent thread: `other` (the default), `batch`"
-                   " (no wake-up preemption of the trainer), `idle` (only CPU nothing else"
-                   " wants). See docs/benchmarks.md for what each costs partner-durable.",
-    "agent.cpus": "CPUs every agent thread runs on, a subset of the job step's binding"
-                  " (`srun --cpu-bind`, a cgroup's cpuset): empty keeps the binding. The"
-                  " agent sizes its threads (`peer.streams` = 0) from this set, and refuses"
-                  " to start if a CPU named here is not in the binding.",
-    "metrics.path": "A Prometheus text-format file the coordinator rewrites (node_exporter's"
-                    " textfile collector: point its `--collector.textfile.directory` here);"
-                    " `{run}`, `{host}`, `{job}` and `$VARS` are filled in. Written 0644: the"
-                    " collector may run as another user. Empty: none. docs/commands.md lists"
-                    " the metrics.",
-    "metrics.period": "How often the metrics file is rewritten (at the next status write"
-                      " after it).",
-}
+    **{f"{name}.{f.name}": f.metadata["meaning"]
+       for name, cls in _SECTIONS.items() for f in fields(cls)}}
 
 
 @dataclass(frozen=True)
@@ -552,10 +528,10 @@ def reference() -> list[KeyReference]:
     rows = [KeyReference("run", "string", "`$SLURM_JOB_NAME`, else `cachex`",
                          "a plain name without `/`", MEANINGS["run"])]
     for section, cls in _SECTIONS.items():
-        for field in fields(cls):
-            key, parser = f"{section}.{field.name}", _PARSERS[section][field.name]
-            rows.append(KeyReference(key, parser.kind, _shown_default(field, parser),
-                                     parser.limits, MEANINGS[key]))
+        for declared in fields(cls):
+            name, parser = f"{section}.{declared.name}", _PARSERS[section][declared.name]
+            rows.append(KeyReference(name, parser.kind, _shown_default(declared, parser),
+                                     parser.limits, MEANINGS[name]))
     return rows
 
 
