@@ -228,6 +228,8 @@ class ReplicaStore:
                 continue
             # its task is done when the lane is: `unfinished_tasks` counts lane work too
             lane = self._lanes[args[3] % len(self._lanes)]
+            if len(item.writes) > 4 * len(self._lanes):     # bounded whatever the part's size
+                item.writes = [w for w in item.writes if not w.done()]
             item.writes.append(lane.submit(self._task, kind, args))
         self._tasks.task_done()
 
@@ -243,6 +245,10 @@ class ReplicaStore:
 
     def _do_begin(self, owner: int, manifest: LocalManifest, streamed: bool) -> None:
         partial = partial_dir(self.root, owner, manifest.ckpt)
+        earlier = self._incoming.get((owner, manifest.ckpt))
+        if earlier is not None:         # begun again without an end (the owner restarted)
+            earlier.written_out()
+            self._abandon(earlier)      # its descriptors too
         item = _Incoming(manifest, partial, streamed=streamed)
         self._incoming[(owner, manifest.ckpt)] = item
         self.events.emit("replica_start", ckpt=manifest.ckpt, seq=manifest.seq, owner=owner,
