@@ -87,12 +87,12 @@ from .peer.mirror import Mirror
 from .peer.partners import domains_of, metadata_holders, replication_map
 from .peer.replicator import Replicator
 from .priority import bind_cpus, cpu_list, lower_process, streams
+from .rules import make_rule, natural_key
+from .rules.quiescence import pid_namespace, skip_processes
 from .runlock import RunLock, stale_after
 from .safepath import UnsafeInput
-from .stage.quiescence import pid_namespace, skip_processes
 from .stage.remover import Remover
 from .stage.retention import forget_ended, retain_stage
-from .stage.rules import make_rule, natural_key
 from .stage.watch import SpoolWatcher
 from .stage.worker import CaptureWorker, global_candidates
 from .topology import place_checked

@@ -30,6 +30,7 @@ import psutil
 
 from .errors import ConfigError
 from .layout import NodePaths
+from .rules.registry import MARKER, RULE_MEANING, RULE_NAMES
 
 KiB, MiB, GiB, TiB = 1024, 1024**2, 1024**3, 1024**4
 MAX_BUFFER = GiB            # peer.slot, flush.chunk: past 1GiB nothing gets faster, memory goes
@@ -333,16 +334,7 @@ class Topology:
 
 @dataclass(frozen=True)
 class Commit:
-    rule: str = key("auto", _choice("auto", "dcp", "deepspeed", "megatron", "hf", "orbax",
-                                    "torch", "quiescence", prefixes=("marker:",)),
-                    "How a checkpoint in the spool is known complete: `auto` recognises each of"
-                    " the others per checkpoint; `dcp` (PyTorch DCP `.metadata`), `deepspeed`"
-                    " (`latest`), `megatron` (tracker or `metadata.json`), `hf`"
-                    " (`trainer_state.json`), `orbax` (renamed step directory or"
-                    " `commit_success.txt`), `torch` (single files at the spool root, once"
-                    " settled), `marker:<glob>` (a file the trainer writes last, glob relative to"
-                    " the spool), `quiescence` (nothing open for writing and nothing changed for"
-                    " `commit.settle`).")
+    rule: str = key("auto", _choice(*RULE_NAMES, prefixes=(MARKER,)), RULE_MEANING)
     settle: float = key(2.0, _duration(),
                         "How long a node's files must stay unchanged before they are captured"
                         " when the rule's marker does not vouch for every node (`quiescence`,"

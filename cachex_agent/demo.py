@@ -33,8 +33,8 @@ from .model.summary import fit_text
 from .recovery.catalog import require_global
 from .recovery.export import export
 from .recovery.verify import verify
+from .rules import natural_key
 from .shipped import trainer as shipped_trainer
-from .stage.rules import natural_key
 from .status import format_ls, load_status
 
 BIN = Path(sys.executable).parent

@@ -27,10 +27,10 @@ domain = "{domain}"
 {body}'''
 
 
-def virtual_nodes_config(root: Path, run: str, body: str = "", model: str = 'path = "peer"'
-                         ) -> str:
+def virtual_nodes_config(root: Path, run: str, body: str = "", model: str = 'path = "peer"',
+                         spool: str = "spool") -> str:
     """Spool, stage, cache per virtual node (`{node}`), one PFS; failure domain `rank`."""
-    return cluster_config(run, f"{root}/node{{node}}/spool", f"{root}/node{{node}}/shm",
+    return cluster_config(run, f"{root}/node{{node}}/{spool}", f"{root}/node{{node}}/shm",
                           f"{root}/node{{node}}/nvme", f"{root}/pfs", "rank", body, model)
 
 

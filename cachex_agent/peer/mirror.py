@@ -12,7 +12,7 @@ from ..errors import CachexError, describe
 from ..events import EventLog
 from ..journal import Journal
 from ..layout import NodePaths, global_files_dir, spool_root_name
-from ..stage.rules import natural_key, tracker_names, tracker_text
+from ..rules import natural_key, tracker_names, tracker_text
 from .globals import mirror_file
 
 log = logging.getLogger(__name__)

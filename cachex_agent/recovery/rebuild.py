@@ -80,7 +80,7 @@ from ..manifest import FileEntry, GlobalManifest, LocalManifest
 from ..peer.partners import replication_map
 from ..peer.store import commit_replica, partial_dir
 from ..progress import Done, Progress, quiet
-from ..stage.rules import checkpoint_names, natural_key, tracker_text
+from ..rules import checkpoint_names, natural_key, tracker_text
 from ..status import human_size
 from ..topology import Placement, place_checked
 from . import discover, holdings, slices, transfer

@@ -56,7 +56,7 @@ from ..fsutil import (
     trainer_mode,
 )
 from ..manifest import PENDING, FileEntry
-from .quiescence import FileState
+from ..rules.quiescence import FileState
 
 
 class PieceSink(Protocol):

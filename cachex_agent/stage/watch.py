@@ -18,7 +18,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import CachexError
-from .rules import CommitRule
+from ..rules import CommitRule
 
 __all__ = ["SpoolWatcher"]
 

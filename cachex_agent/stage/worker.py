@@ -37,6 +37,9 @@ from ..journal import Journal
 from ..layout import NodePaths, ckpt_dir, root_entry
 from ..manifest import PENDING, FileEntry, LocalManifest
 from ..messages import FileCaptured
+from ..rules import CommitRule
+from ..rules.base import holds_match
+from ..rules.quiescence import FileState, snapshot, wait_for_directory, wait_settled
 from ..topology import Placement
 from .capture import (
     CaptureError,
@@ -51,8 +54,6 @@ from .capture import (
     is_stage_full,
     part_changes,
 )
-from .quiescence import FileState, snapshot, wait_for_directory, wait_settled
-from .rules import CommitRule
 
 log = logging.getLogger(__name__)
 MEMORY_RESERVE = 1 << 30    # capture by reference when the copy would leave less than this
@@ -142,6 +143,7 @@ class CaptureWorker:
         # a single file is written by one rank: a node without it holds an empty part
         late = not single and (self._wait_for_part(handle, source, deadline)
                                or self._wait_for_own_marker(handle, source, deadline))
+        self._wait_for_tracker(handle, ckpt)
         # A marker vouches at most for files written before it: a directory that
         # appeared after the commit gets this node's own check.
         vouched = self.rule.vouches_for(source) and not late
@@ -190,17 +192,30 @@ class CaptureWorker:
     def _wait_for_own_marker(self, handle: CaptureHandle, source: Path, deadline: float
                              ) -> bool:
         """A node that saves writes its own marker, with no barrier before it (HF's
-        `trainer_state.json`): wait for it; True if it was not there yet."""
+        `trainer_state.json`, Accelerate's RNG state): wait for it; True if it was not
+        there yet."""
         marker = self.rule.own_marker(source)
-        if marker is None or (source / marker).is_file():
+        if marker is None or holds_match(source, marker):
             return False
         handle.note("capture_waiting", reason=f"{source / marker}: this node's marker not"
                     " there yet", timeout=self.config.commit.timeout)
-        while not (source / marker).is_file():
+        while not holds_match(source, marker):
             if time.monotonic() > deadline or handle.cancelled.wait(0.05):
                 raise CaptureError(f"{source / marker}: this node's marker did not appear"
                                    f" within commit.timeout")
         return True
+
+    def _wait_for_tracker(self, handle: CaptureHandle, ckpt: str) -> None:
+        """A tracker the trainer writes just after the save the commit saw (the rule's
+        `tracker_due`) is captured with it if it comes within `commit.settle`; past
+        that the checkpoint is captured without it (a trainer that writes none)."""
+        if self.rule.tracker_due(self.paths.spool, ckpt) is None:
+            return
+        until = time.monotonic() + self.config.commit.settle
+        while (self.rule.tracker_due(self.paths.spool, ckpt) is not None
+               and time.monotonic() < until):
+            if handle.cancelled.wait(0.02):
+                return
 
     def _streamer(self, handle: CaptureHandle, header: LocalManifest) -> OnFile:
         """Post each copied file to the agent (the replicator streams it)."""

@@ -98,21 +98,22 @@ class Cluster:
 
     def __init__(self, root: Path, nodes: int = 4, extra: str = "", rule: str = "dcp",
                  agent_timeout: str = "20s", commit: str = "", model: str = 'path = "peer"',
-                 bin: Path = BIN) -> None:
-        """`bin`: where `mpiexec`, `cachex-agent` and `cachex` come from (another venv)."""
-        self.root, self.nodes, self.bin = root, nodes, bin
+                 bin: Path = BIN, spool: str = "spool") -> None:
+        """`bin`: where `mpiexec`, `cachex-agent` and `cachex` come from (another venv);
+        `spool`: the spool's path under each node's directory."""
+        self.root, self.nodes, self.bin, self._spool = root, nodes, bin, spool
         for node in range(nodes):
-            (root / f"node{node}" / "spool").mkdir(parents=True, exist_ok=True)
+            self.spool(node).mkdir(parents=True, exist_ok=True)
         (root / "pfs").mkdir(exist_ok=True)
         self.config = root / "cachex.toml"
         self.config.write_text(virtual_nodes_config(
-            root, "t", settings(rule, agent_timeout, commit, extra), model=model))
+            root, "t", settings(rule, agent_timeout, commit, extra), model=model, spool=spool))
         self.agents: subprocess.Popen[bytes] | None = None
         self.trainers: list[subprocess.Popen[bytes]] = []
 
     # ------------------------------------------------------------------ paths
     def spool(self, node: int) -> Path:
-        return self.root / f"node{node}" / "spool"
+        return self.root / f"node{node}" / self._spool
 
     def stage(self, node: int) -> Path:
         return self.root / f"node{node}" / "shm" / "t"

@@ -3,7 +3,7 @@ tracker `latest_checkpointed_iteration.txt` beside a `torch_dist` iteration dire
 and a single-file checkpoint (torch.save / Lightning `.ckpt`) that one rank writes.
 
 The layouts are the ones Megatron-Core's `dist_checkpointing.save` and Lightning's
-`ModelCheckpoint` produce on 2 nodes with node-local spools (see stage/rules.py for the
+`ModelCheckpoint` produce on 2 nodes with node-local spools (see cachex_agent/rules/ for the
 functions they come from): what only node 0 holds must reach node 1 (mirrored), be
 captured with its checkpoint, and come back at the spool root after node 0 is lost."""
 
@@ -86,3 +86,28 @@ def test_tracker_and_single_file_captured_mirrored_recovered(cluster):
         assert stat.S_IMODE((c.spool(node) / TRACKER).stat().st_mode) == 0o640
         assert (c.spool(node) / SINGLE).read_bytes() == node0[SINGLE]
     assert not any(p.name.startswith(".cachex") for n in range(2) for p in c.spool(n).iterdir())
+
+
+def test_a_tracker_written_just_after_the_commit_is_captured_and_mirrored(cluster):
+    """Megatron-LM writes its tracker after a barrier that follows `metadata.json`, which
+    commits the save first: the capture waits for the tracker up to `commit.settle`, so
+    node 1's tracker names the new iteration, not the previous one (seen on a loaded
+    machine in the Megatron drill: node 1 kept "2" after iteration 4 was flushed)."""
+    c = cluster(nodes=2, rule="auto", commit='settle = "2s"\ntimeout = "60s"')
+    c.start_agents()
+    megatron_save(c)
+    c.wait_level(ITER, "flushed", timeout=120)
+    wait_for(lambda: (c.spool(1) / TRACKER).is_file(), 60, "the tracker on node 1")
+    later = "iter_0000008"
+    write(c.spool(0) / later / "common.pt", b"common" * 100)
+    write(c.spool(1) / later / "__1_0.distcp", os.urandom(4096))
+    write(c.spool(0) / later / "__0_0.distcp", os.urandom(4096))
+    write(c.spool(0) / later / ".metadata", b"dcp-metadata")
+    write(c.spool(0) / later / "metadata.json", b'{"sharded_backend": "torch_dist"}')
+    # node 0's capture of it has begun (committed by metadata.json); then the tracker
+    wait_for(lambda: any(e.get("event") == "capture_start" and e.get("ckpt") == later
+                         for e in c.events(0)), 60, "node 0's capture of iteration 8")
+    write(c.spool(0) / TRACKER, b"8")
+    c.wait_level(later, "flushed", timeout=120)
+    wait_for(lambda: (c.spool(1) / TRACKER).read_text() == "8", 30,
+             "node 1's tracker naming iteration 8")

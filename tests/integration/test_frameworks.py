@@ -1,8 +1,8 @@
 """The failure drill on the frameworks' own trainers, unchanged (the `[frameworks]`
-extra): Hugging Face `transformers.Trainer`, Lightning `Trainer` + `ModelCheckpoint`,
-Orbax `CheckpointManager` on JAX CPU, Megatron-Core `dist_checkpointing` and DeepSpeed
-ZeRO stage 2 on its CPU accelerator; CPU, 2 processes in 2 virtual nodes, each saving
-into its own node's spool.
+extra): Hugging Face `transformers.Trainer`, Accelerate's `save_state`, Lightning
+`Trainer` + `ModelCheckpoint`, Orbax `CheckpointManager` on JAX CPU, Megatron-Core
+`dist_checkpointing` and DeepSpeed ZeRO stage 2 on its CPU accelerator; CPU, 2 processes
+in 2 virtual nodes, each saving into its own node's spool.
 Agents run beside them with `commit.rule = "auto"`; then node 0 is lost (its spool,
 stage and NVMe wiped, the PFS moved away), `cachex recover` rebuilds it from node 1's
 replicas, the framework's own resume reads each node's spool, and the final weights equal
@@ -35,17 +35,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_example(example: str, root, *args: str, timeout: float = 300
+def run_example(example: str, root, *args: str, timeout: float = 300, spool: str = "spool"
                 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [str(MPIEXEC), "-n", "2", sys.executable, str(ROOT / "examples" / example),
-         "--spool", f"{root}/node{{node}}/spool", "--port", str(free_port()), *args],
+         "--spool", f"{root}/node{{node}}/{spool}", "--port", str(free_port()), *args],
         capture_output=True, text=True, timeout=timeout)
 
 
-def train(example: str, root, *args: str, timeout: float = 300) -> str:
+def train(example: str, root, *args: str, timeout: float = 300, spool: str = "spool") -> str:
     """Run examples/<example> on 2 processes; the sha256 of its final weights."""
-    result = run_example(example, root, *args, timeout=timeout)
+    result = run_example(example, root, *args, timeout=timeout, spool=spool)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     # rank 0's report; mpiexec interleaves the ranks' output, so the other rank's text
     # may come before it on the same line, or after it
@@ -100,6 +100,38 @@ def test_hf_trainer_drill(cluster, tmp_path):
                     "--resume")
     reference = train("hf_trainer.py", tmp_path / "reference", "--steps", "8",
                       "--save-steps", "2")
+    assert resumed == reference
+
+
+ACCELERATE_SPOOL = "project/checkpoints"      # save_state's <project_dir>/checkpoints
+
+
+def test_accelerate_drill(cluster, tmp_path):
+    c = cluster(nodes=2, rule="auto", commit=COMMIT, spool=ACCELERATE_SPOOL)
+    c.start_agents()
+    # the main process (node 0) alone writes the weights, optimizer, scheduler and the
+    # registered object's state; each process its own random_states_<process>.pkl
+    train("accelerate_trainer.py", c.root, "--steps", "8", "--save-steps", "2",
+          "--stop-at", "4", spool=ACCELERATE_SPOOL)
+    c.wait_level("checkpoint_1", "flushed", timeout=120)
+    assert rules_shown(c) == {"checkpoint_0": "accelerate", "checkpoint_1": "accelerate"}
+    ckpt = "checkpoint_1"
+    for name in ("model.safetensors", "optimizer.bin", "scheduler.bin",
+                 "custom_checkpoint_0.pkl"):                # mirrored: every process loads it
+        assert (c.spool(1) / ckpt / name).read_bytes() == (c.spool(0) / ckpt / name).read_bytes()
+    before = {n: files_of(c.spool(n) / ckpt) for n in range(2)}
+    assert "random_states_0.pkl" not in before[1] and "random_states_1.pkl" not in before[0]
+    assert "random_states_1.pkl" in before[1]
+
+    lose_node0_and_recover(c, ckpt)
+    for node in range(2):
+        assert files_of(c.spool(node) / ckpt) == before[node]
+
+    # load_state() picks the newest checkpoint_<i> of each node's own spool
+    resumed = train("accelerate_trainer.py", c.root, "--steps", "8", "--save-steps", "2",
+                    "--resume", spool=ACCELERATE_SPOOL)
+    reference = train("accelerate_trainer.py", tmp_path / "reference", "--steps", "8",
+                      "--save-steps", "2", spool=ACCELERATE_SPOOL)
     assert resumed == reference
 
 

@@ -15,9 +15,9 @@ from cachex_agent.checksum import file_checksum
 from cachex_agent.errors import OperationError
 from cachex_agent.fsutil import partial_path
 from cachex_agent.manifest import FileEntry
+from cachex_agent.rules.quiescence import snapshot
 from cachex_agent.stage import capture
 from cachex_agent.stage.capture import CaptureError, capture_copy, capture_reference, list_files
-from cachex_agent.stage.quiescence import snapshot
 
 CHUNK = 4096        # small, so every non-trivial file spans several on_bytes callbacks
 

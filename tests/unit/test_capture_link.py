@@ -23,6 +23,7 @@ from cachex_agent.errors import ConfigError
 from cachex_agent.flush.bundle import BundleError, write_bundle
 from cachex_agent.manifest import LocalManifest
 from cachex_agent.peer.replicator import Sender
+from cachex_agent.rules import AutoRule, make_rule
 from cachex_agent.stage.capture import (
     Plan,
     capture_copy,
@@ -32,7 +33,6 @@ from cachex_agent.stage.capture import (
     list_files,
     same_file_system,
 )
-from cachex_agent.stage.rules import AutoRule, make_rule
 
 pytestmark = pytest.mark.timeout(60)
 FILES = {".metadata": b"dcp metadata\n", "__0_0.distcp": os.urandom(300_001),

@@ -1,5 +1,5 @@
 """The framework rules against the layouts each framework's own save function writes
-(reproduced from its code, cited in stage/rules.py): what commits, what is global,
+(reproduced from its code, cited in cachex_agent/rules/): what commits, what is global,
 what `auto` calls it."""
 
 from __future__ import annotations
@@ -7,7 +7,13 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from cachex_agent.stage.rules import (
+import pytest
+
+from cachex_agent import config
+from cachex_agent.errors import ConfigError
+from cachex_agent.rules import (
+    RULE_NAMES,
+    AccelerateRule,
     AutoRule,
     DeepSpeedRule,
     HfRule,
@@ -15,8 +21,10 @@ from cachex_agent.stage.rules import (
     OrbaxRule,
     TorchFileRule,
     detect_kind,
+    rules_table,
     tracker_text,
 )
+from cachex_agent.rules.frameworks import FRAMEWORKS
 
 
 def write(path: Path, data: bytes = b"x") -> Path:
@@ -63,6 +71,14 @@ def test_megatron_tracker_and_torch_dist(tmp_path):
     assert rule.global_files(tmp_path / "iter_0000004") == ["common.pt", "metadata.json"]
     assert tracker_text("latest_checkpointed_iteration.txt", "iter_0000004") == "4"
     assert tracker_text("latest", "global_step7") == "global_step7"
+    # committed by metadata.json before Megatron-LM's tracker names it: the capture
+    # waits a little for the tracker (it names 8, so nothing is due for 4 or 8)
+    write(tmp_path / "iter_0000012" / "metadata.json")
+    assert rule.tracker_due(tmp_path, "iter_0000012") == "latest_checkpointed_iteration.txt"
+    assert rule.tracker_due(tmp_path, "iter_0000004") is None
+    assert rule.tracker_due(tmp_path, "iter_0000008") is None   # named by the tracker
+    assert AutoRule(1.0).tracker_due(tmp_path, "iter_0000012") is not None
+    assert DeepSpeedRule().tracker_due(tmp_path, "iter_0000012") is None
 
 
 def test_deepspeed_zero2_layout_of_its_own_save(tmp_path):
@@ -155,3 +171,51 @@ def test_auto_says_which_rule(tmp_path):
         "model.pt": "torch", "misc": "quiescence"}
     assert auto.is_file_checkpoint(tmp_path, "model.pt")
     assert not auto.is_file_checkpoint(tmp_path, "step_1")
+
+
+def test_accelerate_save_state_commits_on_an_rng_state_once_settled(tmp_path):
+    """What accelerate 1.15.0's `save_state` left on 2 nodes with automatic checkpoint
+    naming (test_frameworks.py's drill): the main process's files on node 0, each
+    process's RNG state on its own node; nothing written last."""
+    clock = Clock()
+    rule = AccelerateRule(2.0, clock)
+    ckpt = tmp_path / "node0" / "checkpoint_3"
+    for name in ("model.safetensors", "optimizer.bin", "scheduler.bin"):
+        write(ckpt / name)
+    assert rule.own_marker(ckpt) == "random_states_*.pkl"
+    assert rule.committed(ckpt.parent) == []        # the main process is still writing
+    write(ckpt / "random_states_0.pkl")
+    write(ckpt / "custom_checkpoint_0.pkl")         # registered objects, after the RNG
+    assert rule.committed(ckpt.parent) == []        # settling
+    clock.now = 2.5
+    assert rule.committed(ckpt.parent) == ["checkpoint_3"]
+    assert rule.global_files(ckpt) == ["custom_checkpoint_0.pkl", "model.safetensors",
+                                       "optimizer.bin", "scheduler.bin"]
+    assert not rule.vouches_for(ckpt)
+    other = write(tmp_path / "node1" / "checkpoint_3" / "random_states_1.pkl").parent
+    assert rule.own_marker(other) is None and rule.global_files(other) == []
+    assert detect_kind(ckpt) == detect_kind(other) == "accelerate"
+    # save_state(output_dir=...) under a name of the user's: its RNG states tell
+    named = write(tmp_path / "mine" / "random_states_0.pkl").parent
+    assert detect_kind(named) == "accelerate"
+    auto = AutoRule(2.0, clock)
+    assert auto.committed(ckpt.parent) == [] and auto.needs_polling
+    clock.now = 5.0
+    assert auto.committed(ckpt.parent) == ["checkpoint_3"]
+    assert auto.kind("checkpoint_3") == "accelerate"
+    assert auto.own_marker(ckpt) == "random_states_*.pkl"
+
+
+def test_the_registry_names_every_rule_in_the_config_and_the_docs():
+    """`auto`'s frameworks, `commit.rule`'s choices and docs/levels.md's table are read
+    from the rules: a framework added to frameworks.py reaches all three."""
+    names = {rule.name for rule in FRAMEWORKS}
+    assert names <= set(RULE_NAMES) and "accelerate" in names
+    assert [rule.priority for rule in FRAMEWORKS] == sorted(r.priority for r in FRAMEWORKS)
+    paths = {"paths.spool": "/tmp/s", "paths.pfs": "/tmp/p"}
+    for name in RULE_NAMES:
+        assert config.load(None, {**paths, "commit.rule": name}, {}).commit.rule == name
+    with pytest.raises(ConfigError, match="accelerate"):
+        config.load(None, {**paths, "commit.rule": "acelerate"}, {})
+    assert rules_table() in (Path(__file__).resolve().parents[2] / "docs" / "levels.md"
+                             ).read_text()

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from cachex_agent.errors import OperationError
-from cachex_agent.stage.quiescence import (
+from cachex_agent.rules.quiescence import (
     DirectoryTimeout,
     QuiescenceStopped,
     QuiescenceTimeout,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from cachex_agent.errors import ConfigError
-from cachex_agent.stage.rules import (
+from cachex_agent.rules import (
     AutoRule,
     CommitRule,
     DcpRule,
@@ -365,13 +365,14 @@ def test_auto_latest_makes_custom_tags_deepspeed(tmp_path):
 
 
 def test_detect_kind(tmp_path):
-    assert detect_kind(write(tmp_path / "a" / ".metadata").parent, False) == "dcp"
-    assert detect_kind(write(tmp_path / "b" / "__3_0.distcp").parent, True) == "dcp"
-    assert detect_kind(write(tmp_path / "global_step9" / "x").parent, False) == "deepspeed"
-    assert detect_kind(write(tmp_path / "c" / "mp_rank_00_model_states.pt").parent,
-                       False) == "deepspeed"
-    assert detect_kind(write(tmp_path / "d" / "x").parent, True) == "deepspeed"
-    assert detect_kind(write(tmp_path / "e" / "x").parent, False) == "quiescence"
+    latest = frozenset({"latest"})
+    assert detect_kind(write(tmp_path / "a" / ".metadata").parent) == "dcp"
+    assert detect_kind(write(tmp_path / "b" / "__3_0.distcp").parent, latest) == "dcp"
+    assert detect_kind(write(tmp_path / "global_step9" / "x").parent) == "deepspeed"
+    assert detect_kind(write(tmp_path / "c" / "mp_rank_00_model_states.pt").parent
+                       ) == "deepspeed"
+    assert detect_kind(write(tmp_path / "d" / "x").parent, latest) == "deepspeed"
+    assert detect_kind(write(tmp_path / "e" / "x").parent) == "quiescence"
 
 
 def test_auto_forget(tmp_path):

@@ -13,8 +13,8 @@ from cachex_agent.fsutil import is_temporary, remove_under
 from cachex_agent.journal import Journal
 from cachex_agent.layout import recover_partial_dir
 from cachex_agent.manifest import FileEntry, GlobalManifest, LocalManifest
+from cachex_agent.rules import make_rule
 from cachex_agent.safepath import UnsafeInput, checkpoint_id, index, relative_path
-from cachex_agent.stage.rules import make_rule
 
 BAD_PATHS = {"": "empty", "/etc/passwd": "absolute", "a/../b": "'..'", "..": "'..'",
              "a//b": "empty component", "a/./b": "'.'", "a/": "empty component",

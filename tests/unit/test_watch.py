@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from cachex_agent.stage.rules import (
+from cachex_agent.rules import (
     AutoRule,
     CommitRule,
     DcpRule,

@@ -1,0 +1,72 @@
+"""Every rule by its `commit.rule` name: `make_rule`, the names the configuration
+accepts, the trackers `recover` rewrites and the table docs/levels.md shows, all read
+from the rules themselves."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+from ..errors import ConfigError
+from .auto import AutoRule
+from .base import CommitRule
+from .frameworks import FRAMEWORKS
+from .marker import MarkerRule
+from .settle import QuiescenceRule
+from .torch_file import TorchFileRule
+from .tracker import TrackerRule
+
+BY_NAME: dict[str, type[CommitRule]] = {
+    rule.name: rule for rule in (AutoRule, *FRAMEWORKS, TorchFileRule, QuiescenceRule)}
+MARKER = "marker:"
+#: what `commit.rule` accepts: these names, or `marker:<glob>`
+RULE_NAMES: tuple[str, ...] = tuple(BY_NAME)
+RULES = ", ".join([*RULE_NAMES[:-1], f"{MARKER}<glob> or {RULE_NAMES[-1]}"])
+RULE_MEANING = (
+    "How a checkpoint in the spool is known complete: `auto` recognises each of the"
+    " others per checkpoint (quiescence for what none recognises); "
+    + "; ".join(f"`{MARKER + '<glob>' if rule is MarkerRule else rule.name}` ({rule.brief})"
+                for rule in (*FRAMEWORKS, TorchFileRule, MarkerRule, QuiescenceRule))
+    + ". docs/levels.md has what each one read in its framework's code.")
+TRACKERS: dict[str, type[TrackerRule]] = {
+    rule.tracker: rule for rule in FRAMEWORKS if issubclass(rule, TrackerRule)}
+
+
+def make_rule(spec: str, settle: float, extra_global: Sequence[str] = ()) -> CommitRule:
+    """Build the rule named by `commit.rule`; `extra_global` (`commit.globals`) names
+    more coordinator-only files of a DCP checkpoint."""
+    spec = str(spec).strip()
+    if settle < 0:
+        raise ConfigError(f"commit.settle: must be >= 0, got {settle!r}")
+    if spec in BY_NAME:
+        return BY_NAME[spec].build(settle, extra_global, time.monotonic)
+    if spec.startswith(MARKER):
+        return MarkerRule(spec[len(MARKER):])
+    raise ConfigError(f"commit.rule: unknown rule {spec!r} (expected {RULES})")
+
+
+def tracker_names(tracker: Path, name: str) -> str | None:
+    """The checkpoint directory the tracker file `name` names (None: missing, torn,
+    foreign or not a tracker)."""
+    rule = TRACKERS.get(name)
+    return rule.read(tracker) if rule is not None else None
+
+
+def tracker_text(name: str, ckpt_id: str) -> str | None:
+    """What tracker `name` holds when it names `ckpt_id` (None: not a known tracker, or
+    a checkpoint it cannot name): `recover` writes it beside the recovered checkpoint."""
+    rule = TRACKERS.get(name)
+    return rule.text_for(ckpt_id) if rule is not None else None
+
+
+def rules_table() -> str:
+    """docs/levels.md's table of the rules, one row each (a test keeps the two equal)."""
+    rows = ["| rule | committed when | marker vouches for every rank"
+            " | written by one node, mirrored to all |", "|---|---|---|---|"]
+    for rule in (*FRAMEWORKS, TorchFileRule, MarkerRule, QuiescenceRule):
+        framework, committed, vouches, mirrored = rule.doc
+        name = f"{MARKER}<glob>" if rule is MarkerRule else rule.name
+        label = f"`{name}` ({framework})" if framework else f"`{name}`"
+        rows.append(f"| {label} | {committed} | {vouches} | {mirrored} |")
+    return "\n".join(rows)
