@@ -43,19 +43,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import psutil
+from common import AgentJob, MiB, machine, write_config
+from sources import write_files
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cachex_agent.agent import IDLE_AFTER
+from cachex_agent.config import parse_size
+from cachex_agent.stage.capture import capture_copy
 
-from agents import AgentJob  # noqa: E402
-
-from cachex_agent.agent import IDLE_AFTER  # noqa: E402
-from cachex_agent.config import parse_size  # noqa: E402
-from cachex_agent.stage.capture import capture_copy  # noqa: E402
-
-MiB = 1024 * 1024
 #: events between the marker and `captured`: the coordinator heard it, the capture began
 PHASES = ("committed", "capture_start", "captured")
 TARGET_COPY = 0.8           # capture >= 0.8x cp -r
@@ -65,24 +60,6 @@ TARGET_IDLE = 0.5           # percent of a core
 
 
 # --------------------------------------------------------------------------- copy
-def write_files(directory: Path, total: int, count: int, seed: int = 1) -> list[str]:
-    """`count` files of random bytes adding up to `total`; their relative paths."""
-    directory.mkdir(parents=True, exist_ok=True)
-    rng = np.random.default_rng(seed)
-    block = rng.integers(0, 256, min(total // count, 64 * MiB) or 1, dtype=np.uint8).tobytes()
-    names = []
-    for i in range(count):
-        size = total // count + (total % count if i == count - 1 else 0)
-        name = f"shard_{i:03d}.bin"
-        with open(directory / name, "wb") as handle:
-            handle.write(rng.bytes(16))     # no two files alike
-            left = size - 16
-            while left > 0:
-                left -= handle.write(block[:left])
-        names.append(name)
-    return names
-
-
 def cpu_self_and_children() -> float:
     own = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -123,36 +100,25 @@ def bench_copy(root: Path, total: int, count: int, repeat: int) -> dict[str, Any
 
 
 # -------------------------------------------------------------------------- agent
-def write_config(root: Path, journal_root: Path) -> Path:
+def agent_config(root: Path, journal_root: Path) -> Path:
+    """One agent, the whole tree under `root` but its journal (paths.cache), committed
+    by DCP's marker and flushed after every capture (no partner)."""
     root.mkdir(parents=True)
-    path = root / "bench.toml"
-    path.write_text(f'''run = "bench"
-[paths]
-spool = "{root}/spool"
-stage = "{root}/stage"
-cache = "{journal_root}/cache"
-pfs = "{root}/pfs"
-[topology]
-domain = "rank"
-[commit]
-rule = "dcp"
-[model]
-path = "direct"
-[agent]
-timeout = "30s"
-''')
     (root / "spool").mkdir()
     (root / "pfs").mkdir()
-    return path
+    return write_config(root / "bench.toml", "bench",
+                        paths={"spool": root / "spool", "stage": root / "stage",
+                               "cache": journal_root / "cache", "pfs": root / "pfs"},
+                        topology={"domain": "rank"}, commit={"rule": "dcp"},
+                        model={"path": "direct"}, agent={"timeout": "30s"})
 
 
 class AgentRun(AgentJob):
     """One agent under mpiexec; its events file and its process."""
 
     def __init__(self, root: Path, journal_root: Path) -> None:
-        super().__init__(write_config(root, journal_root), 1, root / "agent.log",
-                         lambda _node: journal_root / "cache" / "bench" / "journal"
-                         / "events.jsonl", poll=0.002, stop_timeout=30)
+        super().__init__(agent_config(root, journal_root), 1, root / "agent.log", poll=0.002,
+                         stop_timeout=30)
         self.spool = root / "spool"
         (start,) = self.started(60)
         self.process = psutil.Process(start["pid"])
@@ -248,8 +214,7 @@ def main() -> int:
     root = Path(tempfile.mkdtemp(prefix="cachex-bench-capture-", dir=args.dir))
     journal = Path(tempfile.mkdtemp(prefix="cachex-bench-journal-", dir=args.journal)
                    ) if args.journal else root
-    results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(),
-                               "load": os.getloadavg()[0]}
+    results: dict[str, Any] = machine()
     try:
         if not args.skip_copy:
             print(f"copy: {args.size} in {args.files} files, {args.dir}", flush=True)

@@ -27,19 +27,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from capture import timed
+from common import MiB
+from sources import write_files
 
-from capture import MiB, timed, write_files  # noqa: E402
-
-from cachex_agent.checksum import (  # noqa: E402
+from cachex_agent.checksum import (
     copy_range_with_checksum,
     copy_with_checksum,
     file_checksum,
 )
-from cachex_agent.config import parse_size  # noqa: E402
-from cachex_agent.fsutil import fsync_file  # noqa: E402
-from cachex_agent.stage.capture import file_system_type  # noqa: E402
+from cachex_agent.config import parse_size
+from cachex_agent.fsutil import fsync_file
+from cachex_agent.stage.capture import file_system_type
 
 
 def link_with_checksum(src: Path, dst: Path) -> tuple[int, str]:

@@ -16,12 +16,13 @@
                   checkpoint written by another member queues behind whatever they have in
                   flight, so its service time is heavy-tailed, as on a busy Lustre/GPFS.
 
-Only the standard library is used (benchmarks and tests import this module by adding
-benchmarks/ to sys.path). Set-up takes a fraction of a second. Everything is undone on exit,
-also after errors: writers stopped, file system unmounted (lazily if busy), loop device
-detached, cgroup removed; the image is unlinked as soon as it is attached, so the space
-returns when the device goes. Leftovers of a process that died without cleaning up (its
-pid is in the names: `cachex-pfs-<pid>-<n>`) are removed by the next ThrottledPFS.
+Only the standard library is used (the benchmarks import this module from their own
+directory, the tests through tests/conftest.py). Set-up takes a fraction of a second.
+Everything is undone on exit, also after errors: writers stopped, file system unmounted
+(lazily if busy), loop device detached, cgroup removed; the image is unlinked as soon as
+it is attached, so the space returns when the device goes. Leftovers of a process that
+died without cleaning up (its pid is in the names: `cachex-pfs-<pid>-<n>`) are removed by
+the next ThrottledPFS.
 
     with ThrottledPFS(tmp_path, size="2GiB", write_bps=64 * MiB) as pfs, \\
             Contention(pfs, writers=2):

@@ -40,15 +40,16 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import write_config
 
-from cachex_agent import coordinator as coordinator_module  # noqa: E402
-from cachex_agent import journal as journal_module  # noqa: E402
-from cachex_agent.config import load  # noqa: E402
-from cachex_agent.coordinator import Coordinator  # noqa: E402
-from cachex_agent.events import EventLog  # noqa: E402
-from cachex_agent.journal import Journal  # noqa: E402
-from cachex_agent.manifest import FileEntry, LocalManifest  # noqa: E402
+from cachex_agent import coordinator as coordinator_module
+from cachex_agent import journal as journal_module
+from cachex_agent.config import load
+from cachex_agent.coordinator import Coordinator
+from cachex_agent.events import EventLog
+from cachex_agent.journal import Journal
+from cachex_agent.manifest import FileEntry, LocalManifest
+from cachex_agent.messages import Captured
 
 PHASE_STEP = 1.0            # simulated seconds between phases (status is due every 0.5 s)
 COMMIT_TIMEOUT = 30.0
@@ -135,11 +136,11 @@ class Simulation:
         self.nodes = nodes
         self.files = files
         self.random = random.Random(seed)
-        (root / "cfg.toml").write_text(
-            f'run = "sim"\n[paths]\nspool = "{root}/spool"\npfs = "{root}/pfs"\n'
-            f'[commit]\ntimeout = "{COMMIT_TIMEOUT:.0f}s"\n[agent]\ntimeout ='
-            f' "{AGENT_TIMEOUT:.0f}s"\n[keep]\npfs = {KEEP_PFS}\n[model]\npath = "{path}"\n')
-        config = load(root / "cfg.toml", environ={})
+        config = load(write_config(root / "cfg.toml", "sim",
+                                   paths={"spool": root / "spool", "pfs": root / "pfs"},
+                                   commit={"timeout": f"{COMMIT_TIMEOUT:.0f}s"},
+                                   agent={"timeout": f"{AGENT_TIMEOUT:.0f}s"},
+                                   keep={"pfs": KEEP_PFS}, model={"path": path}), environ={})
         self.clock = Clock()
         self.wire = Wire()
         self.writes = Writes()
@@ -170,12 +171,15 @@ class Simulation:
             coordinator_module.decide = real
 
     # ------------------------------------------------------------ driving it
-    def _deliver(self, node: int, msg: dict[str, Any]) -> None:
+    def _deliver(self, node: int, msg: Any) -> None:
+        """A report as the coordinator gets it: a dict from its uplink, typed when it
+        came alone (a captured part)."""
+        kind = msg["type"] if isinstance(msg, dict) else msg.TYPE
         cpu, wall = time.process_time(), time.perf_counter()
         self.coord.handle(node, msg)
-        self.cpu[msg["type"]] += time.process_time() - cpu
-        self.wall[msg["type"]] += time.perf_counter() - wall
-        self.handled[msg["type"]] += 1
+        self.cpu[kind] += time.process_time() - cpu
+        self.wall[kind] += time.perf_counter() - wall
+        self.handled[kind] += 1
 
     def _tick(self, seconds: float = PHASE_STEP) -> None:
         self.clock.now += seconds
@@ -194,11 +198,10 @@ class Simulation:
         """Drive one checkpoint through every phase; what it cost."""
         ckpt = f"step_{seq:06d}"
         fate = _fate(seq)
-        self._deliver(0, {"type": "marker", "ckpt": ckpt, "global_files": [".metadata"],
-                          "t": self.clock()})
+        self._deliver(0, {"type": "marker", "ckpt": ckpt, "global_files": [".metadata"]})
         for node in self.random.sample(range(self.nodes), max(1, self.nodes // 100)):
-            self._deliver(node, {"type": "marker", "ckpt": ckpt, "global_files": [],
-                                 "t": self.clock()})      # a duplicate: already known
+            self._deliver(node, {"type": "marker", "ckpt": ckpt,
+                                 "global_files": []})      # a duplicate: already known
         self._tick()
         silent = self.nodes - 1 if fate == "timeout" else None
         for node in range(self.nodes):
@@ -206,9 +209,9 @@ class Simulation:
                 self._deliver(node, {"type": "capture_failed", "ckpt": ckpt,
                                      "error": "spool file vanished"})
             elif node != silent:
-                self._deliver(node, {"type": "captured", "ckpt": ckpt, "mode": "copy",
-                                     "manifest": self._manifest(ckpt, seq, node),
-                                     "duration": 0.05 + self.random.random() / 50})
+                self._deliver(node, Captured(node=node, ckpt=ckpt, mode="copy",
+                                             manifest=self._manifest(ckpt, seq, node),
+                                             duration=0.05 + self.random.random() / 50))
         self._tick()
         if fate == "timeout":
             self._tick(COMMIT_TIMEOUT + AGENT_TIMEOUT)

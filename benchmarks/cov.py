@@ -78,18 +78,14 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import private_state  # noqa: F401 (its runs are recorded apart from the user's)
 import psutil
+from common import BIN, MiB, make_spools, write_config
+from contention import Contention, ThrottledPFS, parse_size, unavailable
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cachex_agent.fsutil import fsync_dir
+from cachex_agent.layout import events_path, journal_status_path
 
-import private_state  # noqa: E402,F401 (its runs are recorded apart from the user's)
-from contention import Contention, ThrottledPFS, parse_size, unavailable  # noqa: E402
-
-from cachex_agent.fsutil import fsync_dir  # noqa: E402
-from cachex_agent.layout import events_path, journal_dir, journal_status_path, run_dir  # noqa: E402
-
-MiB = 1 << 20
-BIN = Path(sys.executable).parent
 MODES = ("direct", "agent", "none")
 SCENARIOS: dict[str, dict[str, Any]] = {
     "mild": {"bps": 128 * MiB, "writers": 2, "writer_scale": 8 * MiB, "shape": 1.5,
@@ -204,26 +200,15 @@ def run_trainer(argv: list[str], pfs: ThrottledPFS | None, timeout: float) -> No
 
 
 def agent_config(root: Path, shm: Path, pfs: Path, run: str) -> Path:
-    path = root / "cachex.toml"
-    path.write_text(f'''run = "{run}"
-[paths]
-spool = "{shm}/node{{node}}/spool"
-stage = "{shm}/node{{node}}/stage"
-cache = "{root}/node{{node}}/nvme"
-pfs = "{pfs}"
-[topology]
-domain = "rank"
-[commit]
-rule = "marker:*/COMMITTED"
-[keep]
-stage = 1
-replica = 1
-pfs = 2
-[agent]
-timeout = "60s"
-log = "warning"
-''')
-    return path
+    """Spools and stages on tmpfs, caches (replicas, journal) under `root` on disk; the
+    trainer's COMMITTED marker commits."""
+    return write_config(root / "cachex.toml", run,
+                        paths={"spool": f"{shm}/node{{node}}/spool",
+                               "stage": f"{shm}/node{{node}}/stage",
+                               "cache": f"{root}/node{{node}}/nvme", "pfs": pfs},
+                        topology={"domain": "rank"}, commit={"rule": "marker:*/COMMITTED"},
+                        keep={"stage": 1, "replica": 1, "pfs": 2},
+                        agent={"timeout": "60s", "log": "warning"})
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -237,11 +222,9 @@ def agent_phase(args: argparse.Namespace, pfs: ThrottledPFS, work: Path, shm: Pa
                 run: str, out: Path, count: int) -> dict[str, Any]:
     """Agents (inside the group) + the trainer (outside) on the spools; the agents' view."""
     work.mkdir(parents=True)
-    for node in range(args.nodes):
-        (shm / f"node{node}" / "spool").mkdir(parents=True)
     (pfs.path / "agent").mkdir(exist_ok=True)
     config = agent_config(work, shm, pfs.path / "agent", run)
-    journal = journal_dir(run_dir(work / "node0" / "nvme", run))   # agent_config's cache
+    journal = make_spools(config, args.nodes).node_paths(0).journal
     log = (work / "agents.log").open("ab")
     agents = pfs.popen([BIN / "mpiexec", "-n", str(args.nodes), BIN / "cachex-agent",
                         "--config", config], stdout=log, stderr=subprocess.STDOUT,

@@ -32,19 +32,14 @@ import time
 from pathlib import Path
 
 import numpy as np
+from common import GiB, MiB, machine
+from sources import write_sources
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from sources import write_sources  # noqa: E402
-
-from cachex_agent.config import parse_size  # noqa: E402
-from cachex_agent.flush.bundle import CHUNK, write_bundle  # noqa: E402
-from cachex_agent.fsutil import fsync_dir  # noqa: E402
-from cachex_agent.layout import bundle_name  # noqa: E402
-from cachex_agent.manifest import LocalManifest  # noqa: E402
-
-MiB = 1024 * 1024
-GiB = 1024 * MiB
+from cachex_agent.config import parse_size
+from cachex_agent.flush.bundle import CHUNK, write_bundle
+from cachex_agent.fsutil import fsync_dir
+from cachex_agent.layout import bundle_name
+from cachex_agent.manifest import LocalManifest
 
 
 def file_sizes(total: int, smallest: int, largest: int) -> list[int]:
@@ -158,8 +153,7 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(out, ignore_errors=True)
     if args.json:
         Path(args.json).write_text(json.dumps(
-            {"date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(),
-             "load": os.getloadavg()[0], "bytes": total, "chunk": chunk, "times": times,
+            {**machine(), "bytes": total, "chunk": chunk, "times": times,
              "median_mib_s": rate, "best_mib_s": best, "ratios": ratios}, indent=1) + "\n")
     return 0
 

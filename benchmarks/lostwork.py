@@ -31,45 +31,35 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from contention import Contention, ThrottledPFS, unavailable  # noqa: E402
-from predict import (  # noqa: E402
+from contention import Contention, ThrottledPFS, unavailable
+from predict import (
     drain,
     end,
     level_of,
     load_status_ok,
     prune_spool,
-    start_agents,
+    start_run,
     wait,
     write_checkpoint,
-    write_config,
 )
 
-from cachex_agent import config as configuration  # noqa: E402
-from cachex_agent.model.history import History, config_event_files, load_history  # noqa: E402
-from cachex_agent.model.lostwork import mean_period, observed, replayed_loss  # noqa: E402
-from cachex_agent.model.plan import CLASSES, HOUR, Rates, make_plan  # noqa: E402
-from cachex_agent.model.predict import fit_system  # noqa: E402
+from cachex_agent import config as configuration
+from cachex_agent.model.history import History, config_event_files, load_history
+from cachex_agent.model.lostwork import mean_period, observed, replayed_loss
+from cachex_agent.model.plan import CLASSES, HOUR, Rates, make_plan
+from cachex_agent.model.predict import fit_system
 
 
 def run_periodic(root: Path, pfs: ThrottledPFS, run: str, path: str, nodes: int,
                  size: int, period: float, count: int) -> configuration.Config:
     """Checkpoints every `period` seconds on running agents; drained at the end."""
-    config = write_config(root, pfs.path, run, write_path=path)
-    cfg = configuration.load(config)
-    for node in range(nodes):
-        cfg.node_paths(node).spool.mkdir(parents=True, exist_ok=True)
-    agents = start_agents(config, nodes, pfs, root / f"{run}.log")
+    _config, cfg, agents = start_run(root, pfs, run, nodes, write_path=path)
     buffer = np.frombuffer(np.random.default_rng(5).bytes(8 << 20), dtype=np.uint8)
     try:
         wait(lambda: load_status_ok(cfg), 60, "the agents to start")

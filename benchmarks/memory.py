@@ -44,45 +44,25 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+from common import AgentJob, GiB, MiB, machine, make_spools, write_config
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cachex_agent.config import load, parse_size, upfront_memory
 
-from agents import AgentJob  # noqa: E402
-
-from cachex_agent.config import load, parse_size, upfront_memory  # noqa: E402
-
-MiB = 1024 * 1024
-GiB = 1024 * MiB
 SLACK = 64 * MiB            # the target's allowance on top of the up-front buffers
 FIELDS = ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem")
 RUN = "mem"
 
 
-def write_config(spool: Path, shm: Path, disk: Path, timeout: float) -> Path:
-    path = disk / "bench.toml"
-    path.write_text(f'''run = "{RUN}"
-[paths]
-spool = "{spool}/node{{node}}/spool"
-stage = "{shm}/node{{node}}/stage"
-cache = "{disk}/node{{node}}/cache"
-pfs = "{disk}/pfs"
-[topology]
-domain = "rank"
-[commit]
-rule = "dcp"
-[model]
-path = "peer"
-[agent]
-timeout = "{timeout:g}s"
-''')
+def agent_config(spool: Path, shm: Path, disk: Path, timeout: float) -> Path:
+    """Spools under `spool`, stages on tmpfs, replicas and the PFS on `disk`; the peer
+    path, every checkpoint flushed."""
     (disk / "pfs").mkdir()
-    return path
-
-
-def make_spools(shm: Path, nodes: int) -> None:
-    for node in range(nodes):
-        (shm / f"node{node}" / "spool").mkdir(parents=True)
+    return write_config(disk / "bench.toml", RUN,
+                        paths={"spool": f"{spool}/node{{node}}/spool",
+                               "stage": f"{shm}/node{{node}}/stage",
+                               "cache": f"{disk}/node{{node}}/cache", "pfs": disk / "pfs"},
+                        topology={"domain": "rank"}, commit={"rule": "dcp"},
+                        model={"path": "peer"}, agent={"timeout": f"{timeout:g}s"})
 
 
 def status(pid: int) -> dict[str, int]:
@@ -140,11 +120,10 @@ class Agents(AgentJob):
     def __init__(self, spool: Path, shm: Path, disk: Path, nodes: int, timeout: float,
                  shared_memory: bool) -> None:
         self.spool_root = spool
-        make_spools(spool, nodes)
-        super().__init__(
-            write_config(spool, shm, disk, timeout), nodes, disk / "agents.log",
-            lambda node: disk / f"node{node}" / "cache" / RUN / "journal" / "events.jsonl",
-            env={"MPIR_CVAR_NOLOCAL": "0" if shared_memory else "1"}, poll=0.1)
+        config = agent_config(spool, shm, disk, timeout)
+        make_spools(config, nodes)
+        super().__init__(config, nodes, disk / "agents.log",
+                         env={"MPIR_CVAR_NOLOCAL": "0" if shared_memory else "1"}, poll=0.1)
         self.pids = [event["pid"] for event in self.started(120)]
 
     def spool(self, node: int) -> Path:
@@ -229,8 +208,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                           "ratio": peak / bound, "over_idle": peak - idle[node],
                           "peak_anon": seen["RssAnon"], "peak_file": seen["RssFile"],
                           "peak_shmem": seen["RssShmem"], "idle_status": at_idle[node]})
-    return {"date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(),
-            "load": os.getloadavg()[0], "nodes": args.nodes, "size": size,
+    return {**machine(), "nodes": args.nodes, "size": size,
             "shared_memory": args.shared_memory, "spool": "shm" if spool_on_shm else "disk",
             "files": args.files, "checkpoints": args.checkpoints, "seconds": times,
             "window": upfront - flush, "flush_buffers": flush, "slack": SLACK,

@@ -28,9 +28,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from cachex_agent.agent import PEER_TICK  # noqa: E402
+from cachex_agent.agent import PEER_TICK
 
 TAG = 41
 

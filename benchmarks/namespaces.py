@@ -1,7 +1,8 @@
 """Virtual nodes that cannot see each other (root): each in mount, UTS, PID and network
 namespaces of its own, as on a real cluster. Used by the namespace test tier
 (tests/netns/nsharness.py) and benchmarks/replicate_tcp.py; only the standard library
-and psutil (tests and benchmarks import it by adding benchmarks/ to sys.path).
+and psutil (the benchmarks import it from their own directory, the tests through
+tests/conftest.py).
 
 A node has its own hostname, its own /proc, a private tmpfs at the same path on every
 node (`local`: spool and NVMe) and a private /dev/shm (stage, MPICH's shared memory).

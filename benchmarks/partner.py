@@ -87,28 +87,14 @@ from typing import Any
 
 import numpy as np
 import psutil
+from common import BIN, AgentJob, burn, machine, remove_parts, stop_burning, write_parts
+from pipeline import NODES, agent_config, pipeline_once, start_agents
+from sources import part_sizes
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cachex_agent.agent import PEER_TICK
+from cachex_agent.config import Peer, load, parse_size
+from cachex_agent.fsutil import fsync_dir
 
-from agents import AgentJob  # noqa: E402
-from pipeline import (  # noqa: E402
-    NODES,
-    part_sizes,
-    pipeline_once,
-    remove_part,
-    start_agents,
-    write_config,
-    write_part,
-)
-from predict import burn, stop_burning  # noqa: E402
-
-from cachex_agent.agent import PEER_TICK  # noqa: E402
-from cachex_agent.config import Peer, load, parse_size  # noqa: E402
-from cachex_agent.fsutil import fsync_dir  # noqa: E402
-
-MiB = 1024 * 1024
-BIN = Path(sys.executable).parent
 KINDS = ("raw", "agents", "trainer")
 CONDITIONS = ("quiet", "loaded")
 BURNERS = 2
@@ -375,7 +361,7 @@ def raw_pass(comm: Any, root: Path, ckpt: str, slot: int, slots: int, timeout: f
 def raw_once(root: Path, ckpt: str, total: int, files: int, seed: int, slot: int,
              slots: int) -> dict[str, float]:
     """The raw pass over a part written untimed beside each spool; all of it removed after."""
-    write_part(root, ckpt, total, files, seed, RAW_SPOOL)
+    write_parts(root, NODES, ckpt, total, files, seed, RAW_SPOOL)
     try:
         os.sync()
         proc = subprocess.run(
@@ -388,7 +374,7 @@ def raw_once(root: Path, ckpt: str, total: int, files: int, seed: int, slot: int
         check_raw_replicas(root, ckpt)
         return result
     finally:
-        remove_part(root, ckpt, RAW_SPOOL)
+        remove_parts(root, NODES, ckpt, RAW_SPOOL)
         for node in range(NODES):
             shutil.rmtree(root / f"node{node}" / RAW_REPLICA, ignore_errors=True)
 
@@ -422,7 +408,7 @@ def agents_once(agents: AgentJob, procs: list[psutil.Process], root: Path, ckpt:
     run = pipeline_once(agents, root, ckpt, total, files, seed,
                         before_commit=lambda: before.append(agents_cpu(procs)))
     cpu = agents_cpu(procs) - before[0]
-    remove_part(root, ckpt)
+    remove_parts(root, NODES, ckpt)
     return {"seconds": run["replicated"], "cpu": cpu}
 
 
@@ -503,7 +489,7 @@ def trainer_once(agents: AgentJob, root: Path, ckpt: str, total: int, files: int
         trainer.wait_steps(count + 1)       # the step under way at `replicated` ends
     finally:
         steps = trainer.stop()
-        remove_part(root, ckpt)
+        remove_parts(root, NODES, ckpt)
     during = [e - s for s, e in steps if s < end and e > begin]
     return {"alone": [e - s for s, e in alone], "with": during}
 
@@ -549,8 +535,8 @@ def condition_run(args: argparse.Namespace, condition: str, sizes: list[str], ma
     agents: AgentJob | None = None
     out: dict[str, dict[str, Any]] = {}
     try:
-        config = write_config(root, pfs, extra=f'nice = {args.nice}\nsched = "{args.sched}"\n'
-                                                f'cpus = "{args.cpus}"\n')
+        config = agent_config(root, pfs, agent={"nice": args.nice, "sched": args.sched,
+                                                "cpus": args.cpus})
         peer = load(config, environ={}).peer
         agents = start_agents(root, config)
         procs = agent_processes(agents)
@@ -558,7 +544,7 @@ def condition_run(args: argparse.Namespace, condition: str, sizes: list[str], ma
         pipeline_once(agents, root, "step_00000", smallest, args.files, 0)     # warm-up
         agents.wait_event(0, lambda e: e["event"] == "level_flushed"
                           and e.get("ckpt") == "step_00000", 600)
-        remove_part(root, "step_00000")
+        remove_parts(root, NODES, "step_00000")
         raw_once(root, "step_00000", smallest, args.files, 0, peer.slot, peer.slots)
         if condition == "loaded":
             burners = burn(BURNERS)
@@ -663,8 +649,7 @@ def main(argv: list[str] | None = None) -> int:
     sizes = args.sizes.split(",")
     matmuls = calibrate()
     header: dict[str, Any] = {
-        "date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(), "load": os.getloadavg()[0],
-        "nodes": NODES, "files": args.files, "repeat": args.repeat, "dir": args.dir,
+        **machine(), "nodes": NODES, "files": args.files, "repeat": args.repeat, "dir": args.dir,
         "agent_nice": args.nice, "agent_sched": args.sched, "agent_cpus": args.cpus,
         "file_sizes": {s: part_sizes(parse_size(s, "--sizes"), args.files) for s in sizes},
         "matmuls_per_step": matmuls, "burners": BURNERS, "slot": Peer().slot,

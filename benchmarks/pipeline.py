@@ -44,59 +44,47 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from common import (
+    AgentJob,
+    MiB,
+    commit,
+    machine,
+    make_spools,
+    node_tree,
+    remove_parts,
+    write_config,
+    write_parts,
+)
+from sources import part_sizes
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cachex_agent.config import parse_size
+from cachex_agent.fsutil import fsync_dir
 
-from agents import AgentJob  # noqa: E402
-from capture import write_files  # noqa: E402
-
-from cachex_agent.config import parse_size  # noqa: E402
-from cachex_agent.fsutil import fsync_dir  # noqa: E402
-
-MiB = 1024 * 1024
 NODES = 2
 RUN = "bench"
 TARGET = 0.7
 PIECE = MiB
 
 
-def write_config(root: Path, pfs: Path, nodes: int = NODES, run: str = RUN,
-                 timeout: str = "60s", extra: str = "", flush_every: int = 1000) -> Path:
-    """Agents on the peer path that keep one checkpoint in the stage and one replica and
-    flush only when asked (or every `flush_every`); `extra` adds [agent] keys, then
-    sections (e.g. [peer])."""
-    path = root / "bench.toml"
-    path.write_text(f'''run = "{run}"
-[paths]
-spool = "{root}/node{{node}}/spool"
-stage = "{root}/node{{node}}/shm"
-cache = "{root}/node{{node}}/nvme"
-pfs = "{pfs}"
-[topology]
-domain = "rank"
-[model]
-path = "peer"
-[commit]
-rule = "dcp"
-[flush]
-every = {flush_every}
-[keep]
-stage = 1
-replica = 1
-[agent]
-timeout = "{timeout}"
-{extra}''')
-    for node in range(nodes):
-        (root / f"node{node}" / "spool").mkdir(parents=True)
-    return path
+def agent_config(root: Path, pfs: Path, nodes: int = NODES, run: str = RUN,
+                 timeout: str = "60s", agent: dict[str, Any] | None = None,
+                 flush_every: int = 1000, **sections: dict[str, Any]) -> Path:
+    """Agents on the peer path, every node's directories under root/node<n>/, that keep
+    one checkpoint in the stage and one replica and flush only when asked (or every
+    `flush_every`); `agent` adds [agent] keys, `sections` more sections (e.g. peer=...).
+    Every node's spool is made."""
+    config = write_config(root / "bench.toml", run, paths=node_tree(root, pfs),
+                          topology={"domain": "rank"}, model={"path": "peer"},
+                          commit={"rule": "dcp"}, flush={"every": flush_every},
+                          keep={"stage": 1, "replica": 1},
+                          agent={"timeout": timeout, **(agent or {})}, **sections)
+    make_spools(config, nodes)
+    return config
 
 
 def start_agents(root: Path, config: Path) -> AgentJob:
     """`mpiexec -n 2 cachex-agent`, once every node said it started."""
-    agents = AgentJob(config, NODES, root / "agents.log",
-                      lambda node: root / f"node{node}" / "nvme" / RUN / "journal"
-                      / "events.jsonl")
+    agents = AgentJob(config, NODES, root / "agents.log")
     agents.started(120)
     return agents
 
@@ -154,31 +142,15 @@ def floor_once(root: Path, ckpt: str, sizes: list[int], pool: np.ndarray, nodes:
 
 
 # ----------------------------------------------------------------------- pipeline
-def write_part(root: Path, ckpt: str, total: int, files: int, seed: int,
-               where: str = "spool") -> None:
-    for node in range(NODES):
-        part = root / f"node{node}" / where / ckpt
-        write_files(part, total, files, seed=seed * NODES + node)
-        if node == 0:
-            (part / ".metadata.tmp").write_bytes(b"{}")
-
-
-def commit(root: Path, ckpt: str) -> float:
-    part = root / "node0" / "spool" / ckpt
-    start = time.time()
-    os.rename(part / ".metadata.tmp", part / ".metadata")
-    return start
-
-
 def pipeline_once(agents: AgentJob, root: Path, ckpt: str, total: int, files: int, seed: int,
                   before_commit: Callable[[], None] | None = None) -> dict[str, float]:
     """Seconds from the commit to each node's `captured` and the later `replicated`.
     `before_commit` runs just before the commit (e.g. reads the agents' CPU)."""
-    write_part(root, ckpt, total, files, seed)
+    write_parts(root, NODES, ckpt, total, files, seed)
     time.sleep(0.3)         # the watcher's look at the new files passes before the commit
     if before_commit is not None:
         before_commit()
-    start = commit(root, ckpt)
+    start = commit(root / "node0" / "spool" / ckpt)
     marks: dict[str, float] = {}
     for node in range(NODES):
         for event in ("captured", "replicated"):
@@ -192,17 +164,7 @@ def pipeline_once(agents: AgentJob, root: Path, ckpt: str, total: int, files: in
             "replicated": max(marks["replicated0"], marks["replicated1"]), **marks}
 
 
-def remove_part(root: Path, ckpt: str, where: str = "spool") -> None:
-    for node in range(NODES):
-        shutil.rmtree(root / f"node{node}" / where / ckpt, ignore_errors=True)
-
-
 # --------------------------------------------------------------------------- main
-def part_sizes(total: int, files: int) -> list[int]:
-    """The sizes write_files gives (node 0's part also holds the 2-byte `.metadata`)."""
-    return [total // files + (total % files if i == files - 1 else 0) for i in range(files)]
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--size", default="1GiB", help="per node")
@@ -215,13 +177,12 @@ def main() -> int:
     total = parse_size(args.size, "--size")
     root = Path(tempfile.mkdtemp(prefix="cachex-bench-pipeline-", dir=args.dir))
     pfs = Path(tempfile.mkdtemp(prefix="cachex-bench-pipeline-pfs-", dir=args.pfs))
-    results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(),
-                               "load": os.getloadavg()[0], "bytes_per_node": total,
+    results: dict[str, Any] = {**machine(), "bytes_per_node": total,
                                "nodes": NODES, "files": args.files,
                                "nolocal": os.environ.get("MPIR_CVAR_NOLOCAL", "")}
     sizes = part_sizes(total, args.files)
     pool = np.frombuffer(np.random.default_rng(3).bytes(min(total, 256 * MiB)), dtype=np.uint8)
-    agents = start_agents(root, write_config(root, pfs))
+    agents = start_agents(root, agent_config(root, pfs))
     floors: list[float] = []
     runs: list[dict[str, float]] = []
     try:
@@ -231,19 +192,19 @@ def main() -> int:
         pipeline_once(agents, root, "step_00000", total, args.files, 0)     # warm-up
         agents.wait_event(0, lambda e: e["event"] == "level_flushed"
                     and e.get("ckpt") == "step_00000", 600)
-        remove_part(root, "step_00000")
+        remove_parts(root, NODES, "step_00000")
         for rep in range(1, args.repeat + 1):
             ckpt = f"step_{rep:05d}"
             order = ["floor", "pipeline"] if rep % 2 else ["pipeline", "floor"]
             for kind in order:
                 if kind == "floor":
                     # beside the spool, on the same file system: not a checkpoint to the agents
-                    write_part(root, ckpt, total, args.files, rep, "floor-spool")
+                    write_parts(root, NODES, ckpt, total, args.files, rep, "floor-spool")
                     floors.append(floor_once(root, ckpt, sizes, pool))
-                    remove_part(root, ckpt, "floor-spool")
+                    remove_parts(root, NODES, ckpt, "floor-spool")
                 else:
                     runs.append(pipeline_once(agents, root, ckpt, total, args.files, rep))
-                    remove_part(root, ckpt)
+                    remove_parts(root, NODES, ckpt)
             run = runs[-1]
             print(f"  repeat {rep}/{args.repeat}: floor {floors[-1]:.3f} s,"
                   f" commit -> captured {run['captured']:.3f} s,"

@@ -39,7 +39,6 @@ import shutil
 import signal
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -47,23 +46,18 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import private_state  # noqa: F401 (its runs are recorded apart from the user's)
+from common import BIN, MiB, burn, make_spools, stop_burning, write_config
+from contention import Contention, ThrottledPFS
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from cachex_agent import config as configuration
+from cachex_agent.layout import pfs_stop_file
+from cachex_agent.model.calibration import QUANTILES, calibration, predictor
+from cachex_agent.model.history import History, config_event_files, load_history
+from cachex_agent.model.predict import fit_system
+from cachex_agent.model.stages import FORMS as STAGE_FORMS
+from cachex_agent.status import load_status
 
-import private_state  # noqa: E402,F401 (its runs are recorded apart from the user's)
-from contention import Contention, ThrottledPFS  # noqa: E402
-
-from cachex_agent import config as configuration  # noqa: E402
-from cachex_agent.layout import pfs_stop_file  # noqa: E402
-from cachex_agent.model.calibration import QUANTILES, calibration, predictor  # noqa: E402
-from cachex_agent.model.history import History, config_event_files, load_history  # noqa: E402
-from cachex_agent.model.predict import fit_system  # noqa: E402
-from cachex_agent.model.stages import FORMS as STAGE_FORMS  # noqa: E402
-from cachex_agent.status import load_status  # noqa: E402
-
-MiB = 1024 * 1024
-BIN = Path(sys.executable).parent
 LEVELS = ("captured", "replicated", "flushed")
 
 
@@ -72,40 +66,25 @@ LOAD_COVARIATE = True           # predict each checkpoint at its recorded load (
 FORMS = STAGE_FORMS             # --forms
 
 
-def burn(count: int) -> list[subprocess.Popen]:
-    """`count` processes spinning on a core each: a node whose cores are training."""
-    return [subprocess.Popen([sys.executable, "-c", "while True: pass"],
-                             stdin=subprocess.DEVNULL, start_new_session=True)
-            for _ in range(count)]
+def agent_config(root: Path, pfs: Path, run: str, write_path: str = "peer") -> Path:
+    """`run`'s agents: spools and caches under root/<run>/, stages on /dev/shm; the
+    configuration at root/<run>.toml (replay() finds a kept run's by that name)."""
+    node = f"{root}/{run}/node{{node}}"
+    return write_config(root / f"{run}.toml", run,
+                        paths={"spool": f"{node}/spool",
+                               "stage": "/dev/shm/cachex-predict/node{node}",
+                               "cache": f"{node}/nvme", "pfs": pfs},
+                        topology={"domain": "rank"}, commit={"rule": "dcp"},
+                        model={"path": write_path}, keep={"replica": 1, "pfs": 2},
+                        agent={"poll": "0.01s"})
 
 
-def stop_burning(procs: list[subprocess.Popen]) -> None:
-    for proc in procs:
-        proc.kill()
-        proc.wait()
-
-
-def write_config(root: Path, pfs: Path, run: str, write_path: str = "peer") -> Path:
-    path = root / f"{run}.toml"
-    path.write_text(f'''run = "{run}"
-[paths]
-spool = "{root}/{run}/node{{node}}/spool"
-stage = "/dev/shm/cachex-predict/node{{node}}"
-cache = "{root}/{run}/node{{node}}/nvme"
-pfs = "{pfs}"
-[topology]
-domain = "rank"
-[commit]
-rule = "dcp"
-[model]
-path = "{write_path}"
-[keep]
-replica = 1
-pfs = 2
-[agent]
-poll = "0.01s"
-''')
-    return path
+def start_run(root: Path, pfs: ThrottledPFS, run: str, nodes: int, write_path: str = "peer"
+              ) -> tuple[Path, configuration.Config, subprocess.Popen]:
+    """`run`'s configuration, its spools, its agents started inside the PFS's throttle."""
+    config = agent_config(root, pfs.path, run, write_path)
+    cfg = make_spools(config, nodes)
+    return config, cfg, start_agents(config, nodes, pfs, root / f"{run}.log")
 
 
 def start_agents(config: Path, nodes: int, pfs: ThrottledPFS, log: Path) -> subprocess.Popen:
@@ -157,11 +136,7 @@ def prune_spool(cfg: configuration.Config, nodes: int, *keep: str) -> None:
 def run_workloads(root: Path, pfs: ThrottledPFS, scenario: str, nodes: int,
                   sizes: list[int], count: int, rng: np.random.Generator) -> Path:
     run = f"{scenario}-n{nodes}"
-    config = write_config(root, pfs.path, run)
-    cfg = configuration.load(config)
-    for node in range(nodes):
-        cfg.node_paths(node).spool.mkdir(parents=True, exist_ok=True)
-    agents = start_agents(config, nodes, pfs, root / f"{run}.log")
+    config, cfg, agents = start_run(root, pfs, run, nodes)
     buffer = np.frombuffer(rng.bytes(8 * MiB), dtype=np.uint8)
     order = [s for s in sizes for _ in range(count)]
     rng.shuffle(order)

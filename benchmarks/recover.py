@@ -51,45 +51,26 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import BIN, MiB, machine, node_tree, write_config
+from sources import write_files
 
-from capture import write_files  # noqa: E402
-
-from cachex_agent.checksum import file_checksum  # noqa: E402
-from cachex_agent.config import load, parse_size  # noqa: E402
-from cachex_agent.flush.bundle import write_bundle  # noqa: E402
-from cachex_agent.fsutil import makedirs, write_json  # noqa: E402
-from cachex_agent.layout import (  # noqa: E402
+from cachex_agent.checksum import file_checksum
+from cachex_agent.config import load, parse_size
+from cachex_agent.flush.bundle import write_bundle
+from cachex_agent.fsutil import makedirs, write_json
+from cachex_agent.layout import (
     bundle_path,
     journal_global_manifest_path,
     pfs_ckpt_dir,
     pfs_manifest_path,
     replica_dir,
 )
-from cachex_agent.manifest import FileEntry, GlobalManifest, LocalManifest  # noqa: E402
-from cachex_agent.peer.store import commit_replica, partial_dir  # noqa: E402
+from cachex_agent.manifest import FileEntry, GlobalManifest, LocalManifest
+from cachex_agent.peer.store import commit_replica, partial_dir
 
-MiB = 1024 * 1024
-BIN = Path(sys.executable).parent
 CKPT = "step_00001"
 TARGET = 0.6
 SURVIVOR_PART = 4 * MiB     # node 1's own part, kept in place
-
-
-def write_config(root: Path, pfs: Path) -> Path:
-    path = root / "bench.toml"
-    path.write_text(f'''run = "bench"
-[paths]
-spool = "{root}/node{{node}}/spool"
-stage = "{root}/node{{node}}/shm"
-cache = "{root}/node{{node}}/nvme"
-pfs = "{pfs}"
-[topology]
-domain = "rank"
-[agent]
-timeout = "60s"
-''')
-    return path
 
 
 def local_manifest(node: int, directory: Path, names: list[str]) -> LocalManifest:
@@ -276,11 +257,11 @@ def main() -> int:
         return 0
     root = Path(tempfile.mkdtemp(prefix="cachex-bench-recover-", dir=args.dir))
     pfs = Path(tempfile.mkdtemp(prefix="cachex-bench-recover-pfs-", dir=args.pfs or args.dir))
-    results: dict[str, Any] = {"date": time.strftime("%Y-%m-%d"), "cores": os.cpu_count(),
-                               "load": os.getloadavg()[0], "size": args.size,
+    results: dict[str, Any] = {**machine(), "size": args.size,
                                "files": args.files, "dir": args.dir, "pfs": str(pfs)}
     try:
-        config = write_config(root, pfs)
+        config = write_config(root / "bench.toml", "bench", paths=node_tree(root, pfs),
+                              topology={"domain": "rank"}, agent={"timeout": "60s"})
         print(f"state: node 0's part {args.size} in {args.files} files; {root}", flush=True)
         state = build_state(config, parse_size(args.size), args.files)
         results["bytes"] = state["bytes"]

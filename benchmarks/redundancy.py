@@ -49,15 +49,13 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from common import BIN, MiB
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cachex_agent.checksum import file_checksum
+from cachex_agent.config import parse_size, scheme_shape
+from cachex_agent.manifest import FileEntry, LocalManifest
+from cachex_agent.peer.erasure import Scheme, chunk_length, segments
 
-from cachex_agent.checksum import file_checksum  # noqa: E402
-from cachex_agent.config import parse_size, scheme_shape  # noqa: E402
-from cachex_agent.manifest import FileEntry, LocalManifest  # noqa: E402
-from cachex_agent.peer.erasure import Scheme, chunk_length, segments  # noqa: E402
-
-MiB = 1024**2
 SCHEMES = {"xor g4": Scheme(3, 1), "xor g8": Scheme(7, 1), "rs:4+2": Scheme(4, 2)}
 POOL = 64 * MiB     # random source bytes, larger than the caches
 
@@ -180,7 +178,7 @@ def under_mpiexec() -> bool:
 def exchange_child(args: argparse.Namespace) -> dict[str, Any]:
     """The exchange on 4 ranks, in its own `mpiexec` (this process stays out of MPI)."""
     with tempfile.NamedTemporaryFile(suffix=".json") as out:
-        subprocess.run([str(Path(sys.executable).parent / "mpiexec"), "-n", "4",
+        subprocess.run([str(BIN / "mpiexec"), "-n", "4",
                         sys.executable, __file__, "--only", "exchange", "--part", args.part,
                         "--segment", args.segment, "--repeat", str(args.repeat),
                         "--json", out.name], check=True, timeout=1800)

@@ -34,10 +34,9 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from agents import BIN, AgentJob
-from capture import write_files
-from pipeline import floor_once, part_sizes
-from pipeline import write_config as pipeline_config
+from common import BIN, AgentJob, commit, remove_parts, write_parts
+from pipeline import agent_config, floor_once
+from sources import part_sizes
 
 RUN = "bench-ec"
 LOST = 1
@@ -46,28 +45,16 @@ FILES = 8
 
 def write_config(root: Path, scheme: str, group: int, nodes: int) -> Path:
     (root / "pfs").mkdir()
-    return pipeline_config(root, root / "pfs", nodes, RUN, "120s",
-                           f'[peer]\nscheme = "{scheme}"\ngroup = {group}\n')
-
-
-def write_part(root: Path, nodes: int, ckpt: str, total: int, seed: int,
-               where: str = "spool") -> None:
-    for node in range(nodes):
-        part = root / f"node{node}" / where / ckpt
-        write_files(part, total, FILES, seed=seed * nodes + node)
-        if node == 0:
-            (part / ".metadata.tmp").write_bytes(b"{}")
-
+    return agent_config(root, root / "pfs", nodes, RUN, "120s",
+                        peer={"scheme": scheme, "group": group})
 
 
 def replicated_once(agents: AgentJob, root: Path, nodes: int, ckpt: str, total: int,
                     seed: int) -> float:
     """Seconds from the commit to the last node's `replicated` event."""
-    write_part(root, nodes, ckpt, total, seed)
+    write_parts(root, nodes, ckpt, total, FILES, seed)
     time.sleep(0.3)         # the watcher's look at the new files passes before the commit
-    part = root / "node0" / "spool" / ckpt
-    start = time.time()
-    os.rename(part / ".metadata.tmp", part / ".metadata")
+    start = commit(root / "node0" / "spool" / ckpt)
     last = 0.0
     for node in range(nodes):
         found = agents.wait_event(node, lambda e: e["event"] in ("replicated",
@@ -77,11 +64,6 @@ def replicated_once(agents: AgentJob, root: Path, nodes: int, ckpt: str, total: 
             raise SystemExit(f"node {node}: replication of {ckpt} failed: {found}")
         last = max(last, found["t"] - start)
     return last
-
-
-def remove_spools(root: Path, nodes: int, ckpt: str) -> None:
-    for node in range(nodes):
-        shutil.rmtree(root / f"node{node}" / "spool" / ckpt, ignore_errors=True)
 
 
 def digest(directory: Path) -> dict[str, str]:
@@ -133,8 +115,7 @@ def bench_scheme(name: str, scheme: str, group: int, nodes: int, stored: float, 
     pool = np.frombuffer(np.random.default_rng(5).bytes(64 * 1024**2), dtype=np.uint8)
     store_sizes = part_sizes(max(1, round(total * stored)), FILES)
     config = write_config(root, scheme, group, nodes)
-    agents = AgentJob(config, nodes, root / "agents.log",
-                      lambda n: root / f"node{n}" / "nvme" / RUN / "journal" / "events.jsonl")
+    agents = AgentJob(config, nodes, root / "agents.log")
     floors: list[float] = []
     times: list[float] = []
     try:
@@ -146,14 +127,14 @@ def bench_scheme(name: str, scheme: str, group: int, nodes: int, stored: float, 
             ckpt = f"step_{rep:05d}"
             for kind in (["floor", "agents"] if rep % 2 else ["agents", "floor"]):
                 if kind == "floor":
-                    write_part(root, nodes, ckpt, total, rep, "floor-spool")
+                    write_parts(root, nodes, ckpt, total, FILES, rep, "floor-spool")
                     floors.append(floor_once(root, ckpt, store_sizes, pool, nodes,
                                              "floor-store"))
                     for node in range(nodes):
                         shutil.rmtree(root / f"node{node}" / "floor-spool", ignore_errors=True)
                 else:
                     times.append(replicated_once(agents, root, nodes, ckpt, total, rep))
-                    remove_spools(root, nodes, f"step_{rep - 1:05d}")   # as a trainer would
+                    remove_parts(root, nodes, f"step_{rep - 1:05d}")    # as a trainer would
             print(f"  {name}: repeat {rep}/{repeat}: floor {floors[-1]:.2f} s,"
                   f" commit -> replicated {times[-1]:.2f} s", flush=True)
         last = f"step_{repeat:05d}"

@@ -67,20 +67,16 @@ from typing import Any
 
 import numpy as np
 import psutil
+from common import GiB, MiB, write_config
+from sources import write_sources
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from cachex_agent.config import Config, load, parse_size
+from cachex_agent.events import EventLog
+from cachex_agent.fsutil import fsync_dir
+from cachex_agent.layout import events_path
+from cachex_agent.manifest import FileEntry, LocalManifest
+from cachex_agent.messages import Ack, Credit, Replicated, Tag, ToNode, decode, wire
 
-from sources import write_sources  # noqa: E402
-
-from cachex_agent.config import Config, load, parse_size  # noqa: E402
-from cachex_agent.events import EventLog  # noqa: E402
-from cachex_agent.fsutil import fsync_dir  # noqa: E402
-from cachex_agent.layout import events_path  # noqa: E402
-from cachex_agent.manifest import FileEntry, LocalManifest  # noqa: E402
-from cachex_agent.messages import Ack, Credit, Tag, ToNode, decode, wire  # noqa: E402
-
-MiB = 1024 * 1024
-GiB = 1024 * MiB
 PEER = Tag.PEER
 CTRL = 9            # this benchmark's own "stop idling" message
 BUSY_TICK = 0.001   # the partner's Iprobe tick while it idles in the raw Put
@@ -112,24 +108,16 @@ def make_sources(root: Path, sizes: list[int]) -> list[FileEntry]:
                                  else f"meta/{i:03d}.dat", size) for i, size in enumerate(sizes)])
 
 
-def write_config(root: Path, stage: Path, slot: int, slots: int, cache: str | None = None
+def agent_config(root: Path, stage: Path, slot: int, slots: int, cache: str | None = None
                  ) -> Path:
-    path = root / "bench.toml"
-    path.write_text(f'''run = "bench"
-[paths]
-spool = "{root}/node{{node}}/spool"
-stage = "{stage}/node{{node}}"
-cache = "{cache or root}/node{{node}}/cache"
-pfs = "{root}/pfs"
-[topology]
-domain = "rank"
-[peer]
-slot = {slot}
-slots = {slots}
-[agent]
-timeout = "60s"
-''')
-    return path
+    """Both ranks' configuration (the Driver's Replicator reads it; no agent runs)."""
+    return write_config(root / "bench.toml", "bench",
+                        paths={"spool": f"{root}/node{{node}}/spool",
+                               "stage": f"{stage}/node{{node}}",
+                               "cache": f"{cache or root}/node{{node}}/cache",
+                               "pfs": root / "pfs"},
+                        topology={"domain": "rank"}, peer={"slot": slot, "slots": slots},
+                        agent={"timeout": "60s"})
 
 
 # ---------------------------------------------------------------------- profiling
@@ -420,7 +408,7 @@ class Driver:
                                      streams=streams)
         if trace is not None:
             instrument(self.replicator, trace, comm.rank)
-        self.results: list[dict[str, Any]] = []
+        self.results: list[Replicated] = []
         self.back_to_back = 1     # checkpoints queued at once per replicate run
         self.finished = 0.0
         self.cpu: list[dict[str, float]] = []     # per replicate run: main thread, process
@@ -438,7 +426,7 @@ class Driver:
                 if self.trace is not None and isinstance(msg.message, Credit):
                     self.trace.mark("credit_send")
                 self.send(msg.node, msg.message)
-            elif msg["type"] == "replicated":
+            elif isinstance(msg, Replicated):
                 self.results.append(msg)
         status = MPI.Status()
         while self.probe(status):
@@ -492,7 +480,7 @@ class Driver:
         self.cpu.append({"main": time.thread_time() - main_cpu,
                          "process": time.process_time() - process_cpu, "steps": steps})
         if comm.rank == 0:
-            if not all(r["ok"] for r in self.results):
+            if not all(r.ok for r in self.results):
                 raise RuntimeError(f"replication failed: {self.results}")
             return self.finished - start
         for ckpt in ckpts:
@@ -594,7 +582,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         entries: list[FileEntry] = []
         if comm.rank == 0:
-            write_config(root, stage, slot, slots, args.cache)
+            agent_config(root, stage, slot, slots, args.cache)
             source = stage / "src"
             entries = make_sources(source, sizes)
         comm.Barrier()

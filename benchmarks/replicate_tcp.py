@@ -23,10 +23,9 @@ import sys
 import tempfile
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE))
+from namespaces import Nodes
 
-from namespaces import Nodes  # noqa: E402
+HERE = Path(__file__).resolve().parent
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -48,9 +47,8 @@ def main(argv: list[str] | None = None) -> int:
         shared.mkdir()
         command = [sys.executable, str(HERE / "replicate.py"), "--size", args.size, "--dir",
                    str(shared), "--cache", str(local), "--tcp", "--iface", "eth0", *rest]
-        env = nodes.env({"PYTHONPATH": os.pathsep.join(
-            [str(HERE.parent), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)})
-        return subprocess.run(nodes.mpiexec(command), env=env, timeout=3600).returncode
+        return subprocess.run(nodes.mpiexec(command), env=nodes.env(),
+                              timeout=3600).returncode
     finally:
         nodes.close()
         shutil.rmtree(workdir, ignore_errors=True)

@@ -34,35 +34,35 @@ import argparse
 import json
 import pickle
 import random
-import sys
 import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from common import write_config
+from coordinator_scale import Clock
 
-from coordinator_scale import Clock  # noqa: E402
-
-from cachex_agent import relay  # noqa: E402
-from cachex_agent.config import load  # noqa: E402
-from cachex_agent.coordinator import Coordinator  # noqa: E402
-from cachex_agent.events import EventLog  # noqa: E402
-from cachex_agent.journal import Journal  # noqa: E402
-from cachex_agent.layout import JOURNAL_STATE, journal_global_manifest_path  # noqa: E402
-from cachex_agent.manifest import FileEntry, LocalManifest  # noqa: E402
-from cachex_agent.messages import (  # noqa: E402
+from cachex_agent import relay
+from cachex_agent.config import load
+from cachex_agent.coordinator import Coordinator
+from cachex_agent.events import EventLog
+from cachex_agent.journal import Journal
+from cachex_agent.layout import JOURNAL_STATE, journal_global_manifest_path
+from cachex_agent.manifest import FileEntry, LocalManifest
+from cachex_agent.messages import (
+    Captured,
     Finalized,
     HoldManifest,
     ManifestReady,
     Tag,
-    captured_wire,
     decode,
+    wire,
 )
-from cachex_agent.peer.partners import metadata_holders  # noqa: E402
-from cachex_agent.uplink import Uplink  # noqa: E402
+from cachex_agent.peer.partners import metadata_holders
+from cachex_agent.uplink import Uplink
 
 PICKLE = pickle.HIGHEST_PROTOCOL
 TARGETS = {"agent_cpu_s": 0.050, "agent_received_bytes": 64 * 1024,
@@ -119,10 +119,10 @@ class Simulation:
     def __init__(self, root: Path, nodes: int, files: int, fanout: int) -> None:
         self.root, self.nodes, self.files, self.fanout = root, nodes, files, fanout
         self.random = random.Random(7)
-        (root / "cfg.toml").write_text(
-            f'run = "scale"\n[paths]\nspool = "{root}/spool"\npfs = "{root}/pfs"\n'
-            f'[agent]\nfanout = {fanout}\n[model]\npath = "peer"\n[keep]\npfs = 2\n')
-        config = load(root / "cfg.toml", environ={})
+        config = load(write_config(root / "cfg.toml", "scale",
+                                   paths={"spool": root / "spool", "pfs": root / "pfs"},
+                                   agent={"fanout": fanout}, model={"path": "peer"},
+                                   keep={"pfs": 2}), environ={})
         self.clock = Clock()
         self.holders = metadata_holders([str(n) for n in range(nodes)], config.peer.copies)
         self.coord = Coordinator(config, list(range(nodes)), Journal(root / "journal-0"),
@@ -154,11 +154,11 @@ class Simulation:
                     agent.frame(frame, "relay frame from its parent")
         self.frames.clear()
 
-    def _hear(self, node: int, msg: dict[str, Any]) -> None:
+    def _hear(self, node: int, msg: Captured) -> None:
         """An agent's report: pickled by the agent, unpickled and checked here."""
         agent = self.observed.get(node)
         cpu = time.process_time()
-        msg = captured_wire({**msg, "node": node})     # the manifest as its JSON text
+        msg = wire(replace(msg, node=node))     # the manifest as its JSON text
         if agent is not None:
             agent.cpu += time.process_time() - cpu
         data = agent.report(msg) if agent else pickle.dumps(msg, PICKLE)
@@ -228,10 +228,9 @@ class Simulation:
                                   "global_files": [".metadata"] if node == 0 else []})
         self._tick()
         for node in range(self.nodes):
-            self._hear(node, {"type": "captured", "ckpt": ckpt, "mode": "copy",
-                              "manifest": self._manifest(ckpt, seq, node),
-                              "duration": 0.05, "global_files": [".metadata"] if node == 0
-                              else []})
+            self._hear(node, Captured(ckpt=ckpt, mode="copy",
+                                      manifest=self._manifest(ckpt, seq, node), duration=0.05,
+                                      global_files=[".metadata"] if node == 0 else []))
         self._tick()
         self._level(lambda node: {"type": "replicated", "ckpt": ckpt, "ok": True,
                                   "partners": [(node + 1) % self.nodes], "errors": {},

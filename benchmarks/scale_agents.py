@@ -33,61 +33,47 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+from common import AgentJob, burn, commit, remove_parts, stop_burning, write_parts
+from pipeline import agent_config
 
-from agents import AgentJob  # noqa: E402
-from capture import write_files  # noqa: E402
-from pipeline import write_config as pipeline_config  # noqa: E402
-from predict import burn, stop_burning  # noqa: E402
-
-from cachex_agent.config import parse_size  # noqa: E402
-from cachex_agent.peer.partners import metadata_holders  # noqa: E402
-from cachex_agent.relay import children  # noqa: E402
+from cachex_agent.config import parse_size
+from cachex_agent.peer.partners import metadata_holders
+from cachex_agent.relay import children
 
 RUN = "scale"
 METADATA_TAGS = ("RELAY", "COORDINATOR")
 TARGET = 1.2
 FANOUT = 4
-COPIES = 1              # peer.copies: pipeline.write_config leaves the default
+COPIES = 1              # peer.copies: pipeline.agent_config leaves the default
 
 
 def write_config(root: Path, nodes: int) -> Path:
     (root / "pfs").mkdir()
-    return pipeline_config(root, root / "pfs", nodes, RUN, "120s", f"fanout = {FANOUT}\n",
-                           flush_every=1)
+    return agent_config(root, root / "pfs", nodes, RUN, "120s", agent={"fanout": FANOUT},
+                        flush_every=1)
 
 
 def checkpoint(agents: AgentJob, root: Path, nodes: int, seq: int, files: int,
                size: int) -> dict[int, dict[str, Any]]:
     """One checkpoint through every level; each node's `counters` event after it."""
     ckpt = f"step_{seq:05d}"
-    for node in range(nodes):
-        part = root / f"node{node}" / "spool" / ckpt
-        write_files(part, size * files, files, seed=seq * nodes + node)
-        if node == 0:
-            (part / ".metadata.tmp").write_bytes(b"{}")
+    write_parts(root, nodes, ckpt, size * files, files, seq)
     time.sleep(0.3)         # the watchers' look at the new files passes before the commit
-    part = root / "node0" / "spool" / ckpt
-    os.rename(part / ".metadata.tmp", part / ".metadata")
+    commit(root / "node0" / "spool" / ckpt)
     agents.wait_event(0, lambda e: e["event"] == "level_flushed" and e.get("ckpt") == ckpt,
                       600)
     counters = {node: agents.wait_event(node, lambda e: e["event"] == "counters"
                                         and e.get("ckpt") == ckpt, 120)
                 for node in range(nodes)}
     if seq > 2:             # the spool is the trainer's: keep it small
-        for node in range(nodes):
-            shutil.rmtree(root / f"node{node}" / "spool" / f"step_{seq - 2:05d}",
-                          ignore_errors=True)
+        remove_parts(root, nodes, f"step_{seq - 2:05d}")
     return counters
 
 
@@ -132,9 +118,7 @@ def run(nodes: int, checkpoints: int, files: int, size: int, base: Path) -> dict
     root = Path(tempfile.mkdtemp(prefix="cachex-scale-agents-", dir=base))
     try:
         config = write_config(root, nodes)
-        agents = AgentJob(config, nodes, root / "agents.log",
-                          lambda node: root / f"node{node}" / "nvme" / RUN / "journal"
-                          / "events.jsonl", poll=0.05)
+        agents = AgentJob(config, nodes, root / "agents.log", poll=0.05)
         try:
             agents.started(300)
             rows = [checkpoint(agents, root, nodes, seq, files, size)

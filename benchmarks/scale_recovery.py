@@ -38,17 +38,14 @@ import argparse
 import json
 import math
 import pickle
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from cachex_agent.manifest import FileEntry, GlobalManifest, LocalManifest  # noqa: E402
-from cachex_agent.peer.partners import metadata_holders  # noqa: E402
-from cachex_agent.recovery import discover, slices  # noqa: E402
-from cachex_agent.recovery.plan import Copy, Space, bytes_needed, check_space, choose  # noqa: E402
+from cachex_agent.manifest import FileEntry, GlobalManifest, LocalManifest
+from cachex_agent.peer.partners import metadata_holders
+from cachex_agent.recovery import discover, slices
+from cachex_agent.recovery.plan import Copy, Space, bytes_needed, check_space, choose
 
 FILES = 8
 CKPT = "step_00100"

@@ -34,6 +34,7 @@ import signal
 import threading
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -62,8 +63,13 @@ from .layout import (
 from .manifest import LocalManifest
 from .messages import (
     PEER,
+    TO_COORDINATOR,
+    Captured,
+    CaptureFailed,
     Commit,
     Drain,
+    Drained,
+    Evicted,
     Exit,
     Failed,
     FileCaptured,
@@ -71,11 +77,15 @@ from .messages import (
     GlobalFile,
     HoldManifest,
     ManifestReady,
+    Marker,
     Protected,
+    Replicated,
+    Report,
     Reroute,
+    Stop,
     Tag,
     ToNode,
-    captured_wire,
+    Unprotected,
     decode,
     wire,
 )
@@ -350,8 +360,8 @@ class Agent:
         for ckpt, entry in in_order:
             if (is_done(entry, Stage.CAPTURE) and not is_failed(entry)
                     and not is_done(entry, Stage.COMMIT)):
-                self._to_coordinator({"type": "marker", "ckpt": ckpt,
-                                      "global_files": entry.get("global_files", [])})
+                self._to_coordinator(Marker(ckpt=ckpt,
+                                            global_files=entry.get("global_files", [])))
             elif is_done(entry, Stage.COMMIT):
                 self._replicate_cut_short(ckpt, entry)
         cut_short = [c for c, e in in_order if c in self._preexisting
@@ -367,7 +377,7 @@ class Agent:
                     f" {adopt[-1] if adopt else max(known, key=natural_key)}")
             log.warning("node %d: %s", self.node, note)
             self.events.emit("catch_up_skipped", ckpts=skipped, reason=note)
-            self._to_coordinator({"type": "unprotected", "ckpts": skipped, "note": note})
+            self._to_coordinator(Unprotected(ckpts=skipped, note=note))
 
     def _replicate_cut_short(self, ckpt: str, entry: dict[str, Any]) -> None:
         """A finalized checkpoint whose replication was under way (so it was asked for):
@@ -396,13 +406,14 @@ class Agent:
     def _send_peer(self, rank: int, msg: Any) -> None:
         self._send(rank, msg, Tag.PEER)
 
-    def _to_coordinator(self, msg: dict[str, Any]) -> None:
-        """A report: a part's manifest straight to node 0, the rest up the tree."""
-        report = {**msg, "node": self.node}
-        if report["type"] in DIRECT:
-            self._send(0, captured_wire(report))
+    def _to_coordinator(self, report: Report) -> None:
+        """A report (messages.REPORTS), this node's: a part's manifest straight to node
+        0, the rest up the tree."""
+        report = replace(report, node=self.node)
+        if report.TYPE in DIRECT:
+            self._send(0, report)
         else:
-            self.uplink.add(report)
+            self.uplink.add(wire(report))
 
     def _send_up(self) -> None:
         """The reports due (uplink.py): one batch to this node's parent; on node 0, to
@@ -480,9 +491,9 @@ class Agent:
                 if not self.uplink.add(report):
                     self.events.emit("refused", error=f"report from rank {source} names"
                                      f" a node beyond {len(self.ranks_by_node)}")
-        elif isinstance(msg, dict):         # a report to the coordinator (rank 0)
+        elif type(msg).TYPE in TO_COORDINATOR:      # a report that came alone (rank 0)
             if self.coordinator:
-                self.coordinator.handle(msg["node"], msg)
+                self.coordinator.handle(msg.node, msg)
         elif isinstance(msg, GlobalFile):
             self.globals.on_header(source, msg)
         elif type(msg).TYPE in PEER:
@@ -512,17 +523,16 @@ class Agent:
             if isinstance(msg, FileCaptured):
                 self._stream_file(msg)
                 continue
-            kind = msg["type"]
-            if kind == "captured":
+            if isinstance(msg, Captured):
                 self._after_capture(msg)
-            elif kind == "capture_failed" and self.replicator is not None:
-                self.replicator.cancel(msg["ckpt"], f"capture failed: {msg['error']}")
-            elif kind == "marker" and msg["ckpt"] not in self.announced:
-                self._commit_due[msg["ckpt"]] = time.monotonic() + COMMIT_WAIT
-            elif kind == "replicated":
+            elif isinstance(msg, CaptureFailed) and self.replicator is not None:
+                self.replicator.cancel(msg.ckpt, f"capture failed: {msg.error}")
+            elif isinstance(msg, Marker) and msg.ckpt not in self.announced:
+                self._commit_due[msg.ckpt] = time.monotonic() + COMMIT_WAIT
+            elif isinstance(msg, Replicated):
                 self._retain_stage()
                 self.flusher.copy_events_soon()
-                msg = {**msg, "dead": sorted(self.replicator.dead) if self.replicator else []}
+                msg = replace(msg, dead=sorted(self.replicator.dead) if self.replicator else [])
             self._to_coordinator(msg)
         return count
 
@@ -561,18 +571,18 @@ class Agent:
         manifest = self.journal.manifest(ckpt)
         if is_done(entry, Stage.CAPTURE) and not is_failed(entry) and manifest and _held(entry):
             # a repeated announcement (restart): report what is already held
-            self.inbox.put({"type": "captured", "ckpt": ckpt, "manifest": manifest.to_json(),
-                            "mode": entry["mode"], "reason": entry.get("mode_reason", ""),
-                            "global_files": entry.get("global_files", [])})
+            self.inbox.put(Captured(ckpt=ckpt, manifest=manifest.to_json(),
+                                    mode=entry["mode"], reason=entry.get("mode_reason", ""),
+                                    global_files=entry.get("global_files", [])))
             return
         self.capture.submit(self.announced[ckpt])
 
-    def _after_capture(self, msg: dict[str, Any]) -> None:
+    def _after_capture(self, msg: Captured) -> None:
         """Captured: the stages not done yet, replicate and flush side by side (both
         read the stage; the flush is throttled and has threads of its own)."""
-        ckpt = msg["ckpt"]
+        ckpt = msg.ckpt
         entry = self.journal.get(ckpt) or {}
-        manifest = LocalManifest.from_json(msg["manifest"])
+        manifest = LocalManifest.from_json(msg.manifest)
         self._share_globals(manifest, entry)
         peer = self._path(ckpt) == "peer"
         if peer and is_done(entry, Stage.REPLICATE):
@@ -580,7 +590,7 @@ class Agent:
         elif self.replicator is not None and peer:
             self.replicator.captured(manifest, Path(entry["source"]),
                                      mapped=entry.get("mode") == "copy",
-                                     fed_wait=float(msg.get("fed_wait", 0.0)))
+                                     fed_wait=msg.fed_wait)
         if "global" in entry:
             self._encode_if_wanted(ckpt)    # resumed after ManifestReady was heard
         self._flush_if_wanted(ckpt)
@@ -591,9 +601,8 @@ class Agent:
         but the coordinator's state may predate the report, and it records `flushed`
         only after `replicated`: report it again (not a sample for the model)."""
         for redundancy in self._redundancy():
-            self.inbox.put({"type": "replicated", "ckpt": ckpt, "ok": True, "errors": {},
-                            "partners": redundancy.partners, "duration": 0.0,
-                            "adopted": True})
+            self.inbox.put(Replicated(ckpt=ckpt, ok=True, partners=redundancy.partners,
+                                      adopted=True))
 
     def _stream_file(self, msg: FileCaptured) -> None:
         """A file copied while its part is still being captured: its replication starts
@@ -693,7 +702,7 @@ class Agent:
             return
         if not self._drained_sent:
             self._drained_sent = True
-            self._to_coordinator({"type": "drained", "unflushed": self.flusher.pending()})
+            self._to_coordinator(Drained(unflushed=self.flusher.pending()))
 
     def _retain_stage(self) -> None:
         in_use = set(self.flusher.pending())
@@ -702,7 +711,7 @@ class Agent:
         for ckpt in retain_stage(self.config.keep.stage, self.journal, self.paths, in_use,
                                  lambda c: self.announced.get(c, {}).get("flush", False),
                                  self.events, self.remover):
-            self._to_coordinator({"type": "evicted", "ckpt": ckpt})
+            self._to_coordinator(Evicted(ckpt=ckpt))
         forget_ended(self.journal, in_use, self.config.keep.replica)
 
     # ----------------------------------------------------------------- capture
@@ -713,9 +722,9 @@ class Agent:
         known = self.journal.get(ckpt)
         if known is not None and not is_failed(known) and not force:
             return          # e.g. a mirrored `.metadata`: this checkpoint is under way
-        self.inbox.put({"type": "marker", "ckpt": ckpt,
-                        "global_files": global_candidates(self.rule, self.paths.spool, ckpt),
-                        "rule": self.rule.kind(ckpt)})
+        self.inbox.put(Marker(ckpt=ckpt,
+                              global_files=global_candidates(self.rule, self.paths.spool, ckpt),
+                              rule=self.rule.kind(ckpt)))
 
     # ------------------------------------------------------------------- fatal
     def _thread_failed(self, args: Any) -> None:
@@ -744,7 +753,8 @@ class Agent:
             if self._signals > 1:
                 self.exit_now = True        # a second signal: leave now
             else:
-                self.inbox.put({"type": "stop", "signal": signum})
+                log.info("node %d: stop asked by signal %d", self.node, signum)
+                self.inbox.put(Stop())
         signal.signal(signal.SIGTERM, on_signal)
         signal.signal(signal.SIGINT, on_signal)
 
@@ -758,7 +768,8 @@ class Agent:
             if token is None or token == self._stale_stops.get(path):
                 continue
             path.unlink(missing_ok=True)
-            self.inbox.put({"type": "stop", "file": str(path), "token": token})
+            log.info("node %d: stop asked by %s", self.node, path)
+            self.inbox.put(Stop(token=token))
         if self.draining and now > self.drain_deadline + 2 * self.config.agent.timeout:
             log.error("no exit from the coordinator after the drain; leaving")
             self.exit_now = True

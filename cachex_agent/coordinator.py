@@ -30,6 +30,7 @@ readers tell live agents from a status file that dead ones left behind by watchi
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -67,7 +68,6 @@ from .decisions import (
     WriteIndex,
     WriteStatus,
     decide,
-    from_wire,
     index_rows,
     notes,
     state_text,
@@ -80,10 +80,11 @@ from .index import Index, NotAnIndex, read_index, write_index
 from .journal import Journal
 from .lanes import Lane
 from .manifest import GlobalManifest
-from .messages import wire
+from .messages import Report, report_of, wire
 from .metrics import MetricsFile, metrics_file
 from .model.choose import LEARNED, PathChooser, fixed_choice
 from .peer.groups import redundancy
+from .safepath import UnsafeInput
 from .uplink import expand
 
 __all__ = ["HEARTBEAT", "HISTORY", "Coordinator"]
@@ -177,20 +178,28 @@ class Coordinator:
         return self.state.next_seq
 
     # ------------------------------------------------------------- the loop's calls
-    def handle(self, node: int, msg: dict[str, Any]) -> None:
+    def handle(self, node: int, msg: Report | dict[str, Any]) -> None:
+        """A report of node `node`: typed (it came alone: messages.decode), or the dict
+        of a batch or of this process's own uplink (checked as it came, typed here)."""
+        now = self.clock()
+        if not isinstance(msg, dict):
+            self._report(dataclasses.replace(msg, now=now))
+            return
         if msg["type"] == "reduced":        # a subtree's reports of one level (uplink.py)
-            for one in expand(msg):
-                self.handle(one["node"], one)
+            for one in expand(msg, now):
+                self._report(one)
             return
-        if not 0 <= node < self.nodes:
-            log.warning("coordinator: a %r report names node %d of %d", msg["type"], node,
-                        self.nodes)
+        try:
+            self._report(report_of({**msg, "node": node}, f"report of node {node}", now))
+        except UnsafeInput as exc:
+            log.warning("coordinator: refused %s", exc)
+
+    def _report(self, report: Report) -> None:
+        if not 0 <= report.node < self.nodes:
+            log.warning("coordinator: a %r report names node %d of %d", report.TYPE,
+                        report.node, self.nodes)
             return
-        event = from_wire(node, msg, self.clock())
-        if event is None:
-            log.warning("coordinator: unknown message %r from node %d", msg["type"], node)
-            return
-        self._apply(event)
+        self._apply(report)
 
     def tick(self) -> None:
         """The lanes' answers, then the timers (capture deadlines, retries, status)."""

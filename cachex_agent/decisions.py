@@ -50,16 +50,27 @@ from . import layout
 from .fsutil import compact_json
 from .index import Row, state_of_level
 from .manifest import GlobalManifest, LocalManifest, ManifestDigest
-from .messages import (
+from .messages import (  # the agents' reports are this function's events as they came
+    Captured,
+    CaptureFailed,
     Commit,
     Drain,
+    Drained,
+    Evicted,
     Exit,
     Failed,
     Finalized,
+    Flushed,
+    FlushError,
     HoldManifest,
     ManifestReady,
+    Marker,
+    Progress,
     Protected,
+    Replicated,
     Reroute,
+    Stop,
+    Unprotected,
 )
 from .names import LEVELS
 from .safepath import checkpoint_id, relative_paths
@@ -197,107 +208,6 @@ class CoordinatorState:
 
 # ------------------------------------------------------------------------ events
 @dataclass(frozen=True, slots=True)
-class Marker:
-    node: int
-    now: float
-    ckpt: str
-    global_files: list[str]
-    rule: str | None = None                 # which commit rule saw it (status)
-
-
-@dataclass(frozen=True, slots=True)
-class Captured:
-    node: int
-    now: float
-    ckpt: str
-    manifest: dict[str, Any]
-    mode: str = "copy"
-    reason: str = ""
-    duration: float = 0.0
-    global_files: list[str] = field(default_factory=list)   # the node's own candidates
-    text: str | None = None     # `manifest` as its compact JSON text, as the agent sent it
-    fed_wait: float = 0.0       # the replication's part of the capture's time (peer/feed.py)
-
-
-@dataclass(frozen=True, slots=True)
-class CaptureFailed:
-    node: int
-    now: float
-    ckpt: str
-    error: str
-
-
-@dataclass(frozen=True, slots=True)
-class Replicated:
-    node: int
-    now: float
-    ckpt: str
-    ok: bool
-    partners: list[int] = field(default_factory=list)
-    errors: dict[str, str] = field(default_factory=dict)
-    dead: list[int] = field(default_factory=list)
-    duration: float = 0.0
-    adopted: bool = False       # a restart's report of a replication done before it
-
-
-@dataclass(frozen=True, slots=True)
-class Flushed:
-    node: int
-    now: float
-    ckpt: str
-    bundle: str
-    adopted: bool = False
-    duration: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class FlushError:
-    node: int
-    now: float
-    ckpt: str
-    error: str
-    final: bool = False
-
-
-@dataclass(frozen=True, slots=True)
-class Progress:
-    node: int
-    now: float
-    ckpt: str
-    stage: str
-    done: int
-    total: int
-
-
-@dataclass(frozen=True, slots=True)
-class Evicted:
-    node: int
-    now: float
-    ckpt: str
-
-
-@dataclass(frozen=True, slots=True)
-class Unprotected:
-    node: int
-    now: float
-    ckpts: list[str]
-    note: str
-
-
-@dataclass(frozen=True, slots=True)
-class Stop:
-    node: int
-    now: float
-    token: str | None = None    # of a stop file (`cachex stop`), echoed in the status
-
-
-@dataclass(frozen=True, slots=True)
-class Drained:
-    node: int
-    now: float
-
-
-@dataclass(frozen=True, slots=True)
 class Tick:
     now: float
     wall: float | None = None   # the wall clock at `now`, for the times recorded
@@ -320,23 +230,6 @@ class FinalizeDone:
     ckpt: str
     manifest: GlobalManifest
     error: str | None = None
-
-
-FROM_AGENTS: dict[str, type] = {
-    "marker": Marker, "captured": Captured, "capture_failed": CaptureFailed,
-    "replicated": Replicated, "flushed": Flushed, "flush_error": FlushError,
-    "progress": Progress, "evicted": Evicted, "unprotected": Unprotected, "stop": Stop,
-    "drained": Drained}
-
-
-def from_wire(node: int, msg: dict[str, Any], now: float) -> Any:
-    """The typed event of an agent's message; None for a type the coordinator does not
-    know. Fields it does not know (e.g. `node`, `unflushed`) are dropped."""
-    kind = FROM_AGENTS.get(msg["type"])
-    if kind is None:
-        return None
-    fields = {k: v for k, v in msg.items() if k in kind.__dataclass_fields__}
-    return kind(**{**fields, "node": node, "now": now})
 
 
 # ----------------------------------------------------------------------- effects

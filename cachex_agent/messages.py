@@ -14,8 +14,8 @@ Protocols (docs/architecture.md draws them):
                    down the holders' chain (relay.py: serialized once, forwarded as
                    bytes)
   Tag.COORDINATOR  coordinator -> one agent: Commit again (a restarted agent);
-                   agents -> coordinator: the names in TO_COORDINATOR, typed by
-                   decisions.from_wire (the coordinator's events); all but `captured`
+                   agents -> coordinator: the reports (REPORTS, checked by
+                   report_of: decisions.decide's events as they came); all but `captured`
                    go up the tree as a `batch` to the node's parent (uplink.py)
   Tag.PEER         replication between an owner and its partner: Begin, File, Slot, End
                    (owner -> partner), Credit, Ack (partner -> owner); GlobalFile headers
@@ -29,8 +29,10 @@ Protocols (docs/architecture.md draws them):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import IntEnum
 from pathlib import Path
@@ -205,6 +207,123 @@ class GlobalFile:
     checksum: str
 
 
+# ------------------------------------------------------- agents -> coordinator
+# An agent builds a report with `node` unset (the agent sets it as it sends:
+# Agent._to_coordinator); the fields marked ARRIVAL are the coordinator's own, set on
+# arrival and never sent: `now` (its clock), `text` (a manifest as it came).
+ARRIVAL = {"arrival": True}
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Report:
+    """What every report to the coordinator carries."""
+    TYPE: ClassVar[str] = ""
+    node: int = -1                      # the sender's (Agent._to_coordinator sets it)
+    now: float = field(default=0.0, metadata=ARRIVAL)   # the coordinator's clock
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Marker(Report):
+    """This node's commit rule saw `ckpt` committed (`rule`: which one)."""
+    TYPE: ClassVar[str] = "marker"
+    ckpt: str
+    global_files: list[str] = field(default_factory=list)
+    rule: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Captured(Report):
+    """This node's part of `ckpt` is in its stage; `manifest` its local manifest (JSON
+    form), `global_files` the node's own candidates; `fed_wait` the replication's part
+    of `duration` (peer/feed.py)."""
+    TYPE: ClassVar[str] = "captured"
+    ckpt: str
+    manifest: dict[str, Any]
+    mode: str = "copy"
+    reason: str = ""
+    duration: float = 0.0
+    global_files: list[str] = field(default_factory=list)
+    fed_wait: float = 0.0
+    text: str | None = field(default=None, metadata=ARRIVAL)
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class CaptureFailed(Report):
+    TYPE: ClassVar[str] = "capture_failed"
+    ckpt: str
+    error: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Replicated(Report):
+    """This node's protection of `ckpt` ended: `ok`, or `errors` by partner node;
+    `dead`: the nodes it found gone; `adopted`: a restart's report of one done before."""
+    TYPE: ClassVar[str] = "replicated"
+    ckpt: str
+    ok: bool
+    partners: list[int] = field(default_factory=list)
+    errors: dict[str, str] = field(default_factory=dict)
+    dead: list[int] = field(default_factory=list)
+    duration: float = 0.0
+    adopted: bool = False
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Flushed(Report):
+    TYPE: ClassVar[str] = "flushed"
+    ckpt: str
+    bundle: str
+    adopted: bool = False
+    duration: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FlushError(Report):
+    """A flush attempt failed; `final`: no more retries (else the next in `retry_in`)."""
+    TYPE: ClassVar[str] = "flush_error"
+    ckpt: str
+    error: str
+    final: bool = False
+    retry_in: float = 0.0
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Progress(Report):
+    TYPE: ClassVar[str] = "progress"
+    ckpt: str
+    stage: str
+    done: int
+    total: int
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Evicted(Report):
+    TYPE: ClassVar[str] = "evicted"
+    ckpt: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Unprotected(Report):
+    """Checkpoints in this node's spool it will not protect (older than it knows)."""
+    TYPE: ClassVar[str] = "unprotected"
+    ckpts: list[str]
+    note: str
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Stop(Report):
+    """A stop was asked of this node (`token`: of a `cachex stop` file, else None)."""
+    TYPE: ClassVar[str] = "stop"
+    token: str | None = None
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Drained(Report):
+    """This node finished its drain; `unflushed`: what it could not flush."""
+    TYPE: ClassVar[str] = "drained"
+    unflushed: list[str] = field(default_factory=list)
+
+
 @dataclass(frozen=True, slots=True)
 class FileCaptured:
     """Inside one agent: the capture thread copied file `index` of a part into
@@ -229,21 +348,22 @@ TO_AGENT: dict[str, type] = {c.TYPE: c for c in (
     Commit, ManifestReady, HoldManifest, Protected, Finalized, Failed, Drain, Reroute, Exit)}
 PEER: dict[str, type] = {c.TYPE: c for c in (
     Begin, File, Slot, End, Credit, Ack, GlobalFile)}
-# typed on arrival by decisions.from_wire (the coordinator's events); a test keeps the
-# two lists equal
+REPORTS: dict[str, type] = {c.TYPE: c for c in (
+    Marker, Captured, CaptureFailed, Replicated, Flushed, FlushError, Progress, Evicted,
+    Unprotected, Stop, Drained)}
+TO_COORDINATOR = frozenset(REPORTS)
 MAX_BATCH = 1 << 20      # reports in one batch: every node of a 100,000-node job, ten times
 MAX_SAMPLES = 64         # durations in a reduced report (uplink.SAMPLES sends 8)
-TO_COORDINATOR = frozenset({
-    "marker", "captured", "capture_failed", "replicated", "flushed", "flush_error",
-    "progress", "evicted", "unprotected", "stop", "drained"})
 
 
 def wire(message: Any) -> dict[str, Any]:
-    """What travels: a typed message as a dict (manifests as their JSON form); a dict
-    (an agent's report to the coordinator) as it is."""
+    """What travels: a typed message as a dict (manifests as their JSON form, a report's
+    manifest as its compact JSON text, the fields set on arrival left out); a dict (a
+    batch of reports on its way up) as it is."""
     if isinstance(message, dict):
         return message
-    fields = {f.name: getattr(message, f.name) for f in dataclasses.fields(message)}
+    fields = {f.name: getattr(message, f.name) for f in dataclasses.fields(message)
+              if not f.metadata.get("arrival")}
     for name, value in fields.items():
         if isinstance(value, GlobalManifest):
             # the holders' copy: its JSON text, encoded once for the journal, the PFS
@@ -251,19 +371,22 @@ def wire(message: Any) -> dict[str, Any]:
             fields[name] = value.encoded()
         elif isinstance(value, (LocalManifest, ManifestDigest)):
             fields[name] = value.to_json()
+    if type(message) is Captured:
+        # the coordinator keeps this text as it is (report_of, decisions.state_text)
+        fields["manifest"] = compact_json(message.manifest).encode()
     return {"type": message.TYPE, **fields}
 
 
 def decode(raw: Any, source: str, tag: Tag) -> Any:
-    """The typed message that arrived on `tag` from `source`; for a report to the
-    coordinator, the checked dict (decisions.from_wire types it). Raises UnsafeInput."""
+    """The typed message that arrived on `tag` from `source` (a batch of reports: the
+    checked dict, forwarded as it is). Raises UnsafeInput."""
     if not isinstance(raw, dict) or not isinstance(raw.get("type"), str):
         raise UnsafeInput(f"{source}: not a cachex message: {_short(raw)}")
     name = raw["type"]
     if tag == Tag.COORDINATOR and name == "batch":
         return _checked_batch(raw, source)
     if tag == Tag.COORDINATOR and name in TO_COORDINATOR:
-        return _checked_report(raw, source)
+        return report_of(raw, source)
     kind = (TO_AGENT if tag in (Tag.COORDINATOR, Tag.RELAY) else PEER if tag == Tag.PEER
             else {}).get(name)
     if kind is None:
@@ -337,35 +460,99 @@ def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not a number JSON knows")
 
 
-def _checked_report(raw: dict[str, Any], source: str) -> dict[str, Any]:
-    """An agent's report to the coordinator: the names in it checked."""
-    what = f"{source} ({raw['type']})"
-    index(raw.get("node"), what)            # the coordinator files it under that node
-    if "ckpt" in raw:
-        checkpoint_id(raw["ckpt"], what)
-    relative_paths(_list(raw.get("global_files", []), "global_files", what), what,
-                   "global file path")
-    for ckpt in _list(raw.get("ckpts", []), "ckpts", what):
-        checkpoint_id(ckpt, what)
-    if raw["type"] == "captured" and "manifest" not in raw:
-        raise UnsafeInput(f"{what}: no manifest")
-    if "manifest" in raw:
-        text = raw["manifest"]
-        manifest = _json_object(text, what)
+def report_of(raw: dict[str, Any], source: str, now: float = 0.0) -> Any:
+    """The typed report a dict from another rank stands for, checked as the messages to
+    agents are: a known type, every field it needs and none it does not know, each of
+    its kind, every name that reaches a path safe. `now`: the coordinator's clock at
+    its arrival. Raises UnsafeInput."""
+    kind = REPORTS.get(raw.get("type")) if isinstance(raw, dict) else None
+    if kind is None:
+        raise UnsafeInput(f"{source}: not a report: {_short(raw)}")
+    what = f"{source} ({kind.TYPE})"
+    fields = {k: v for k, v in raw.items() if k != "type"}
+    names, required = _sent(kind)
+    if not required <= fields.keys() or not fields.keys() <= names:
+        raise UnsafeInput(f"{what}: fields {sorted(fields)}, expected {sorted(names)}"
+                          f" with {sorted(required)}")
+    for name, value in fields.items():
+        _REPORT_FIELDS[name](value, name, what)
+    if kind is Captured:
+        text = fields["manifest"]
+        fields["manifest"] = manifest = _json_object(text, what)
         try:
-            LocalManifest.check_json(manifest, what, raw.get("ckpt"))
+            LocalManifest.check_json(manifest, what, fields["ckpt"])
         except OperationError as exc:       # e.g. another format: the sender's fault
             raise UnsafeInput(str(exc)) from None
         # the text is what coordinator.json keeps (decisions.state_text): parsed and
         # checked here, never encoded again (a third of the coordinator's CPU)
-        return {**raw, "manifest": manifest, "text": text.decode()}
-    return raw
+        return kind(**fields, text=text.decode(), now=now)
+    return kind(**fields, now=now)
 
 
-def captured_wire(report: dict[str, Any]) -> dict[str, Any]:
-    """A `captured` report as sent: its manifest as compact JSON text, which the
-    coordinator keeps as it is (see `_checked_report`)."""
-    return {**report, "manifest": compact_json(report["manifest"]).encode()}
+@functools.cache
+def _sent(kind: type) -> tuple[frozenset[str], frozenset[str]]:
+    """The fields of a report that travel, and those it must carry (`node` always)."""
+    sent = [f for f in dataclasses.fields(kind) if not f.metadata.get("arrival")]
+    required = {f.name for f in sent if f.default is dataclasses.MISSING
+                and f.default_factory is dataclasses.MISSING}
+    return frozenset(f.name for f in sent), frozenset(required | {"node"})
+
+
+def _text(value: Any, name: str, what: str) -> None:
+    if not isinstance(value, str):
+        raise UnsafeInput(f"{what}: {name} must be text, not {_short(value)}")
+
+
+def _text_or_none(value: Any, name: str, what: str) -> None:
+    if value is not None:
+        _text(value, name, what)
+
+
+def _flag(value: Any, name: str, what: str) -> None:
+    if not isinstance(value, bool):
+        raise UnsafeInput(f"{what}: {name} must be true or false, not {_short(value)}")
+
+
+def _nodes(value: Any, name: str, what: str) -> None:
+    for node in _list(value, name, what):
+        index(node, what)
+
+
+def _ckpts(value: Any, name: str, what: str) -> None:
+    for ckpt in _list(value, name, what):
+        checkpoint_id(ckpt, what)
+
+
+def _errors(value: Any, name: str, what: str) -> None:
+    if not isinstance(value, dict) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in value.items()):
+        raise UnsafeInput(f"{what}: {name} must map text to text, not {_short(value)}")
+
+
+def _manifest_text(value: Any, name: str, what: str) -> None:
+    if not isinstance(value, bytes):
+        raise UnsafeInput(f"{what}: manifest must be JSON text, not {_short(value)}")
+
+
+Check = Callable[[Any, str, str], object]
+#: how each field of a report is checked (a field no report has is refused before)
+_REPORT_FIELDS: dict[str, Check] = {
+    "node": lambda v, _n, what: index(v, what),
+    "ckpt": lambda v, _n, what: checkpoint_id(v, what),
+    "global_files": lambda v, n, what: relative_paths(_list(v, n, what), what,
+                                                      "global file path"),
+    "bundle": lambda v, _n, what: relative_path(v, what),
+    "ckpts": _ckpts, "unflushed": _ckpts, "dead": _nodes, "partners": _nodes,
+    "ok": _flag, "adopted": _flag, "final": _flag,
+    "error": _text, "reason": _text, "note": _text, "mode": _text, "stage": _text,
+    "rule": _text_or_none, "token": _text_or_none, "errors": _errors,
+    "duration": lambda v, n, what: _seconds(v, n, what),
+    "fed_wait": lambda v, n, what: _seconds(v, n, what),
+    "retry_in": lambda v, n, what: _seconds(v, n, what),
+    "done": lambda v, n, what: _count(v, n, what),
+    "total": lambda v, n, what: _count(v, n, what),
+    "manifest": _manifest_text,
+}
 
 
 def _checked_batch(raw: dict[str, Any], source: str) -> dict[str, Any]:
@@ -381,7 +568,7 @@ def _checked_batch(raw: dict[str, Any], source: str) -> dict[str, Any]:
         if kind == "reduced":
             _checked_reduced(report, what)
         elif kind in TO_COORDINATOR and kind != "captured":
-            _checked_report(report, what)
+            report_of(report, what)
         else:
             raise UnsafeInput(f"{what}: not a report: {_short(report)}")
     return raw

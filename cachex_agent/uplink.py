@@ -36,6 +36,7 @@ from typing import Any
 
 from . import relay
 from .layout import bundle_name
+from .messages import Flushed, Marker, Replicated, Report
 
 HOLD = 0.25           # s: a level's reports wait this long at most for the rest of a subtree
 HELD = frozenset({"replicated", "flushed"})
@@ -237,23 +238,26 @@ def _sample(parts: list[dict[str, Any]], rng: random.Random) -> list[list[float]
     return [s for _key, s in keyed[:SAMPLES]]
 
 
-def expand(report: dict[str, Any]) -> Iterator[dict[str, Any]]:
-    """The coordinator's side: a `reduced` report as the per-node reports it stands
-    for (a node without a sample has no duration, so the model learns nothing from
-    it; the dead and a marker's files come with the first)."""
-    kind = report["kind"]
+def expand(report: dict[str, Any], now: float = 0.0) -> Iterator[Report]:
+    """The coordinator's side: a `reduced` report (checked as it came) as the typed
+    per-node reports it stands for, arrived at `now` (a node without a sample has no
+    duration, so the model learns nothing from it; the dead and a marker's files come
+    with the first)."""
+    kind, ckpt = report["kind"], report["ckpt"]
     seconds = {int(n): s for n, s in report["samples"]}
-    extra: dict[str, Any] = {"dead": report.get("dead", [])}
-    if kind == "marker":
-        extra = {"rule": report.get("rule"),
-                 "global_files": report.get("global_files", [])}
+    dead, files = report.get("dead", []), report.get("global_files", [])
     for first, last in report["runs"]:
         for node in range(first, last + 1):
-            one = {"type": kind, "ckpt": report["ckpt"], "node": node,
-                   "duration": seconds.get(node, 0.0), **extra}
+            if kind == "marker":
+                yield Marker(node=node, ckpt=ckpt, rule=report.get("rule"),
+                             global_files=files, now=now)
+                files = []
+                continue
+            duration = seconds.get(node, 0.0)
             if kind == "replicated":
-                one["ok"] = True
-            elif kind == "flushed":
-                one["bundle"] = bundle_name(node)
-            yield one
-            extra = {"global_files": []} if kind == "marker" else {}
+                yield Replicated(node=node, ckpt=ckpt, ok=True, dead=dead,
+                                 duration=duration, now=now)
+                dead = []
+            else:
+                yield Flushed(node=node, ckpt=ckpt, bundle=bundle_name(node),
+                              duration=duration, now=now)

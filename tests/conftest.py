@@ -8,6 +8,9 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).parent))                  # support.py
 sys.path.insert(0, str(Path(__file__).parent / "integration"))  # harness.py
+# the benchmarks' modules the tests use (contention.py, predict.py, namespaces.py,
+# coordinator_scale.py), found as the benchmarks find each other
+sys.path.insert(0, str(Path(__file__).parent.parent / "benchmarks"))
 
 # The user's own run records (cachex_agent/runs.py) are no place for the suite's: every
 # process of this session, and every agent a module- or session-wide fixture starts

@@ -34,12 +34,13 @@ from ..fsutil import makedirs
 from ..handles import Handle, Stage, StageLog, State, held_for_tests
 from ..layout import bundle_path
 from ..manifest import LocalManifest
+from ..messages import Flushed, FlushError, Progress
 from ..priority import lower_thread
 from .bundle import BundleError, is_complete, read_manifest, write_bundle
 from .throttle import TokenBucket
 
 log = logging.getLogger(__name__)
-Report = Callable[[dict[str, Any]], None]
+Report = Callable[[Any], None]      # a report for the coordinator (messages.REPORTS)
 
 
 class FlushHandle(Handle):
@@ -191,15 +192,14 @@ class Flusher:
             handle.set(State.FAILED, error=error, final=True, retry_in=retry_in)
         else:
             handle.note("flush_error", error=error, final=False, retry_in=retry_in)
-        self.report({"type": "flush_error", "ckpt": manifest.ckpt, "node": manifest.node,
-                     "error": error, "final": final, "retry_in": retry_in})
+        self.report(FlushError(ckpt=manifest.ckpt, node=manifest.node, error=error,
+                               final=final, retry_in=retry_in))
 
 
 def flushed_report(ckpt: str, node: int, bundle: str, duration: float, adopted: bool
-                   ) -> dict[str, Any]:
-    """The coordinator's `flushed` message (also re-sent from the journal on resume)."""
-    return {"type": "flushed", "ckpt": ckpt, "node": node, "bundle": bundle,
-            "duration": duration, "adopted": adopted}
+                   ) -> Flushed:
+    """The coordinator's `flushed` report (also re-sent from the journal on resume)."""
+    return Flushed(ckpt=ckpt, node=node, bundle=bundle, duration=duration, adopted=adopted)
 
 
 def _raise_in_thread(future: Future[None]) -> None:
@@ -227,9 +227,9 @@ class _Progress:
             if now - self.last < 0.5:
                 return
             self.last = now
-            self.report({"type": "progress", "ckpt": self.manifest.ckpt, "stage": "flush",
-                         "node": self.manifest.node, "done": self.done,
-                         "total": self.manifest.bytes})
+            self.report(Progress(ckpt=self.manifest.ckpt, stage="flush",
+                                 node=self.manifest.node, done=self.done,
+                                 total=self.manifest.bytes))
 
 
 def _matches(target: Path, manifest: LocalManifest) -> bool:

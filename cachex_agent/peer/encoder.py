@@ -35,6 +35,7 @@ from ..errors import CachexError, ConfigError, OperationError
 from ..handles import Handle, Stage, StageLog, State, held_for_tests, is_done, is_failed
 from ..layout import NodePaths
 from ..manifest import LocalManifest
+from ..messages import Replicated
 from .encode_exchange import encode_part
 from .groups import group_map, group_of
 from .parity import retain_parity
@@ -177,6 +178,5 @@ class Encoder:
         return not any(dropped for _, dropped in turns)
 
     def _report(self, handle: EncodeHandle, errors: dict[str, str], started: float) -> None:
-        self.post({"type": "replicated", "ckpt": handle.ckpt, "ok": not errors,
-                   "errors": errors, "partners": self.partners,
-                   "duration": time.monotonic() - started})
+        self.post(Replicated(ckpt=handle.ckpt, ok=not errors, errors=errors,
+                             partners=self.partners, duration=time.monotonic() - started))

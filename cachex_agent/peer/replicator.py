@@ -54,7 +54,7 @@ from ..events import EventLog
 from ..handles import Handle, Stage, StageLog, State, held_for_tests
 from ..layout import NodePaths
 from ..manifest import PENDING, FileEntry, LocalManifest
-from ..messages import Ack, Begin, Credit, End, File, FileCaptured, Slot
+from ..messages import Ack, Begin, Credit, End, File, FileCaptured, Replicated, Slot
 from ..stage.capture import linked_hint
 from .feed import READ, WAIT_FOR_IT, Feed
 from .partners import incoming
@@ -608,8 +608,8 @@ class Replicator:
         else:
             handle.set(State.DONE, bytes=manifest.bytes, partners=self.partners,
                        duration=duration)
-        self.post({"type": "replicated", "ckpt": manifest.ckpt, "ok": not errors,
-                   "errors": errors, "partners": self.partners, "duration": duration})
+        self.post(Replicated(ckpt=manifest.ckpt, ok=not errors, errors=errors,
+                             partners=self.partners, duration=duration))
 
     # --------------------------------------------------------------- partner side
     def handle(self, source_node: int, msg: Begin | File | Slot | End | Credit | Ack

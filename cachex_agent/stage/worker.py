@@ -28,7 +28,7 @@ from typing import Any
 
 import psutil
 
-from .. import faults
+from .. import faults, messages
 from ..config import Config
 from ..errors import CachexError, describe
 from ..fsutil import remove_under
@@ -36,7 +36,7 @@ from ..handles import Handle, Stage, StageLog, State, held_for_tests
 from ..journal import Journal
 from ..layout import NodePaths, ckpt_dir, root_entry
 from ..manifest import PENDING, FileEntry, LocalManifest
-from ..messages import FileCaptured
+from ..messages import CaptureFailed, FileCaptured
 from ..rules import CommitRule
 from ..rules.base import holds_match
 from ..rules.quiescence import FileState, snapshot, wait_for_directory, wait_settled
@@ -123,7 +123,7 @@ class CaptureWorker:
                 error = describe(exc)
                 log.error("capture of %s failed: %s", handle.ckpt, error)
                 if handle.set(State.FAILED, persist={"reason": error}, error=error):
-                    self.post({"type": "capture_failed", "ckpt": handle.ckpt, "error": error})
+                    self.post(CaptureFailed(ckpt=handle.ckpt, error=error))
             finally:
                 self.handles.pop(handle.ckpt, None)
 
@@ -172,9 +172,9 @@ class CaptureWorker:
                 reason=reason, duration=duration, fed_wait=fed_wait,
                 write_start=self.first_seen(ckpt), committed_at=task.get("received")):
             return
-        self.post({"type": "captured", "ckpt": ckpt, "manifest": manifest.to_json(),
-                   "duration": duration, "fed_wait": fed_wait, "mode": mode,
-                   "reason": reason, "global_files": candidates})
+        self.post(messages.Captured(ckpt=ckpt, manifest=manifest.to_json(), duration=duration,
+                                    fed_wait=fed_wait, mode=mode, reason=reason,
+                                    global_files=candidates))
 
     def _wait_for_part(self, handle: CaptureHandle, source: Path, deadline: float) -> bool:
         """Wait (until `deadline`: `commit.timeout`) for this node's directory; True if

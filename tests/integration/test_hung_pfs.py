@@ -10,16 +10,12 @@ services MPI, so a checkpoint committed during the freeze still reaches `replica
 from __future__ import annotations
 
 import subprocess
-import sys
 
 import pytest
-from harness import ROOT
+from contention import ThrottledPFS, unavailable
+from predict import write_checkpoint
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from contention import ThrottledPFS, unavailable  # noqa: E402
-from predict import write_checkpoint  # noqa: E402
-
-from cachex_agent import config as configuration  # noqa: E402
+from cachex_agent import config as configuration
 
 MiB = 1024 * 1024
 

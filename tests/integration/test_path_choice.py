@@ -12,16 +12,13 @@ margin to switch, and the test failed one fresh run in four.)
 from __future__ import annotations
 
 import json
-import sys
 
 import pytest
-from harness import ROOT, wait_for
+from contention import ThrottledPFS, unavailable
+from harness import wait_for
+from predict import write_checkpoint
 
-sys.path.insert(0, str(ROOT / "benchmarks"))
-from contention import ThrottledPFS, unavailable  # noqa: E402
-from predict import write_checkpoint  # noqa: E402
-
-from cachex_agent import config as configuration  # noqa: E402
+from cachex_agent import config as configuration
 
 MiB = 1024 * 1024
 MODEL = '''path = "auto"

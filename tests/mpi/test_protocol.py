@@ -138,7 +138,7 @@ def test_agents_commit_capture_and_flush_together(mpi_tmp_path):
     from mpi4py import MPI
 
     from cachex_agent.agent import Agent
-    from cachex_agent.stage import quiescence
+    from cachex_agent.rules import quiescence
     comm = MPI.COMM_WORLD
     root = mpi_tmp_path
     for rank in range(comm.size):

@@ -117,8 +117,8 @@ def run_replication(root: Path, cfg, sizes_of_rank, ckpts=("c1",), mapped=True,
                 send(msg.node, msg.message)
             elif callable(msg):
                 msg()
-            else:
-                results[msg["ckpt"]] = msg
+            else:                       # a Replicated report, read as it travels
+                results[msg.ckpt] = wire(msg)
         replicator.pump()
         if later and replicator.busy():     # some of the stream went out: capture ends
             for action in filter(None, later):

@@ -13,11 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from harness import BIN, TRAINER, Cluster, kill_tree, settings, wait_for
+from namespaces import Node, Nodes
 from support import cluster_config
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-from namespaces import Node, Nodes  # noqa: E402
 
 
 class NsCluster(Cluster):

@@ -11,6 +11,7 @@ from cachex_agent.coordinator import Coordinator
 from cachex_agent.events import EventLog, read_events
 from cachex_agent.journal import Journal
 from cachex_agent.manifest import FileEntry, LocalManifest
+from cachex_agent.messages import Captured
 from cachex_agent.status import format_status
 
 NODES = 4
@@ -51,9 +52,9 @@ def types(sent, kind):
 
 
 def commit_all(coord, ckpt, flushed=True):
-    coord.handle(0, {"type": "marker", "ckpt": ckpt, "global_files": [".metadata"], "t": 1.0})
+    coord.handle(0, {"type": "marker", "ckpt": ckpt, "global_files": [".metadata"]})
     for node in range(NODES):
-        coord.handle(node, {"type": "captured", "ckpt": ckpt, "manifest": manifest(ckpt, node)})
+        coord.handle(node, Captured(node=node, ckpt=ckpt, manifest=manifest(ckpt, node)))
     if flushed:     # the peer path: flushed is recorded after replicated
         replicate_all(coord, ckpt)
         for node in range(NODES):
@@ -76,9 +77,9 @@ def test_levels_need_every_node(world, tmp_path):
     coord, sent, _ = world()
     coord.handle(0, {"type": "marker", "ckpt": "s1", "global_files": [".metadata"]})
     for node in range(NODES - 1):
-        coord.handle(node, {"type": "captured", "ckpt": "s1", "manifest": manifest("s1", node)})
+        coord.handle(node, Captured(node=node, ckpt="s1", manifest=manifest("s1", node)))
     assert coord.ckpts["s1"].level == "written"
-    coord.handle(3, {"type": "captured", "ckpt": "s1", "manifest": manifest("s1", 3)})
+    coord.handle(3, Captured(node=3, ckpt="s1", manifest=manifest("s1", 3)))
     assert coord.ckpts["s1"].level == "captured"
     for node in range(NODES):
         coord.handle(node, {"type": "flushed", "ckpt": "s1", "bundle": f"node-{node:05d}.h5"})
@@ -104,14 +105,14 @@ def test_capture_failure_fails_the_checkpoint(world, tmp_path):
     assert len(types(sent, "failed")) == NODES
     index = json.loads((tmp_path / "pfs/r/index.json").read_text())
     assert index["current"] is None and index["checkpoints"][0]["state"] == "failed"
-    coord.handle(2, {"type": "captured", "ckpt": "s1", "manifest": manifest("s1", 2)})
+    coord.handle(2, Captured(node=2, ckpt="s1", manifest=manifest("s1", 2)))
     assert coord.ckpts["s1"].level == "failed"           # never resurrected
 
 
 def test_capture_deadline_names_missing_nodes(world):
     coord, _, clock = world('[commit]\ntimeout = "10s"\n[agent]\ntimeout = "5s"\n')
     coord.handle(0, {"type": "marker", "ckpt": "s1", "global_files": []})
-    coord.handle(0, {"type": "captured", "ckpt": "s1", "manifest": manifest("s1", 0)})
+    coord.handle(0, Captured(node=0, ckpt="s1", manifest=manifest("s1", 0)))
     clock.now += 14
     coord.tick()
     assert coord.ckpts["s1"].level == "written"
@@ -258,8 +259,7 @@ def test_status_says_which_parts_were_captured_by_reference_and_why(world, tmp_p
     for node in range(NODES):
         mode = {"mode": "reference", "reason": "stage full (No space left on device)"} \
             if node == 2 else {"mode": "copy", "reason": ""}
-        coord.handle(node, {"type": "captured", "ckpt": "s1",
-                            "manifest": manifest("s1", node), **mode})
+        coord.handle(node, Captured(node=node, ckpt="s1", manifest=manifest("s1", node), **mode))
     coord.write_status()
     row = json.loads((tmp_path / "journal/status.json").read_text())["checkpoints"][0]
     assert row["level"] == "captured"

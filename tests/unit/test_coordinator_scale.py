@@ -4,16 +4,10 @@ index and journal files stop growing with the checkpoints. Counts and sizes, no 
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
+from coordinator_scale import FILES_MEASURED, KEEP_PFS, run
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-from coordinator_scale import FILES_MEASURED, KEEP_PFS, run  # noqa: E402
-
-from cachex_agent.coordinator import HISTORY  # noqa: E402
+from cachex_agent.coordinator import HISTORY
 
 SMALL, LARGE = 30, 300
 CHECKPOINTS = 8

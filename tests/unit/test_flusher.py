@@ -24,6 +24,7 @@ from cachex_agent.handles import Stage, StageLog, State, stage_state
 from cachex_agent.journal import Journal
 from cachex_agent.layout import bundle_path, pfs_ckpt_dir
 from cachex_agent.manifest import LocalManifest
+from cachex_agent.messages import wire
 from cachex_agent.stage.capture import capture_copy, list_files
 
 CKPT = "step_00100"
@@ -51,9 +52,9 @@ class Reports:
         self._lock = threading.Lock()
         self._items: list[dict[str, Any]] = []
 
-    def __call__(self, report: dict[str, Any]) -> None:
+    def __call__(self, report: Any) -> None:
         with self._lock:
-            self._items.append(dict(report))
+            self._items.append(wire(report))     # as it travels
 
     def all(self) -> list[dict[str, Any]]:
         with self._lock:
@@ -180,8 +181,8 @@ def test_flush_states_reach_the_journal_before_the_report(tmp_path, pfs_run, eve
     journal = Journal(tmp_path / "journal")
     seen: list[str | None] = []
 
-    def report(msg: dict[str, Any]) -> None:
-        if msg["type"] == "flushed":
+    def report(msg: Any) -> None:
+        if msg.TYPE == "flushed":
             seen.append(stage_state(Journal(journal.root).get(CKPT), Stage.FLUSH))
 
     flusher = Flusher(pfs_run, SETTINGS, events, report, StageLog(events, journal))
@@ -201,8 +202,8 @@ def test_a_flush_stays_pending_until_its_report_is_out(tmp_path, pfs_run, events
     manifest, stage = stage_checkpoint(tmp_path)
     in_report, release = threading.Event(), threading.Event()
 
-    def report(msg: dict[str, Any]) -> None:
-        if msg["type"] == "flushed":
+    def report(msg: Any) -> None:
+        if msg.TYPE == "flushed":
             in_report.set()
             release.wait(DEADLINE)
 

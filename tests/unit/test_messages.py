@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import pickle
 import re
 
 import pytest
@@ -11,24 +13,35 @@ from cachex_agent.fsutil import compact_json
 from cachex_agent.manifest import FileEntry, GlobalManifest, LocalManifest
 from cachex_agent.messages import (
     PEER,
+    REPORTS,
     TO_AGENT,
     TO_COORDINATOR,
     Ack,
     Begin,
+    Captured,
+    CaptureFailed,
     Commit,
     Credit,
     Drain,
+    Drained,
     End,
+    Evicted,
     Exit,
     Failed,
     File,
     Finalized,
+    Flushed,
+    FlushError,
     GlobalFile,
     HoldManifest,
     ManifestReady,
+    Marker,
+    Progress,
+    Replicated,
     Slot,
+    Stop,
     Tag,
-    captured_wire,
+    Unprotected,
     decode,
     wire,
 )
@@ -93,23 +106,73 @@ def test_a_held_manifest_is_json_text_of_an_object(manifest):
 def test_every_type_has_one_tag_and_the_coordinator_knows_every_report():
     assert not TO_AGENT.keys() & PEER.keys()
     assert not TO_COORDINATOR & (TO_AGENT.keys() | PEER.keys())
-    assert set(decisions.FROM_AGENTS) == TO_COORDINATOR
+    # the reports are the coordinator's events as they come (decisions.decide)
+    assert set(REPORTS) == TO_COORDINATOR
+    for kind in REPORTS.values():
+        assert getattr(decisions, kind.__name__) is kind
 
 
-def test_a_report_to_the_coordinator_stays_a_checked_dict():
-    raw = {"type": "unprotected", "node": 2, "ckpts": ["step-1"], "note": "older"}
-    assert decode(raw, SOURCE, Tag.COORDINATOR) is raw
+REPORTED = [
+    Marker(node=1, ckpt="step-1", global_files=[".metadata"], rule="dcp"),
+    Captured(node=2, ckpt="step-1", manifest=local(node=2).to_json(), mode="link",
+             reason="new files", duration=0.5, global_files=[".metadata"], fed_wait=0.1),
+    CaptureFailed(node=2, ckpt="step-1", error="gone"),
+    Replicated(node=3, ckpt="step-1", ok=False, partners=[0], errors={"0": "gone"},
+               dead=[0], duration=1.5, adopted=True),
+    Flushed(node=0, ckpt="step-1", bundle="node-00000.h5", adopted=False, duration=2.0),
+    FlushError(node=0, ckpt="step-1", error="EIO", final=False, retry_in=4.0),
+    Progress(node=0, ckpt="step-1", stage="flush", done=10, total=100),
+    Evicted(node=1, ckpt="step-1"),
+    Unprotected(node=1, ckpts=["step-0"], note="older"),
+    Stop(node=0, token="abc"),
+    Drained(node=2, unflushed=["step-1"]),
+]
+
+
+@pytest.mark.parametrize("report", REPORTED, ids=lambda r: r.TYPE)
+def test_every_report_arrives_typed_as_it_was_sent(report):
+    """Each report of REPORTS once, every field set: what decode gives the coordinator
+    equals what the agent built (a captured manifest comes with its text as sent)."""
+    assert {type(r) for r in REPORTED} == set(REPORTS.values())
+    got = decode(pickle.loads(pickle.dumps(wire(report))), SOURCE, Tag.COORDINATOR)
+    if isinstance(report, Captured):
+        assert got.text == compact_json(report.manifest)
+        got = dataclasses.replace(got, text=None)
+    assert got == report
 
 
 def test_a_captured_manifest_travels_as_json_text_kept_as_sent():
     """The coordinator parses and checks the text, and keeps it for coordinator.json."""
     manifest = local(node=2).to_json()
-    sent = captured_wire({"type": "captured", "node": 2, "ckpt": "step-1",
-                          "manifest": manifest})
-    assert isinstance(sent["manifest"], bytes)
+    sent = wire(Captured(node=2, ckpt="step-1", manifest=manifest))
+    assert isinstance(sent["manifest"], bytes) and "text" not in sent and "now" not in sent
     got = decode(sent, SOURCE, Tag.COORDINATOR)
-    assert got["manifest"] == manifest
-    assert got["text"] == compact_json(manifest)
+    assert got.manifest == manifest and got.text == compact_json(manifest)
+
+
+@pytest.mark.parametrize("raw,says", [
+    ({"type": "drained", "node": 3, "unflushed": [], "later": 1}, "fields"),   # unknown
+    ({"type": "drained", "node": 3, "now": 5.0}, "fields"),     # the coordinator's own
+    ({"type": "evicted", "ckpt": "s"}, "fields"),               # no node
+    ({"type": "replicated", "node": 1, "ckpt": "s"}, "fields"),     # no ok
+    ({"type": "replicated", "node": 1, "ckpt": "s", "ok": "yes"}, "ok must be true"),
+    ({"type": "replicated", "node": 1, "ckpt": "s", "ok": True, "partners": [-2]}, "-2"),
+    ({"type": "replicated", "node": 1, "ckpt": "s", "ok": False,
+      "errors": {"0": ["x"]}}, "errors must map text"),
+    ({"type": "flushed", "node": 1, "ckpt": "s", "bundle": "../x.h5"}, "../x.h5"),
+    ({"type": "flushed", "node": 1, "ckpt": "s", "bundle": "b", "duration": -1},
+     "duration must be seconds"),
+    ({"type": "progress", "node": 1, "ckpt": "s", "stage": "flush", "done": 1.5,
+      "total": 2}, "done must be a count"),
+    ({"type": "drained", "node": 1, "unflushed": ["../s"]}, "../s"),
+    ({"type": "stop", "node": 1, "token": 7}, "token must be text"),
+])
+def test_a_report_with_a_field_unknown_missing_or_of_another_kind_is_refused(raw, says):
+    with pytest.raises(UnsafeInput, match=re.escape(says)):
+        decode(raw, SOURCE, Tag.COORDINATOR)
+    batch = {"type": "batch", "node": 0, "reports": [raw]}
+    with pytest.raises(UnsafeInput, match=re.escape(says)):
+        decode(batch, SOURCE, Tag.COORDINATOR)
 
 
 @pytest.mark.parametrize("manifest,says", [
@@ -136,7 +199,7 @@ def test_a_captured_manifest_that_is_not_safe_json_text_is_refused(manifest, say
 
 
 def test_a_captured_report_without_a_manifest_is_refused():
-    with pytest.raises(UnsafeInput, match="no manifest"):
+    with pytest.raises(UnsafeInput, match="manifest"):
         decode({"type": "captured", "node": 2, "ckpt": "step-1"}, SOURCE, Tag.COORDINATOR)
 
 
@@ -186,7 +249,8 @@ HOSTILE = [
                                                                "node": -1}}, "node"),
     (Tag.PEER, {"type": "end", "ckpt": "step-1", "manifest": "all of it"}, "expected an object"),
     (Tag.COORDINATOR, {"type": "captured", "ckpt": "s"}, "node"),
-    (Tag.COORDINATOR, {"type": "unprotected", "node": 1, "ckpts": ["a/../../b"]}, "a/../../b"),
+    (Tag.COORDINATOR, {"type": "unprotected", "node": 1, "ckpts": ["a/../../b"],
+                       "note": "n"}, "a/../../b"),
     (Tag.GLOBAL_DATA, {"type": "end", "ckpt": "s"}, "unknown message type"),
     (Tag.RELAY, {"type": "manifest", "ckpt": "step-1",
                  "digest": {**global_manifest().digest().to_json(), "ckpt": "step-2"}},

@@ -11,6 +11,7 @@ from cachex_agent.coordinator import Coordinator
 from cachex_agent.events import EventLog, read_events
 from cachex_agent.journal import Journal
 from cachex_agent.manifest import FileEntry, LocalManifest
+from cachex_agent.messages import Captured
 from cachex_agent.model.choose import MARGIN, PathChooser
 from cachex_agent.model.stages import MIN_SAMPLES
 
@@ -194,12 +195,12 @@ def test_the_coordinator_switches_to_direct_after_learning(tmp_path):
         return [msg for rank, msg in sent if msg["type"] == "commit" and rank == 0]
 
     # s1: learning (peer); every node reports its stage durations: replication is slow
-    coord.handle(0, {"type": "marker", "ckpt": "s1", "global_files": [], "t": clock.now})
+    coord.handle(0, {"type": "marker", "ckpt": "s1", "global_files": []})
     assert commits()[-1]["path"] == "peer" and commits()[-1]["flush"] is True
     clock.now += 30
     for node in range(nodes):
-        coord.handle(node, {"type": "captured", "ckpt": "s1", "manifest": part("s1", node, 1),
-                            "duration": 0.5})
+        coord.handle(node, Captured(node=node, ckpt="s1", manifest=part("s1", node, 1),
+                                    duration=0.5))
     for node in range(nodes):
         coord.handle(node, {"type": "replicated", "ckpt": "s1", "ok": True, "partners": [
             (node + 1) % nodes], "errors": {}, "duration": 120.0})
@@ -214,7 +215,7 @@ def test_the_coordinator_switches_to_direct_after_learning(tmp_path):
 
     # s2 (seq 2; flush.every = 3 would not flush it on the peer path): direct, flushed
     clock.now += 30
-    coord.handle(0, {"type": "marker", "ckpt": "s2", "global_files": [], "t": clock.now})
+    coord.handle(0, {"type": "marker", "ckpt": "s2", "global_files": []})
     announced = commits()[-1]
     assert (announced["ckpt"], announced["seq"]) == ("s2", 2)
     assert announced["path"] == "direct" and announced["flush"] is True
@@ -222,8 +223,8 @@ def test_the_coordinator_switches_to_direct_after_learning(tmp_path):
     record = coord.ckpts["s2"]
     assert record.path == "direct" and record.flush is True
     for node in range(nodes):
-        coord.handle(node, {"type": "captured", "ckpt": "s2", "manifest": part("s2", node, 2),
-                            "duration": 0.5})
+        coord.handle(node, Captured(node=node, ckpt="s2", manifest=part("s2", node, 2),
+                                    duration=0.5))
     assert record.level == "captured"
     coord.handle(1, {"type": "marker", "ckpt": "s2", "global_files": []})   # agent restarted
     assert commits()[-1]["seq"] == 2 and commits()[-1]["path"] == "direct"
@@ -252,7 +253,7 @@ def test_the_coordinator_switches_to_direct_after_learning(tmp_path):
     # after s2's choice the model's lane prepared the next: s3's commit goes out at once
     assert coord.chooser._prepared is not None
     clock.now += 30
-    coord.handle(0, {"type": "marker", "ckpt": "s3", "global_files": [], "t": clock.now})
+    coord.handle(0, {"type": "marker", "ckpt": "s3", "global_files": []})
     assert (commits()[-1]["ckpt"], commits()[-1]["path"]) == ("s3", "direct")
     assert coord.chooser.direct_run == 2
 

@@ -8,6 +8,7 @@ import pytest
 
 from cachex_agent.layout import bundle_name
 from cachex_agent.messages import Tag, decode
+from cachex_agent.messages import wire as wire_form
 from cachex_agent.relay import children, parent
 from cachex_agent.safepath import UnsafeInput
 from cachex_agent.uplink import SAMPLES, Uplink, expand
@@ -27,7 +28,8 @@ def replicated(node: int, ckpt: str = "step_1", **extra) -> dict:
 
 
 def expanded(reports: list[dict]) -> list[dict]:
-    return [one for r in reports for one in (expand(r) if r["type"] == "reduced" else [r])]
+    return [one for r in reports
+            for one in (map(wire_form, expand(r)) if r["type"] == "reduced" else [r])]
 
 
 def nodes_in(reports: list[dict]) -> list[int]:
