@@ -30,7 +30,7 @@ import psutil
 
 from .errors import ConfigError
 from .layout import NodePaths
-from .rules.registry import MARKER, RULE_MEANING, RULE_NAMES
+from .rules.registry import MARKER, RULE_MEANING, RULE_NAMES, SETTLED
 
 KiB, MiB, GiB, TiB = 1024, 1024**2, 1024**3, 1024**4
 MAX_BUFFER = GiB            # peer.slot, flush.chunk: past 1GiB nothing gets faster, memory goes
@@ -337,8 +337,9 @@ class Commit:
     rule: str = key("auto", _choice(*RULE_NAMES, prefixes=(MARKER,)), RULE_MEANING)
     settle: float = key(2.0, _duration(),
                         "How long a node's files must stay unchanged before they are captured"
-                        " when the rule's marker does not vouch for every node (`quiescence`,"
-                        " `marker:<glob>`, `torch`, `hf`, `deepspeed`).")
+                        f" when the rule's marker does not vouch for every node ({SETTLED});"
+                        " also how long a capture waits for a tracker written just after the"
+                        " save that committed it (Megatron-LM's, after `metadata.json`).")
     timeout: float = key(600.0, _duration(1.0),
                          "How long every node may take to capture its part after a commit (its"
                          " directory may appear late); past it the checkpoint fails.")

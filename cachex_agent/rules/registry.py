@@ -29,6 +29,10 @@ RULE_MEANING = (
     + "; ".join(f"`{MARKER + '<glob>' if rule is MarkerRule else rule.name}` ({rule.brief})"
                 for rule in (*FRAMEWORKS, TorchFileRule, MarkerRule, QuiescenceRule))
     + ". docs/levels.md has what each one read in its framework's code.")
+#: the rules whose commit does not vouch for every node's files (commit.settle's meaning)
+SETTLED = ", ".join(f"`{MARKER + '<glob>' if rule is MarkerRule else rule.name}`"
+                    for rule in (*FRAMEWORKS, TorchFileRule, MarkerRule, QuiescenceRule)
+                    if not rule.marker_implies_complete)
 TRACKERS: dict[str, type[TrackerRule]] = {
     rule.tracker: rule for rule in FRAMEWORKS if issubclass(rule, TrackerRule)}
 
