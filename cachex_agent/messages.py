@@ -460,7 +460,7 @@ def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not a number JSON knows")
 
 
-def report_of(raw: dict[str, Any], source: str, now: float = 0.0) -> Any:
+def report_of(raw: dict[str, Any], source: str, now: float = 0.0) -> Report:
     """The typed report a dict from another rank stands for, checked as the messages to
     agents are: a known type, every field it needs and none it does not know, each of
     its kind, every name that reaches a path safe. `now`: the coordinator's clock at
