@@ -414,21 +414,19 @@ def _checked_fields(kind: type, fields: dict[str, Any], source: str) -> dict[str
         elif name == "global_files":
             relative_paths(_list(value, name, what), what, "global file path")
         elif name == "flush" and kind is Drain:
-            for ckpt in _list(value, name, what):
-                checkpoint_id(ckpt, what)
+            _ckpts(value, name, what)
         elif name == "dead":
-            for node in _list(value, name, what):
-                index(node, what)
+            _nodes(value, name, what)
         elif name in ("seq", "slot", "file", "offset", "length", "size", "mode"):
             _count(value, name, what)
         elif name == "mismatch" and value is not None:
             _count(value, name, what)
-        elif name in ("flush", "ok", "streamed") and not isinstance(value, bool):
-            raise UnsafeInput(f"{what}: {name} must be true or false, not {_short(value)}")
-        elif name in ("reason", "error") and not isinstance(value, (str, type(None))):
-            raise UnsafeInput(f"{what}: {name} must be text, not {_short(value)}")
-        elif name == "checksum" and not isinstance(value, str):
-            raise UnsafeInput(f"{what}: {name} must be text, not {_short(value)}")
+        elif name in ("flush", "ok", "streamed"):
+            _flag(value, name, what)
+        elif name in ("reason", "error"):
+            _text_or_none(value, name, what)
+        elif name == "checksum":
+            _text(value, name, what)
     if "digest" in fields:
         fields["digest"] = ManifestDigest.from_json(fields["digest"], what, fields.get("ckpt"))
     if "manifest" in fields and (fields["manifest"] is not None or kind is not End):
@@ -529,30 +527,8 @@ def _errors(value: Any, name: str, what: str) -> None:
         raise UnsafeInput(f"{what}: {name} must map text to text, not {_short(value)}")
 
 
-def _manifest_text(value: Any, name: str, what: str) -> None:
-    if not isinstance(value, bytes):
-        raise UnsafeInput(f"{what}: manifest must be JSON text, not {_short(value)}")
-
-
-Check = Callable[[Any, str, str], object]
-#: how each field of a report is checked (a field no report has is refused before)
-_REPORT_FIELDS: dict[str, Check] = {
-    "node": lambda v, _n, what: index(v, what),
-    "ckpt": lambda v, _n, what: checkpoint_id(v, what),
-    "global_files": lambda v, n, what: relative_paths(_list(v, n, what), what,
-                                                      "global file path"),
-    "bundle": lambda v, _n, what: relative_path(v, what),
-    "ckpts": _ckpts, "unflushed": _ckpts, "dead": _nodes, "partners": _nodes,
-    "ok": _flag, "adopted": _flag, "final": _flag,
-    "error": _text, "reason": _text, "note": _text, "mode": _text, "stage": _text,
-    "rule": _text_or_none, "token": _text_or_none, "errors": _errors,
-    "duration": lambda v, n, what: _seconds(v, n, what),
-    "fed_wait": lambda v, n, what: _seconds(v, n, what),
-    "retry_in": lambda v, n, what: _seconds(v, n, what),
-    "done": lambda v, n, what: _count(v, n, what),
-    "total": lambda v, n, what: _count(v, n, what),
-    "manifest": _manifest_text,
-}
+def _parsed_after(value: Any, name: str, what: str) -> None:
+    """A captured manifest: report_of parses and checks its text (_json_object)."""
 
 
 def _checked_batch(raw: dict[str, Any], source: str) -> dict[str, Any]:
@@ -600,8 +576,7 @@ def _checked_reduced(raw: dict[str, Any], source: str) -> dict[str, Any]:
             raise UnsafeInput(f"{what}: sample {_short(sample)} is not [node, seconds]")
         index(sample[0], what)
         _seconds(sample[1], "sample", what)
-    for node in _list(raw.get("dead", []), "dead", what):
-        index(node, what)
+    _nodes(raw.get("dead", []), "dead", what)
     relative_paths(_list(raw.get("global_files", []), "global_files", what), what,
                    "global file path")
     if not isinstance(raw.get("rule"), (str, type(None))):
@@ -631,3 +606,21 @@ def _count(value: Any, name: str, what: str) -> int:
 def _short(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 80 else text[:77] + "..."
+
+
+Check = Callable[[Any, str, str], object]
+#: how each field of a report is checked (a field no report has is refused before)
+_REPORT_FIELDS: dict[str, Check] = {
+    "node": lambda v, _n, what: index(v, what),
+    "ckpt": lambda v, _n, what: checkpoint_id(v, what),
+    "global_files": lambda v, n, what: relative_paths(_list(v, n, what), what,
+                                                      "global file path"),
+    "bundle": lambda v, _n, what: relative_path(v, what),
+    "ckpts": _ckpts, "unflushed": _ckpts, "dead": _nodes, "partners": _nodes,
+    "ok": _flag, "adopted": _flag, "final": _flag,
+    "error": _text, "reason": _text, "note": _text, "mode": _text, "stage": _text,
+    "rule": _text_or_none, "token": _text_or_none, "errors": _errors,
+    "duration": _seconds, "fed_wait": _seconds, "retry_in": _seconds,
+    "done": _count, "total": _count,
+    "manifest": _parsed_after,
+}

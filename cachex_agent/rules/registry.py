@@ -23,15 +23,23 @@ MARKER = "marker:"
 #: what `commit.rule` accepts: these names, or `marker:<glob>`
 RULE_NAMES: tuple[str, ...] = tuple(BY_NAME)
 RULES = ", ".join([*RULE_NAMES[:-1], f"{MARKER}<glob> or {RULE_NAMES[-1]}"])
+#: the rules the configuration reference and docs/levels.md describe, in their order
+DOCUMENTED: tuple[type[CommitRule], ...] = (*FRAMEWORKS, TorchFileRule, MarkerRule,
+                                            QuiescenceRule)
+
+
+def shown(rule: type[CommitRule]) -> str:
+    """A rule's name as `commit.rule` takes it (`marker:<glob>` for the marker rule)."""
+    return f"{MARKER}<glob>" if rule is MarkerRule else rule.name
+
+
 RULE_MEANING = (
     "How a checkpoint in the spool is known complete: `auto` recognises each of the"
     " others per checkpoint (quiescence for what none recognises); "
-    + "; ".join(f"`{MARKER + '<glob>' if rule is MarkerRule else rule.name}` ({rule.brief})"
-                for rule in (*FRAMEWORKS, TorchFileRule, MarkerRule, QuiescenceRule))
+    + "; ".join(f"`{shown(rule)}` ({rule.brief})" for rule in DOCUMENTED)
     + ". docs/levels.md has what each one read in its framework's code.")
 #: the rules whose commit does not vouch for every node's files (commit.settle's meaning)
-SETTLED = ", ".join(f"`{MARKER + '<glob>' if rule is MarkerRule else rule.name}`"
-                    for rule in (*FRAMEWORKS, TorchFileRule, MarkerRule, QuiescenceRule)
+SETTLED = ", ".join(f"`{shown(rule)}`" for rule in DOCUMENTED
                     if not rule.marker_implies_complete)
 TRACKERS: dict[str, type[TrackerRule]] = {
     rule.tracker: rule for rule in FRAMEWORKS if issubclass(rule, TrackerRule)}
@@ -68,9 +76,8 @@ def rules_table() -> str:
     """docs/levels.md's table of the rules, one row each (a test keeps the two equal)."""
     rows = ["| rule | committed when | marker vouches for every rank"
             " | written by one node, mirrored to all |", "|---|---|---|---|"]
-    for rule in (*FRAMEWORKS, TorchFileRule, MarkerRule, QuiescenceRule):
+    for rule in DOCUMENTED:
         framework, committed, vouches, mirrored = rule.doc
-        name = f"{MARKER}<glob>" if rule is MarkerRule else rule.name
-        label = f"`{name}` ({framework})" if framework else f"`{name}`"
+        label = f"`{shown(rule)}` ({framework})" if framework else f"`{shown(rule)}`"
         rows.append(f"| {label} | {committed} | {vouches} | {mirrored} |")
     return "\n".join(rows)

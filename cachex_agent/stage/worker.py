@@ -209,8 +209,6 @@ class CaptureWorker:
         """A tracker the trainer writes just after the save the commit saw (the rule's
         `tracker_due`) is captured with it if it comes within `commit.settle`; past
         that the checkpoint is captured without it (a trainer that writes none)."""
-        if self.rule.tracker_due(self.paths.spool, ckpt) is None:
-            return
         until = time.monotonic() + self.config.commit.settle
         while (self.rule.tracker_due(self.paths.spool, ckpt) is not None
                and time.monotonic() < until):
