@@ -938,6 +938,38 @@ def job_failed_nodes_command(stderr: Any, hosts: str) -> None:
         click.echo(host)
 
 
+@job_group.command("up")
+@click.argument("scheduler", type=click.Choice(["slurm", "pbs"]))
+@click.argument("said", type=click.File("r", errors="replace"), default="-")
+@_hosts_option("--hosts", "the hosts asked about", required=True)
+@click.option("--in-job", default="", metavar="HOSTLIST",
+              help="Slurm: the job's hosts as `squeue -o %N` prints them")
+def job_up_command(scheduler: str, said: Any, hosts: str, in_job: str) -> None:
+    """The hosts still up: `up H...` and `note TEXT` lines, from the scheduler's output
+    in SAID (default: standard input; Slurm: `sinfo -h -N -o '%N %T'`; PBS: `pbsnodes -v` per host,
+    each after a `# host NAME` line)."""
+    from .job.nodes import expand_hosts
+    from .job.scheduler import pbs_up, slurm_up
+    asked = expand_hosts(hosts, "hosts")
+    text = said.read()
+    up = slurm_up(asked, in_job, text) if scheduler == "slurm" else pbs_up(asked, text)
+    _echo_lines(up.lines())
+
+
+@job_group.command("left")
+@click.argument("scheduler", type=click.Choice(["slurm", "pbs"]))
+@click.argument("said", type=click.File("r", errors="replace"), default="-")
+def job_left_command(scheduler: str, said: Any) -> None:
+    """The job's seconds left, from the scheduler's output in SAID (default: standard
+    input; Slurm: `squeue -h -j JOB -o %L`; PBS: `qstat -f JOB`); nothing when it has
+    no limit."""
+    from .job.scheduler import pbs_left, slurm_left
+    text = said.read()
+    left = slurm_left(text) if scheduler == "slurm" else pbs_left(text)
+    if left is not None:
+        click.echo(left)
+
+
 @main_group.command("templates")
 @click.argument("dest", type=click.Path(file_okay=False, path_type=Path))
 @click.option("--force", is_flag=True, help="overwrite files that exist")

@@ -90,6 +90,7 @@ CX_CHECKED=0
 CX_HALTED=0
 CX_SET=()
 CX_SPARE=()
+CX_UP=()
 
 # ---------------------------------------------------------------- helpers
 cx_log() { printf '%s cachex-job: %s\n' "$(date +%H:%M:%S)" "$*"; }
@@ -208,12 +209,14 @@ cx_job() {          # ARGS...: `cachex job ARGS`; its lines into CX_JOB_OUT, its
     return "$rc"
 }
 
-cx_node_lines() {   # CX_JOB_OUT's `nodes`, `spares` and `note` lines: CX_SET, CX_SPARE, the log
+cx_node_lines() {   # CX_JOB_OUT's `nodes`, `spares`, `up` and `note` lines: CX_SET,
+                    # CX_SPARE, CX_UP, the log
     local key rest
     while read -r key rest; do
         case $key in
             nodes) read -r -a CX_SET <<<"$rest" ;;
             spares) read -r -a CX_SPARE <<<"$rest" ;;
+            up) read -r -a CX_UP <<<"$rest" ;;
             note) cx_log "$rest" ;;
         esac
     done <<<"$CX_JOB_OUT"
@@ -262,9 +265,13 @@ cx_init_config() {
     cx_log "configuration: $out (written from the template's variables)"
 }
 
-cx_init_halt() {
-    local end=${JOB_END:-}
-    [[ -n $end ]] || end=$("cx_${CX_SCHEDULER}_job_end" 2>/dev/null || true)
+cx_init_halt() {    # the halt at HALT_MARGIN before the end: JOB_END (epoch seconds, this
+                    # host's clock), else the time left as the scheduler states it
+    local end=${JOB_END:-} left
+    if [[ -z $end ]]; then
+        left=$("cx_${CX_SCHEDULER}_left" 2>/dev/null || true)
+        [[ $left =~ ^[0-9]+$ ]] && end=$(($(cx_now) + left))
+    fi
     if [[ $end =~ ^[0-9]+$ ]]; then
         CX_JOB_END=$end
         CX_HALT_AT=$((end - HALT_MARGIN))
@@ -543,9 +550,9 @@ cx_halt_training() {
 cx_replace_lost() {     # lost or blamed nodes out, spares in; too few spares: shrink to
                         # MIN_NODES, else the job ends (cachex job replace decides)
     cx_virtual && return 0
-    local up
-    up=$("cx_${CX_SCHEDULER}_alive" "${CX_SET[@]}" "${CX_SPARE[@]}" | tr '\n' ' ')
-    cx_job replace --nodes "${CX_SET[*]}" --spares "${CX_SPARE[*]}" --up "$up" \
+    "cx_${CX_SCHEDULER}_alive" "${CX_SET[@]}" "${CX_SPARE[@]}" || cx_finish failed "$CX_JOB_ERR"
+    cx_node_lines
+    cx_job replace --nodes "${CX_SET[*]}" --spares "${CX_SPARE[*]}" --up "${CX_UP[*]}" \
         --bad "${CX_BAD[*]}" --min-nodes "$MIN_NODES" || cx_finish failed "$CX_JOB_ERR"
     cx_node_lines
 }
@@ -694,23 +701,12 @@ cx_main() {
 # ================================================================= Slurm
 cx_slurm_hosts() { scontrol show hostnames "${SLURM_JOB_NODELIST:?not inside a Slurm job}"; }
 
-cx_slurm_alive() {  # HOST...: those still in the job and not down, drained or failing;
-                    # all of them when squeue or sinfo cannot tell (as the PBS twin)
-    local -A in_job=()
-    local h state nodes states
-    nodes=$(squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null) || nodes=
-    states=$(sinfo -h -N -n "$(cx_join , "$@")" -o '%N %T' 2>/dev/null) || states=
-    if [[ -z $nodes || -z $states ]]; then
-        cx_log "squeue or sinfo said nothing of the job's nodes: every node taken as up" >&2
-        printf '%s\n' "$@"
-        return 0
-    fi
-    while read -r h; do in_job[$h]=1; done < <(scontrol show hostnames "$nodes" 2>/dev/null)
-    while read -r h state; do
-        [[ -n ${in_job[$h]:-} ]] || continue
-        [[ $state =~ (down|drain|fail|\*|maint|reboot|power|unknown) ]] && continue
-        echo "$h"
-    done <<<"$states"
+cx_slurm_alive() {  # HOST...: CX_JOB_OUT's `up` line: in the job and not down, drained
+                    # or failing (cachex job up reads squeue and sinfo)
+    local in_job
+    in_job=$(squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null) || in_job=
+    cx_job up slurm --hosts "$*" --in-job "$in_job" \
+        < <(sinfo -h -N -n "$(cx_join , "$@")" -o '%N %T' 2>/dev/null || true)
 }
 
 cx_slurm_launcher() {   # NAME KIND PPN: CX_LAUNCH=(srun ...)
@@ -753,21 +749,17 @@ cx_slurm_signal() {     # STEPNAME PID SIGNAL: to every task of the step(s) of t
     ((sent)) || kill -"$sig" "$pid" 2>/dev/null || true
 }
 
-cx_slurm_job_end() {    # epoch seconds of the job's end time (nothing when unlimited)
-    local end
-    end=$(squeue -h -j "$SLURM_JOB_ID" -o %e 2>/dev/null)
-    [[ $end =~ ^[0-9]{4}- ]] && date -d "$end" +%s
+cx_slurm_left() {       # the job's seconds left (nothing when unlimited)
+    squeue -h -j "$SLURM_JOB_ID" -o %L 2>/dev/null | "$(cx_cachex)" job left slurm
 }
 
 # ================================================================= PBS
 cx_pbs_hosts() { awk '{print $1}' "${PBS_NODEFILE:?not inside a PBS job}"; }
 
-cx_pbs_alive() {        # HOST...: not down/offline per pbsnodes (all, when it cannot tell)
-    local h state
-    for h in "$@"; do
-        state=$(pbsnodes -v "$h" 2>/dev/null | awk -F' = ' '$1 ~ /^ *state$/ {print $2; exit}')
-        [[ $state =~ (down|offline|unknown|stale|unresolvable) ]] || echo "$h"
-    done
+cx_pbs_alive() {        # HOST...: CX_JOB_OUT's `up` line: not down or offline in
+                        # pbsnodes (cachex job up reads each host's answer)
+    cx_job up pbs --hosts "$*" \
+        < <(for h in "$@"; do echo "# host $h"; pbsnodes -v "$h" 2>/dev/null; done)
 }
 
 cx_pbs_launcher() {     # NAME KIND PPN: CX_LAUNCH=(mpiexec ...)
@@ -798,17 +790,8 @@ cx_pbs_signal() {       # STEPNAME PID SIGNAL
     if [[ $3 == KILL ]]; then cx_kill_tree "$2"; else kill -"$3" "$2" 2>/dev/null || true; fi
 }
 
-cx_pbs_job_end() {      # start (stime) + Resource_List.walltime, from qstat -f
-    local info wall stime h m s
-    info=$(qstat -f "$PBS_JOBID" 2>/dev/null) || return 0
-    wall=$(awk -F' = ' '$1 ~ /Resource_List.walltime$/ {print $2; exit}' <<<"$info")
-    stime=$(awk -F' = ' '$1 ~ /^ *stime$/ {print $2; exit}' <<<"$info")
-    [[ $wall =~ ^([0-9]+):([0-9]+):([0-9]+)$ ]] || return 0
-    h=${BASH_REMATCH[1]} m=${BASH_REMATCH[2]} s=${BASH_REMATCH[3]}
-    local start
-    start=$(date -d "$stime" +%s 2>/dev/null || echo "$CX_T0")
-    echo $((start + 10#$h * 3600 + 10#$m * 60 + 10#$s))
+cx_pbs_left() {         # the job's seconds left: its walltime less the walltime used
+    qstat -f "$PBS_JOBID" 2>/dev/null | "$(cx_cachex)" job left pbs
 }
 
-CX_T0=$(date +%s)
 : "${CX_RUNDIR:=${TMPDIR:-/tmp}/cachex-job-${SLURM_JOB_ID:-${PBS_JOBID:-$$}}}"

@@ -330,10 +330,10 @@ def test_a_lost_node_without_a_spare_goes_on_with_fewer_down_to_min_nodes(tmp_pa
         assert len(errors) == 1 and f"only 1 spares left: {why}" in errors[0], failed.stderr
 
 
-def library(site: FakeSite, script: str, timeout: float = 60, **variables: str
-            ) -> subprocess.CompletedProcess[str]:
-    """`script` run in bash after sourcing the job library, as a Slurm job would."""
-    prelude = 'CX_SCHEDULER=slurm; source "$CX_ROOT/scripts/lib/cachex-job.sh"'
+def library(site: FakeSite, script: str, timeout: float = 60, scheduler: str = "slurm",
+            **variables: str) -> subprocess.CompletedProcess[str]:
+    """`script` run in bash after sourcing the job library, as a job of `scheduler` would."""
+    prelude = f'CX_SCHEDULER={scheduler}; source "$CX_ROOT/scripts/lib/cachex-job.sh"'
     return subprocess.run(
         ["bash", "-c", f"{prelude}; {script}"],
         capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
@@ -350,7 +350,50 @@ def test_when_sinfo_or_squeue_says_nothing_no_node_counts_as_lost(tmp_path):
                             ' echo "set: ${CX_SET[*]}"')
         assert run.returncode == 0, run.stderr
         assert "set: n001 n002 n003 n004" in run.stdout, (silent, run.stdout)
-        assert "said nothing of the job's nodes: every node taken as up" in run.stderr
+        assert "said nothing of the job's nodes: every node taken as up" in run.stdout
+
+
+def stub(site: FakeSite, name: str, body: str) -> None:
+    (site.bin / name).write_text(f"#!/bin/bash\n{body}")
+    (site.bin / name).chmod(0o755)
+
+
+def halt_in(site: FakeSite, scheduler: str) -> int:
+    """Seconds from now to the halt the job library sets at its start."""
+    run = library(site, 'cx_init_halt; echo "halt-in $((CX_HALT_AT - $(cx_now)))"',
+                  scheduler=scheduler, HALT_MARGIN="600")
+    assert run.returncode == 0, run.stderr
+    return int(run.stdout.split("halt-in ")[1].split()[0])
+
+
+def test_the_halt_comes_from_the_time_left_not_from_the_controllers_clock(tmp_path):
+    """The end time (squeue %e, qstat's stime) is on the scheduler's clock: with that
+    clock an hour ahead of this host's, the halt came an hour late."""
+    site = FakeSite(tmp_path, "slurm", hosts=2)
+    ahead = "$(date -d '+2 hours' +%Y-%m-%dT%H:%M:%S)"       # ends in 1 h, clock 1 h ahead
+    stub(site, "squeue", f'case "$*" in *%e*) echo "{ahead}" ;; *%L*) echo 1:00:00 ;; esac\n')
+    assert 2990 <= halt_in(site, "slurm") <= 3000
+    stub(site, "squeue", "echo UNLIMITED\n")
+    run = library(site, 'cx_init_halt; echo "halt=${CX_HALT_AT}"')
+    assert "halt=\n" in run.stdout and "no job end time known" in run.stdout
+
+    (tmp_path / "pbs").mkdir()
+    pbs = FakeSite(tmp_path / "pbs", "pbs", hosts=2)
+    stub(pbs, "qstat", 'echo "Job Id: 42.pbs"; echo "    stime = $(date -d \'-3 hours\')";'
+                       ' echo "    Resource_List.walltime = 01:00:00";'
+                       ' echo "    resources_used.walltime = 00:20:00"\n')
+    assert 1790 <= halt_in(pbs, "pbs") <= 1800
+
+
+def test_pbs_nodes_down_or_offline_are_replaced_by_spares(tmp_path):
+    site = FakeSite(tmp_path, "pbs", hosts=5)
+    stub(site, "pbsnodes", 'h=${!#}; echo "$h"; echo "     Mom = $h";'
+                           ' case $h in n002) s=offline ;; n003) s=down ;; *) s=free ;; esac;'
+                           ' echo "     state = $s"\n')
+    run = library(site, "CX_SET=(n001 n002 n003); CX_SPARE=(n004 n005); cx_replace_lost;"
+                        ' echo "set: ${CX_SET[*]}"', scheduler="pbs")
+    assert run.returncode == 0, run.stderr
+    assert "set: n001 n004 n005" in run.stdout, run.stdout
 
 
 def test_a_bad_exclude_list_ends_the_job_in_one_line(tmp_path):

@@ -1,0 +1,85 @@
+"""What the scheduler's commands say, read for the job templates (job/scheduler.py,
+`cachex job up|left`): hosts up, and the time left as the scheduler states it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from cachex_agent import cli
+from cachex_agent.job.scheduler import pbs_left, pbs_up, seconds, slurm_left, slurm_up
+
+pytestmark = pytest.mark.timeout(30)
+CACHEX = Path(sys.executable).parent / "cachex"
+HOSTS = ["n001", "n002", "n003", "n004"]
+QSTAT = """Job Id: 42.pbs
+    Job_Name = llm
+    stime = Sun Dec  6 09:00:00 2026
+    Resource_List.walltime = 01:00:00
+    Resource_List.select = 4
+    resources_used.walltime = 00:10:05
+"""
+
+
+def test_durations_read_as_slurm_and_pbs_print_them():
+    assert [seconds(t) for t in ("1-02:03:04", "02:03:04", "3:04", "59", "2-05", "1-00:30",
+                                 " 00:00:00\n")] == [
+        93784, 7384, 184, 59, 2 * 86400 + 5 * 3600, 86400 + 1800, 0]
+    for unknown in ("UNLIMITED", "NOT_SET", "INVALID", "", "1:2:3:4", "-5", "1h"):
+        assert seconds(unknown) is None, unknown
+
+
+def test_the_time_left_is_the_schedulers_relative_figure():
+    assert slurm_left("1:30:00\n") == 5400 and slurm_left("UNLIMITED\n") is None
+    assert slurm_left("") is None and slurm_left("1:00\n2:00\n") is None   # not one job
+    assert pbs_left(QSTAT) == 3600 - 605
+    assert pbs_left(QSTAT.replace("    resources_used.walltime = 00:10:05\n", "")) == 3600
+    assert pbs_left("Job Id: 42.pbs\n    Job_Name = llm\n") is None        # no walltime
+    assert pbs_left(QSTAT.replace("00:10:05", "02:00:00")) == 0            # overrun
+
+
+def test_slurm_hosts_up_are_in_the_job_and_in_a_state_to_run():
+    sinfo = "n001 allocated\nn002 down*\nn003 drained\nn004 mixed\nn005 idle\n"
+    assert slurm_up(HOSTS + ["n005"], "n[001-004]", sinfo).hosts == ["n001", "n004"]
+    for state in ("allocated*", "failing", "maint", "reboot_issued", "powered_down",
+                  "unknown", "draining"):
+        assert slurm_up(["n001"], "n001", f"n001 {state}\n").hosts == [], state
+    assert slurm_up(["n001", "n002"], "n001,n002", "n001 completing\n").hosts == ["n001"]
+
+
+def test_when_slurm_says_nothing_every_host_is_taken_as_up_with_a_note():
+    for in_job, sinfo in (("", "n001 down\n"), ("n[001-004]", ""), ("n001", "garbage\n")):
+        up = slurm_up(HOSTS, in_job, sinfo)
+        assert up.hosts == HOSTS
+        assert up.lines()[1] == ("note squeue or sinfo said nothing of the job's nodes:"
+                                 " every node taken as up")
+
+
+def test_pbs_hosts_up_are_not_down_or_offline():
+    said = "".join(f"# host {h}\n{h}\n     Mom = {h}\n     state = {s}\n     ntype = PBS\n\n"
+                   for h, s in zip(HOSTS, ("job-busy", "down", "offline,down", "free"),
+                                   strict=True))
+    assert pbs_up(HOSTS, said).hosts == ["n001", "n004"]
+    # a host pbsnodes did not answer for is taken as up; silence on all: a note
+    assert pbs_up(HOSTS + ["n009"], said + "# host n009\n").hosts == ["n001", "n004", "n009"]
+    assert pbs_up(HOSTS, "# host n001\n# host n002\n").notes == [
+        "pbsnodes said nothing of the job's nodes: every node taken as up"]
+
+
+def test_cachex_job_up_and_left_read_the_schedulers_output_on_stdin():
+    runner = CliRunner()
+    up = runner.invoke(cli.main_group, ["job", "up", "slurm", "--hosts", "n[001-002]",
+                                        "--in-job", "n[001-002]"],
+                       input="n001 idle\nn002 down\n")
+    assert up.exit_code == 0 and up.output == "up n001\n", up.output
+    left = runner.invoke(cli.main_group, ["job", "left", "pbs"], input=QSTAT)
+    assert left.exit_code == 0 and left.output == "2995\n"
+    unlimited = runner.invoke(cli.main_group, ["job", "left", "slurm"], input="UNLIMITED\n")
+    assert unlimited.exit_code == 0 and unlimited.output == ""
+    bad = subprocess.run([str(CACHEX), "job", "up", "slurm", "--hosts", "n[1-"], input="",
+                         capture_output=True, text=True, timeout=30)
+    assert bad.returncode == 2 and bad.stderr == "cachex: error: hosts: cannot expand 'n[1-'\n"
