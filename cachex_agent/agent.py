@@ -95,6 +95,7 @@ from .peer.feed import Feed
 from .peer.globals import GlobalFiles
 from .peer.mirror import Mirror
 from .peer.partners import domains_of, metadata_holders, replication_map
+from .peer.redundancy import redundancy_of
 from .peer.replicator import Replicator
 from .priority import bind_cpus, cpu_list, lower_process, streams
 from .rules import make_rule, natural_key
@@ -219,7 +220,7 @@ class Agent:
     def _make_replicator(self) -> Replicator | None:
         """Collective (the window): every rank takes the same decision from the config."""
         pmap = replication_map(self.config, list(self.placement.hosts))
-        if pmap is None or self.config.peer.scheme != "copy":
+        if pmap is None or not redundancy_of(self.config).replicas:
             return None         # flush-only (asked for, or one failure domain), or erasure
         # one partner: the capture hands a linked file's pieces to the replication as
         # it hashes them (one read of the bytes, peer/feed.py); with more, the feed's

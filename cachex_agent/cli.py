@@ -27,6 +27,7 @@ from .fsutil import makedirs, write_json
 from .layout import journal_stop_file, pfs_stop_file
 from .mpi_env import choose_netmod
 from .outputs import SCHEMA
+from .recovery.plan import KINDS as COPY_KINDS
 from .topology import agents_on_host, check_one_job, launch_rank
 
 
@@ -507,7 +508,7 @@ def _format_index(index: Any) -> str:
 @click.option("--ckpt", metavar="ID", help="recover this checkpoint (default: the one pinned"
               " by `cachex index --current`, else the newest recoverable one)")
 @click.option("--exclude", multiple=True, metavar="SOURCE",
-              type=click.Choice(["spool", "stage", "replica", "journal", "pfs"]),
+              type=click.Choice(COPY_KINDS),
               help="do not use copies of this kind (repeatable)")
 @click.option("--dry-run", is_flag=True, help="print the plan, change nothing")
 @click.option("--to", "to", metavar="DIR", type=click.Path(path_type=Path),

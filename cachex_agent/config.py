@@ -602,7 +602,7 @@ def upfront_memory(config: Config) -> int:
     capture."""
     peer, flush = config.peer, config.flush
     # the window's regions, the send buffer, and with one partner the feed's two buffers
-    feed = 2 if peer.copies == 1 and peer.scheme == "copy" else 0
+    feed = 2 if peer.copies == 1 and scheme_shape(peer.scheme, peer.group) is None else 0
     window = (0 if config.model.path == "direct"
               else (peer.copies * peer.slots + 1 + feed) * peer.slot)
     return window + (flush.concurrency * flush.writers + 1) * flush.chunk

@@ -83,7 +83,7 @@ from .manifest import GlobalManifest
 from .messages import Report, report_of, wire
 from .metrics import MetricsFile, metrics_file
 from .model.choose import LEARNED, PathChooser, fixed_choice
-from .peer.groups import redundancy
+from .peer.redundancy import redundancy_of
 from .safepath import UnsafeInput
 from .uplink import expand
 
@@ -378,7 +378,7 @@ class Coordinator:
                               "generation": self.generation,
                               "pid": os.getpid(), "host": socket.gethostname(),
                               "period": HEARTBEAT}, **extra,
-                "redundancy": redundancy(self.config, self.nodes),
+                "redundancy": redundancy_of(self.config).status(self.nodes),
                 "notes": notes(self.state),
                 "checkpoints": self.forecasts.annotate(status_rows(self.state))}
 

@@ -28,8 +28,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from ..config import Peer, scheme_shape
-from ..peer.groups import group_sizes
+from ..config import Peer
+from ..peer.redundancy import Redundancy
 
 HOUR = 3600.0
 
@@ -40,6 +40,7 @@ class Protection:
 
     scheme: str
     groups: tuple[tuple[int, int], ...]
+    summary: str = ""           # the groups in words (Redundancy.describe)
 
     @classmethod
     def of(cls, peer: Peer, nodes: int) -> Protection:
@@ -47,22 +48,12 @@ class Protection:
         them (leftover nodes raise some groups' K, never their M)."""
         if nodes < 1:
             raise ValueError(f"nodes must be >= 1, got {nodes}")
-        shape = scheme_shape(peer.scheme, peer.group)
-        if shape is None:
-            return cls("copy", ((peer.copies + 1, peer.copies),) * nodes)
-        return cls(peer.scheme, tuple((size, shape[1])
-                                      for size in group_sizes(nodes, peer.group)))
+        redundancy = Redundancy.of(peer)
+        return cls(redundancy.scheme, redundancy.protection(nodes),
+                   redundancy.describe(nodes))
 
     def describe(self) -> str:
-        if self.scheme == "copy":
-            copies = self.groups[0][1]
-            return (f"copy: a part is lost with its node and its {copies} partner"
-                    f"{'s' if copies > 1 else ''}")
-        sizes = sorted({n for n, _t in self.groups})
-        tolerates = self.groups[0][1]
-        return (f"{self.scheme} over {len(self.groups)} group(s) of"
-                f" {' or '.join(map(str, sizes))} nodes, each rebuilding {tolerates}"
-                f" lost member{'s' if tolerates > 1 else ''}")
+        return self.summary
 
     def to_json(self) -> dict[str, object]:
         return {"scheme": self.scheme, "groups": [list(g) for g in self.groups]}

@@ -37,8 +37,9 @@ from ..layout import NodePaths
 from ..manifest import LocalManifest
 from ..messages import Replicated
 from .encode_exchange import encode_part
-from .groups import group_map, group_of
+from .groups import group_of
 from .parity import retain_parity
+from .redundancy import redundancy_of
 
 log = logging.getLogger(__name__)
 Post = Callable[[Any], None]        # into the agent's inbox
@@ -48,7 +49,7 @@ def erasure_groups(comm: Any, config: Config, hosts: list[str]) -> list[list[int
     """Collective over the agents, at start-up before anything is created: the erasure
     groups, None for `copy` (or a flush-only run). Groups the failure domains cannot form,
     or an MPI without MPI_THREAD_MULTIPLE, fail every agent with one line (exit 2)."""
-    if config.peer.scheme == "copy" or config.model.path == "direct":
+    if redundancy_of(config).replicas or config.model.path == "direct":
         return None
     return agree(comm, "erasure groups", lambda: _checked_groups(config, hosts),
                  config.agent.timeout)
@@ -71,7 +72,7 @@ def _checked_groups(config: Config, hosts: list[str]) -> list[list[int]] | None:
         raise ConfigError(f"peer.scheme: {config.peer.scheme!r} encodes on a thread of its"
                           f" own and needs MPI_THREAD_MULTIPLE; this MPI gives thread level"
                           f" {level} (use `copy`, or an MPI built with thread support)")
-    return group_map(config, hosts)
+    return redundancy_of(config).groups(config, hosts)
 
 
 class EncodeHandle(Handle):

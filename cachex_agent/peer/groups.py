@@ -14,9 +14,8 @@ protection stays M lost members per group, the parity share falls to M/K.
 
 from __future__ import annotations
 
-from ..config import Config, scheme_shape
+from ..config import scheme_shape
 from ..errors import ConfigError
-from .partners import domains_of
 
 
 def build_groups(domains: list[str], size: int) -> list[list[int]]:
@@ -57,28 +56,6 @@ def shape(scheme: str, size: int, members: int) -> tuple[int, int]:
         raise ConfigError(f"peer.scheme: {scheme!r} has no erasure groups")
     k, m = found
     return k + members - size, m
-
-
-def group_map(config: Config, hosts_by_node: list[str]) -> list[list[int]] | None:
-    """The erasure groups of the job, or None when `peer.scheme` is `copy`."""
-    if config.peer.scheme == "copy":
-        return None
-    domains = domains_of(config.topology.domain, hosts_by_node)
-    return build_groups(domains, config.peer.group)
-
-
-def redundancy(config: Config, nodes: int) -> dict[str, object]:
-    """What `replicated` means in this run, for status.json: the scheme, and for erasure
-    schemes the group size, the sizes the groups of `nodes` nodes really have (leftovers
-    make some larger: rs:4+2 on 8 nodes is one group of 8, K 6) and the lost members a
-    group survives."""
-    if config.peer.scheme == "copy":
-        return {"scheme": "copy", "copies": config.peer.copies,
-                "survives": config.peer.copies}
-    size = config.peer.group
-    _k, m = shape(config.peer.scheme, size, size)
-    return {"scheme": config.peer.scheme, "group": size, "survives": m,
-            "sizes": group_sizes(nodes, size)}
 
 
 def group_of(node: int, groups: list[list[int]]) -> list[int]:

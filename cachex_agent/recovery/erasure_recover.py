@@ -27,6 +27,7 @@ from ..errors import CachexError
 from ..manifest import GlobalManifest, LocalManifest
 from ..peer.encode_exchange import encode_part
 from ..peer.parity import ParityManifest
+from ..peer.redundancy import redundancy_of
 from ..safepath import UnsafeInput
 from . import holdings
 from .erasure_rebuild import rebuild_parts
@@ -53,7 +54,7 @@ def rebuild_lost(comm: Any, config: Config, node: int, ckpts: list[str],
     notes saying what was rebuilt and what falls back. `ckpts`: the checkpoints of the
     job's node count; `manifests` and `copies`: rank 0's whole view of them (the other
     ranks: none, and their own copies)."""
-    if config.peer.scheme == "copy" or "parity" in exclude:
+    if not redundancy_of(config).parity or "parity" in exclude:
         return Rebuild()
     paths = config.node_paths(node)
     mine = agree(comm, "erasure groups", lambda: _groups_held(paths.parity, ckpts),

@@ -34,6 +34,8 @@ from ..manifest import GlobalManifest
 from ..status import human_size
 
 PREFERENCE = {"spool": 0, "stage": 1, "replica": 2, "pfs": 3}
+# every kind of copy a recovery reads, as `cachex recover --exclude` names them
+KINDS = ("spool", "stage", "replica", "parity", "journal", "pfs")
 
 
 @dataclass(frozen=True)

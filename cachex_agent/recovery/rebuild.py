@@ -78,6 +78,7 @@ from ..layout import (
 )
 from ..manifest import FileEntry, GlobalManifest, LocalManifest
 from ..peer.partners import replication_map
+from ..peer.redundancy import redundancy_of
 from ..peer.store import commit_replica, partial_dir
 from ..progress import Done, Progress, quiet
 from ..rules import checkpoint_names, natural_key, tracker_text
@@ -635,7 +636,7 @@ def _rereplicate(comm: Any, config: Config, placement: Any, share: Share,
     """Each node's part goes to its partners again, unless they hold it intact: rank 0
     hears which are, and tells each rank its own sends and receives."""
     pmap = replication_map(config, list(placement.hosts))
-    if pmap is None or config.peer.scheme != "copy":     # erasure: no partner copies
+    if pmap is None or not redundancy_of(config).replicas:
         return 0
     work = _work_bound(config, share)
     held = agree(comm, "re-replication", lambda: _intact_replicas(

@@ -15,6 +15,7 @@ from ..layout import bundle_path, parity_dir, replica_dir, replica_manifest_path
 from ..manifest import FileEntry
 from ..peer.parity import ParityManifest, check_member
 from ..peer.partners import replication_map
+from ..peer.redundancy import redundancy_of
 from ..progress import Done, Progress, quiet
 from .catalog import global_manifest, level_of, local_manifests, node_count
 
@@ -57,7 +58,7 @@ def verify(config: Config, ckpt: str, progress: Progress | None = None) -> list[
     findings = [_stage(config, ckpt, node, hosts.get(node), files)
                 for node, files in sorted(expected.items())]
     findings += _replicas(config, ckpt, expected, hosts, nodes)
-    if config.peer.scheme != "copy":
+    if redundancy_of(config).parity:
         findings += [_parity(config, ckpt, node, hosts.get(node)) for node in sorted(expected)]
     if gm:
         findings += [_bundle(config, ckpt, node, files) for node, files in sorted(expected.items())]
@@ -115,7 +116,7 @@ def _replicas(config: Config, ckpt: str, expected: dict[int, list[FileEntry]],
               hosts: dict[int, str], nodes: int) -> list[Finding]:
     pmap = replication_map(config, [hosts[n] for n in range(nodes)]) \
         if sorted(hosts) == list(range(nodes)) else None
-    if pmap is None or config.peer.scheme != "copy":    # erasure groups hold no replicas
+    if pmap is None or not redundancy_of(config).replicas:
         return []
     return [_replica(config, ckpt, owner, partner, hosts[partner], files)
             for owner, files in sorted(expected.items()) for partner in pmap[owner]]

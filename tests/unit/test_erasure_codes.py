@@ -114,17 +114,19 @@ def test_too_few_domains_is_a_configuration_error():
 def test_status_says_the_sizes_the_groups_really_have():
     """rs:4+2 on 8 nodes is one group of 8 (K 6): status says so, not only the setting."""
     from cachex_agent.config import load
-    from cachex_agent.peer.groups import redundancy
+    from cachex_agent.peer.redundancy import redundancy_of
     from cachex_agent.status import redundancy_line
 
     base = {"paths.spool": "/x", "paths.pfs": "/y"}
-    rs = redundancy(load(None, {**base, "peer.scheme": "rs:4+2", "peer.group": "6"}), 8)
+    rs = redundancy_of(load(None, {**base, "peer.scheme": "rs:4+2", "peer.group": "6"})
+                       ).status(8)
     assert rs == {"scheme": "rs:4+2", "group": 6, "survives": 2, "sizes": [8]}
     assert redundancy_line(rs) == ("replicated: rs:4+2 parity over groups of 6 nodes (8"
                                    " where the nodes left over joined a group: more data"
                                    " members, the same parity); each group survives 2"
                                    " lost nodes")
-    xor = redundancy(load(None, {**base, "peer.scheme": "xor", "peer.group": "4"}), 8)
+    xor = redundancy_of(load(None, {**base, "peer.scheme": "xor", "peer.group": "4"})).status(8)
     assert redundancy_line(xor) == ("replicated: xor parity over groups of 4 nodes; each"
                                     " group survives 1 lost node")
-    assert redundancy(load(None, base), 8) == {"scheme": "copy", "copies": 1, "survives": 1}
+    assert redundancy_of(load(None, base)).status(8) == {
+        "scheme": "copy", "copies": 1, "survives": 1}

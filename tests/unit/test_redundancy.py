@@ -1,0 +1,43 @@
+"""The redundancy descriptor (peer/redundancy.py): what each `peer.scheme` makes of a run,
+read once, asked by the code outside peer/ instead of the scheme's name."""
+
+from __future__ import annotations
+
+import pytest
+
+from cachex_agent.config import Peer, load
+from cachex_agent.errors import ConfigError
+from cachex_agent.model.protection import Protection
+from cachex_agent.peer.redundancy import Redundancy, redundancy_of
+
+pytestmark = pytest.mark.timeout(30)
+COPY2, XOR4, RS42 = Peer(copies=2), Peer(scheme="xor", group=4), Peer(scheme="rs:4+2", group=6)
+
+
+def test_each_scheme_says_what_it_holds_and_survives():
+    copy, xor, rs = (Redundancy.of(p) for p in (COPY2, XOR4, RS42))
+    assert (copy.replicas, copy.parity, copy.survives, copy.copies) == (True, False, 2, 2)
+    assert (xor.replicas, xor.parity, xor.survives, xor.group) == (False, True, 1, 4)
+    assert (rs.replicas, rs.parity, rs.survives, rs.group) == (False, True, 2, 6)
+    assert rs.shape(8) == (6, 2) and xor.shape(5) == (4, 1)     # leftovers add to K
+
+
+def test_the_model_and_status_read_the_descriptor():
+    assert Redundancy.of(COPY2).protection(3) == ((3, 2),) * 3
+    assert Redundancy.of(RS42).protection(8) == ((8, 2),)
+    assert Protection.of(XOR4, 10).describe() == (
+        "xor over 2 group(s) of 5 nodes, each rebuilding 1 lost member")
+    assert Protection.of(COPY2, 4).describe() == (
+        "copy: a part is lost with its node and its 2 partners")
+    assert Redundancy.of(XOR4).status(9) == {"scheme": "xor", "group": 4, "survives": 1,
+                                             "sizes": [5, 4]}
+
+
+def test_groups_only_for_parity_and_in_distinct_domains():
+    base = {"paths.spool": "/x", "paths.pfs": "/y"}
+    hosts = [f"h{i}" for i in range(8)]
+    assert redundancy_of(load(None, base)).groups(load(None, base), hosts) is None
+    config = load(None, {**base, "peer.scheme": "xor", "peer.group": "4"})
+    assert redundancy_of(config).groups(config, hosts) == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    with pytest.raises(ConfigError, match="peer.group: groups of 4 nodes need at least 4"):
+        redundancy_of(config).groups(config, hosts[:3])
