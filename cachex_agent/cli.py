@@ -957,6 +957,16 @@ def job_up_command(scheduler: str, said: Any, hosts: str, in_job: str) -> None:
     _echo_lines(up.lines())
 
 
+@job_group.command("steps")
+@click.argument("name")
+@click.argument("said", type=click.File("r", errors="replace"), default="-")
+def job_steps_command(name: str, said: Any) -> None:
+    """The ids of the job's steps named NAME, one a line, from `squeue -h --steps -o
+    '%i %j'` in SAID (default: standard input): the steps a signal goes to."""
+    from .job.scheduler import slurm_steps
+    _echo_lines(slurm_steps(said.read(), name))
+
+
 @job_group.command("left")
 @click.argument("scheduler", type=click.Choice(["slurm", "pbs"]))
 @click.argument("said", type=click.File("r", errors="replace"), default="-")

@@ -70,6 +70,12 @@ def pbs_up(hosts: list[str], pbsnodes: str) -> Up:
     return Up([h for h in hosts if not _PBS_GONE.search(states.get(h, ""))])
 
 
+def slurm_steps(squeue: str, name: str) -> list[str]:
+    """The ids of the job's steps named `name`, from `squeue -h --steps -o '%i %j'`."""
+    return [words[0] for words in map(str.split, squeue.splitlines())
+            if len(words) == 2 and words[1] == name]
+
+
 def seconds(text: str) -> int | None:
     """Slurm's and PBS's durations: `[D-]H:M:S`, `M:S`, `S`, `D-H`, `D-H:M`; None for
     anything else (`UNLIMITED`, `NOT_SET`, `INVALID`, nothing)."""

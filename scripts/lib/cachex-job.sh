@@ -743,7 +743,7 @@ cx_slurm_broadcast() {  # CX_ARGV=(sbcast the packed venv to every node of the j
 cx_slurm_signal() {     # STEPNAME PID SIGNAL: to every task of the step(s) of that name
     local name=$1 pid=$2 sig=$3 id sent=0
     for id in $(squeue -h --steps -j "$SLURM_JOB_ID" -o '%i %j' 2>/dev/null \
-                | awk -v n="$name" '$2 == n {print $1}'); do
+                | "$(cx_cachex)" job steps "$name"); do
         scancel --signal="$sig" "$id" 2>/dev/null && sent=1
     done
     ((sent)) || kill -"$sig" "$pid" 2>/dev/null || true
@@ -754,7 +754,7 @@ cx_slurm_left() {       # the job's seconds left (nothing when unlimited)
 }
 
 # ================================================================= PBS
-cx_pbs_hosts() { awk '{print $1}' "${PBS_NODEFILE:?not inside a PBS job}"; }
+cx_pbs_hosts() { cat "${PBS_NODEFILE:?not inside a PBS job}"; }  # one line per rank: the package counts each host once
 
 cx_pbs_alive() {        # HOST...: CX_JOB_OUT's `up` line: not down or offline in
                         # pbsnodes (cachex job up reads each host's answer)

@@ -11,7 +11,14 @@ import pytest
 from click.testing import CliRunner
 
 from cachex_agent import cli
-from cachex_agent.job.scheduler import pbs_left, pbs_up, seconds, slurm_left, slurm_up
+from cachex_agent.job.scheduler import (
+    pbs_left,
+    pbs_up,
+    seconds,
+    slurm_left,
+    slurm_steps,
+    slurm_up,
+)
 
 pytestmark = pytest.mark.timeout(30)
 CACHEX = Path(sys.executable).parent / "cachex"
@@ -68,6 +75,12 @@ def test_pbs_hosts_up_are_not_down_or_offline():
     assert pbs_up(HOSTS + ["n009"], said + "# host n009\n").hosts == ["n001", "n004", "n009"]
     assert pbs_up(HOSTS, "# host n001\n# host n002\n").notes == [
         "pbsnodes said nothing of the job's nodes: every node taken as up"]
+
+
+def test_steps_by_name_from_squeue():
+    said = "42.0 cachex-agents\n42.1 cachex-train\n42.2 cachex-agents\n42.3 x y\n"
+    assert slurm_steps(said, "cachex-agents") == ["42.0", "42.2"]
+    assert slurm_steps(said, "cachex") == [] and slurm_steps("", "cachex-train") == []
 
 
 def test_cachex_job_up_and_left_read_the_schedulers_output_on_stdin():
