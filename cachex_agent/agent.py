@@ -95,7 +95,7 @@ from .peer.feed import Feed
 from .peer.globals import GlobalFiles
 from .peer.mirror import Mirror
 from .peer.partners import domains_of, metadata_holders, replication_map
-from .peer.redundancy import redundancy_of
+from .peer.redundancy import Protector, redundancy_of, replicated
 from .peer.replicator import Replicator
 from .priority import bind_cpus, cpu_list, lower_process, streams
 from .rules import make_rule, natural_key
@@ -124,10 +124,10 @@ PEER_TICK = 0.001
 COMMIT_WAIT = 1.0
 
 
-def peer_tick(replicator: Replicator | None) -> float | None:
+def peer_tick(protector: Protector | None) -> float | None:
     """PEER_TICK while a credit, an ack or a slot is due over MPI (poll for it), else
     None: the loop's own tick, which the agent's threads cut short through the inbox."""
-    return PEER_TICK if replicator is not None and replicator.waits_on_peer() else None
+    return PEER_TICK if protector is not None and protector.waits_on_peer() else None
 
 
 class Agent:
@@ -183,12 +183,14 @@ class Agent:
         self.received: Counter[str] = Counter()     # bytes by tag (`counters` event)
         self.turns = 0                              # of the main loop (`counters` event)
         self.node_of_rank = {r: n for n, r in enumerate(self.ranks_by_node)}
-        self.replicator = agree(comm, "peer set-up", self._make_replicator)
-        self.encoder = start_encoder(comm, config, groups, self.node, self.paths,
-                                     self.stages, self.inbox.put)
+        # collective, both: every rank takes the same decision from the config
+        replicator = agree(comm, "peer set-up", self._make_replicator)
+        encoder = start_encoder(comm, config, groups, self.node, self.paths, self.stages,
+                                self.inbox.put)
+        self.protector: Protector | None = replicator or encoder
         self.coordinator = agree(comm, "coordinator", lambda: Coordinator(
             config, self.ranks_by_node, self.journal, self.paths.pfs, self.events, self._send,
-            can_replicate=self.replicator is not None or self.encoder is not None,
+            can_replicate=self.protector is not None,
             wake=self.inbox.wake, events_copy=self.events_copy, forward=self._forward,
             holders=self._holders(), generation=self.run_lock.generation)
             if self.rank == 0 else None)
@@ -199,7 +201,7 @@ class Agent:
         self.capture = CaptureWorker(config, self.paths, self.placement, self.rule,
                                      self.journal, self.stages, self.inbox.put,
                                      self.watcher.first_seen, self.watcher.removed,
-                                     self.replicator.feed if self.replicator else None)
+                                     self.protector.feed if self.protector else None)
         self.mirror = Mirror(self.journal, self.paths, self.node, self.events,
                              config.commit.mirror)
         self._from_coordinator = {
@@ -262,9 +264,9 @@ class Agent:
         threading.excepthook = self._thread_failed
         self.events.emit("agent_start", spool=str(self.paths.spool), pfs=str(self.paths.pfs),
                          nodes=self.placement.nodes, pid=os.getpid(),
-                         partners=self.replicator.partners if self.replicator else [],
+                         partners=self.protector.partners if self.protector else [],
                          cpus=cpu_list(self.cpus),
-                         streams=self.replicator.streams if self.replicator else 0)
+                         streams=self.protector.streams if self.protector else 0)
         log.info("agent node %d/%d: spool %s -> stage %s -> pfs %s", self.node,
                  self.placement.nodes, self.paths.spool, self.paths.stage, self.paths.pfs)
         self.capture.start()
@@ -287,10 +289,9 @@ class Agent:
             if self.coordinator:     # its last status; a hung PFS is left behind
                 self.coordinator.close(self.config.agent.timeout / 2)
             self._wait_requests(self.config.agent.timeout)
-            if self.replicator is not None:
-                self.replicator.close(free=not self._dead_agents)
-            if self.encoder is not None:
-                self.encoder.close(self.config.agent.timeout)
+            if self.protector is not None:
+                self.protector.close(free=not self._dead_agents,
+                                     timeout=self.config.agent.timeout)
             self.events.close()
             if self.run_lock is not None:
                 self.run_lock.release()
@@ -299,7 +300,7 @@ class Agent:
 
     def _tick(self) -> float:
         """How long the main loop sleeps (a worker's message ends the sleep at once)."""
-        if (due := peer_tick(self.replicator)) is not None:
+        if (due := peer_tick(self.protector)) is not None:
             return due
         if self._commit_expected():
             return PEER_TICK
@@ -322,19 +323,14 @@ class Agent:
         return bool(self._requests or self.capture.busy() or self.draining
                     or self._replicating())
 
-    def _redundancy(self) -> list[Any]:
-        """What makes the node-local copies elsewhere: the replicator (`copy`) or the
-        encoder (`xor`, `rs:K+M`); neither when the run is flush-only."""
-        return [r for r in (self.replicator, self.encoder) if r is not None]
-
     def _replicating(self) -> bool:
-        return self.globals.busy() or any(r.busy() for r in self._redundancy())
+        return self.globals.busy() or (self.protector is not None and self.protector.busy())
 
     def _step(self) -> bool:
         """One turn of the main loop; True if it had anything to do."""
         moved = self._drain_inbox() + self._receive()
-        if self.replicator is not None:
-            self.replicator.pump()
+        if self.protector is not None:
+            self.protector.pump()
         for header in self.globals.poll():
             self.events.emit("global_file", ckpt=header.ckpt, path=header.path,
                              bytes=header.size)
@@ -385,9 +381,8 @@ class Agent:
         from the captured copy again, while it is held; the coordinator has moved on."""
         manifest = self.journal.manifest(ckpt)
         cut_short = stage_state(entry, Stage.REPLICATE) in (State.QUEUED, State.RUNNING)
-        if self.replicator is not None and cut_short and manifest and _held(entry):
-            self.replicator.captured(manifest, Path(entry["source"]),
-                                     mapped=entry.get("mode") == "copy")
+        if self.protector is not None and cut_short and manifest and _held(entry):
+            self.protector.resume(manifest, Path(entry["source"]), entry)
 
     def _known(self) -> set[str]:
         """Checkpoints this node already heard of: its journal, and for a node without
@@ -498,8 +493,8 @@ class Agent:
         elif isinstance(msg, GlobalFile):
             self.globals.on_header(source, msg)
         elif type(msg).TYPE in PEER:
-            if self.replicator is not None:
-                self.replicator.handle(self.node_of_rank[source], msg)
+            if self.protector is not None:
+                self.protector.handle(self.node_of_rank[source], msg)
         else:
             self._from_coordinator[type(msg)](msg)
 
@@ -526,14 +521,14 @@ class Agent:
                 continue
             if isinstance(msg, Captured):
                 self._after_capture(msg)
-            elif isinstance(msg, CaptureFailed) and self.replicator is not None:
-                self.replicator.cancel(msg.ckpt, f"capture failed: {msg.error}")
+            elif isinstance(msg, CaptureFailed) and self.protector is not None:
+                self.protector.cancel(msg.ckpt, f"capture failed: {msg.error}")
             elif isinstance(msg, Marker) and msg.ckpt not in self.announced:
                 self._commit_due[msg.ckpt] = time.monotonic() + COMMIT_WAIT
             elif isinstance(msg, Replicated):
                 self._retain_stage()
                 self.flusher.copy_events_soon()
-                msg = replace(msg, dead=sorted(self.replicator.dead) if self.replicator else [])
+                msg = replace(msg, dead=sorted(self.protector.dead) if self.protector else [])
             self._to_coordinator(msg)
         return count
 
@@ -548,7 +543,9 @@ class Agent:
         if self.journal.get(msg.ckpt) is not None:      # else: forgotten since
             self.journal.update(msg.ckpt, **{"global": msg.digest.to_json()})
         self.mirror.mirror(msg.ckpt)
-        self._encode_if_wanted(msg.ckpt)    # every node captured: the group encodes
+        entry, manifest = self.journal.get(msg.ckpt), self.journal.manifest(msg.ckpt)
+        if self.protector is not None and self._path(msg.ckpt) == "peer" and entry and manifest:
+            self.protector.group_ready(manifest, Path(entry["source"]), entry)
 
     def _on_hold(self, msg: HoldManifest) -> None:
         """This node is a metadata holder: the whole global manifest, for a recovery
@@ -585,40 +582,24 @@ class Agent:
         entry = self.journal.get(ckpt) or {}
         manifest = LocalManifest.from_json(msg.manifest)
         self._share_globals(manifest, entry)
-        peer = self._path(ckpt) == "peer"
-        if peer and is_done(entry, Stage.REPLICATE):
-            self._replicated_again(ckpt)
-        elif self.replicator is not None and peer:
-            self.replicator.captured(manifest, Path(entry["source"]),
-                                     mapped=entry.get("mode") == "copy",
-                                     fed_wait=msg.fed_wait)
-        if "global" in entry:
-            self._encode_if_wanted(ckpt)    # resumed after ManifestReady was heard
+        if self.protector is not None and self._path(ckpt) == "peer":
+            if is_done(entry, Stage.REPLICATE):
+                # a restart: done here, but the coordinator's state may predate the
+                # report, and it records `flushed` only after `replicated`: report it
+                # again (not a sample for the model)
+                self.inbox.put(replicated(ckpt, self.protector.partners, adopted=True))
+            else:
+                self.protector.protect(manifest, Path(entry["source"]), entry, msg.fed_wait)
         self._flush_if_wanted(ckpt)
         self._retain_stage()
-
-    def _replicated_again(self, ckpt: str) -> None:
-        """A restart: this node's replication of `ckpt` is done (its journal says so),
-        but the coordinator's state may predate the report, and it records `flushed`
-        only after `replicated`: report it again (not a sample for the model)."""
-        for redundancy in self._redundancy():
-            self.inbox.put(Replicated(ckpt=ckpt, ok=True, partners=redundancy.partners,
-                                      adopted=True))
 
     def _stream_file(self, msg: FileCaptured) -> None:
         """A file copied while its part is still being captured: its replication starts
         now (the replicator keeps it only if the final manifest agrees)."""
         ckpt = msg.header.ckpt
         replicate = stage_state(self.journal.get(ckpt), Stage.REPLICATE)
-        if self.replicator is not None and self._path(ckpt) == "peer" and replicate not in ENDED:
-            self.replicator.file_captured(msg)
-
-    def _encode_if_wanted(self, ckpt: str) -> None:
-        entry = self.journal.get(ckpt)
-        manifest = self.journal.manifest(ckpt)
-        if self.encoder is not None and self.encoder.wanted(entry, manifest, self._path(ckpt)):
-            assert entry is not None and manifest is not None
-            self.encoder.encode(manifest, Path(entry["source"]))
+        if self.protector is not None and self._path(ckpt) == "peer" and replicate not in ENDED:
+            self.protector.file_captured(msg)
 
     def _path(self, ckpt: str) -> str:
         """The write path the coordinator announced for `ckpt` (`peer` until it has)."""
@@ -677,10 +658,8 @@ class Agent:
         self.uplink.forget(ckpt)
         self.capture.cancel(ckpt)
         self.flusher.cancel(ckpt)
-        if self.replicator is not None:
-            self.replicator.cancel(ckpt)
-        if self.encoder is not None:
-            self.encoder.cancel(ckpt)
+        if self.protector is not None:
+            self.protector.cancel(ckpt)
         if entry and entry.get("mode") == "copy":
             self.remover.discard(self.paths.stage, self.paths.stage_dir(ckpt))
         self.stages.record(Stage.COMMIT, State.FAILED, ckpt, (entry or {}).get("seq"),
@@ -707,8 +686,8 @@ class Agent:
 
     def _retain_stage(self) -> None:
         in_use = set(self.flusher.pending())
-        for redundancy in self._redundancy():
-            in_use |= redundancy.pending()
+        if self.protector is not None:
+            in_use |= self.protector.pending()
         for ckpt in retain_stage(self.config.keep.stage, self.journal, self.paths, in_use,
                                  lambda c: self.announced.get(c, {}).get("flush", False),
                                  self.events, self.remover):

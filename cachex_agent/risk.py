@@ -64,7 +64,7 @@ def survives(redundancy: dict[str, Any] | None) -> str:
     redundancy = redundancy or {}
     count = redundancy.get("survives", 1)
     nodes = f"any {count} lost node{'s' if count != 1 else ''}"
-    if redundancy.get("scheme", "copy") == "copy":
+    if "group" not in redundancy:      # whole copies on partners
         return nodes
     return f"{nodes} of each group of {redundancy.get('group', '?')}"
 

@@ -166,10 +166,11 @@ def format_ls(status: dict[str, Any]) -> str:
 def scheme_note(redundancy: dict[str, Any] | None) -> str:
     """`(xor 4)`, `(rs:4+2)`: how a `replicated` checkpoint is held; empty for a copy
     (and for status files written before the scheme was recorded)."""
-    if not redundancy or redundancy.get("scheme", "copy") == "copy":
+    if not redundancy or "group" not in redundancy:     # whole copies on partners
         return ""
     scheme = redundancy["scheme"]
-    return f"({scheme} {redundancy['group']})" if scheme == "xor" else f"({scheme})"
+    # rs:K+M names its group's size; xor does not
+    return f"({scheme})" if "+" in scheme else f"({scheme} {redundancy['group']})"
 
 
 def redundancy_line(redundancy: dict[str, Any] | None) -> str | None:
@@ -178,7 +179,7 @@ def redundancy_line(redundancy: dict[str, Any] | None) -> str | None:
         return None
     survives = redundancy.get("survives", 1)
     lost = f"{survives} lost node{'s' if survives != 1 else ''}"
-    if redundancy.get("scheme", "copy") == "copy":
+    if "group" not in redundancy:
         return (f"replicated: a full copy of each node's part on"
                 f" {redundancy.get('copies', 1)} partner(s); survives {lost}")
     group = redundancy["group"]

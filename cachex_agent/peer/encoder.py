@@ -35,11 +35,11 @@ from ..errors import CachexError, ConfigError, OperationError
 from ..handles import Handle, Stage, StageLog, State, held_for_tests, is_done, is_failed
 from ..layout import NodePaths
 from ..manifest import LocalManifest
-from ..messages import Replicated
+from ..messages import FileCaptured
 from .encode_exchange import encode_part
 from .groups import group_of
 from .parity import retain_parity
-from .redundancy import redundancy_of
+from .redundancy import redundancy_of, replicated
 
 log = logging.getLogger(__name__)
 Post = Callable[[Any], None]        # into the agent's inbox
@@ -102,16 +102,41 @@ class Encoder:
         self.jobs: queue.Queue[EncodeHandle | None] = queue.Queue()
         self.handles: dict[str, EncodeHandle] = {}      # not ended yet
         self.dead: dict[int, str] = {}                  # none known: the group times out
+        self.streams, self.feed = 0, None   # one encoding at a time; no capture feeds it
         self.thread = threading.Thread(target=self._work, name="encode", daemon=True)
         self.thread.start()
 
-    # ------------------------------------------------------------ main thread
-    def wanted(self, entry: dict[str, Any] | None, manifest: LocalManifest | None,
-               path: str) -> bool:
-        """Encode this checkpoint here? Captured, not failed, on the peer path, and not
-        encoded (or under way) already."""
-        return (manifest is not None and path == "peer" and entry is not None
-                and is_done(entry, Stage.CAPTURE) and not is_failed(entry)
+    # ------------------------------------------------ the agent's verbs (Protector)
+    def protect(self, manifest: LocalManifest, source: Path, entry: dict[str, Any],
+                fed_wait: float = 0.0) -> None:
+        """Captured here: the group encodes once every node has (a restart that heard
+        the global manifest before its capture ended encodes now)."""
+        if "global" in entry:
+            self.group_ready(manifest, source, entry)
+
+    def group_ready(self, manifest: LocalManifest, source: Path,
+                    entry: dict[str, Any]) -> None:
+        if self._wanted(entry, manifest):
+            self.encode(manifest, source)
+
+    def file_captured(self, msg: FileCaptured) -> None:
+        """Parity needs every member's whole part: nothing is encoded file by file."""
+
+    def resume(self, manifest: LocalManifest, source: Path, entry: dict[str, Any]) -> None:
+        """The group has moved on: one member alone cannot encode (it is collective)."""
+
+    def handle(self, source_node: int, msg: Any) -> None:
+        """The group talks on its own communicator: no peer message is the encoder's."""
+
+    def pump(self) -> None:
+        """The encoder's thread moves the encoding."""
+
+    def waits_on_peer(self) -> bool:
+        return False
+
+    def _wanted(self, entry: dict[str, Any], manifest: LocalManifest) -> bool:
+        """Captured, not failed, and not encoded (or under way) already."""
+        return (is_done(entry, Stage.CAPTURE) and not is_failed(entry)
                 and not is_done(entry, Stage.REPLICATE) and manifest.ckpt not in self.handles)
 
     def encode(self, manifest: LocalManifest, source: Path) -> EncodeHandle:
@@ -119,7 +144,7 @@ class Encoder:
         self.handles[manifest.ckpt] = handle
         return handle.submit(scheme=self.scheme, group=self.members)  # type: ignore[return-value]
 
-    def cancel(self, ckpt: str) -> None:
+    def cancel(self, ckpt: str, reason: str = "cancelled") -> None:
         handle = self.handles.get(ckpt)
         if handle is not None:
             handle.cancel()
@@ -131,7 +156,7 @@ class Encoder:
     def busy(self) -> bool:
         return bool(self.handles)
 
-    def close(self, timeout: float) -> None:
+    def close(self, free: bool = True, timeout: float = 0.0) -> None:
         """Stop the thread after the encoding under way (bounded by its deadlines)."""
         self.jobs.put(None)
         self.thread.join(timeout)
@@ -179,5 +204,4 @@ class Encoder:
         return not any(dropped for _, dropped in turns)
 
     def _report(self, handle: EncodeHandle, errors: dict[str, str], started: float) -> None:
-        self.post(Replicated(ckpt=handle.ckpt, ok=not errors, errors=errors,
-                             partners=self.partners, duration=time.monotonic() - started))
+        self.post(replicated(handle.ckpt, self.partners, errors, time.monotonic() - started))

@@ -12,8 +12,12 @@ names a scheme.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
 
 from ..config import Config, Peer, scheme_shape
+from ..manifest import LocalManifest
+from ..messages import FileCaptured, Replicated
 from .groups import build_groups, group_sizes, shape
 from .partners import domains_of
 
@@ -84,3 +88,56 @@ class Redundancy:
 
 def redundancy_of(config: Config) -> Redundancy:
     return Redundancy.of(config.peer)
+
+
+def replicated(ckpt: str, partners: list[int], errors: dict[str, str] | None = None,
+               duration: float = 0.0, adopted: bool = False) -> Replicated:
+    """The `replicated` report, whichever scheme protected the part: `ok` unless a
+    partner (or group member) has an error."""
+    return Replicated(ckpt=ckpt, ok=not errors, errors=errors or {}, partners=partners,
+                      duration=duration, adopted=adopted)
+
+
+class Protector(Protocol):
+    """What protects this node's captured parts elsewhere, as the agent drives it: the
+    replicator (copy) or the encoder (xor, rs:K+M). The agent calls these on the peer
+    path only, and never asks which scheme it has. Each ends a checkpoint's protection
+    with one `replicated` report into the agent's inbox."""
+
+    partners: list[int]             # the nodes holding this node's copies or parity
+    streams: int                    # parts in flight per partner (0: not streamed)
+    feed: Any                       # peer.feed.Feed the capture hands pieces to, or None
+    dead: Any                       # the nodes it found gone (iterable of node numbers)
+
+    def protect(self, manifest: LocalManifest, source: Path, entry: dict[str, Any],
+                fed_wait: float = 0.0) -> None:
+        """This node's part is captured (`entry`: its journal entry)."""
+
+    def group_ready(self, manifest: LocalManifest, source: Path,
+                    entry: dict[str, Any]) -> None:
+        """Every node captured the checkpoint (the coordinator's global manifest)."""
+
+    def file_captured(self, msg: FileCaptured) -> Any:
+        """A file of a part still being captured."""
+
+    def resume(self, manifest: LocalManifest, source: Path, entry: dict[str, Any]) -> None:
+        """A restart found this part's protection cut short."""
+
+    def cancel(self, ckpt: str, reason: str = "cancelled") -> None: ...
+
+    def handle(self, source_node: int, msg: Any) -> None:
+        """A peer message (messages.PEER) from another node's agent."""
+
+    def pump(self) -> None:
+        """Move what can move now, on the main thread."""
+
+    def waits_on_peer(self) -> bool:
+        """What moves it next is a message from another agent (poll for it)."""
+
+    def pending(self) -> set[str]:
+        """Checkpoints whose protection has not ended (their staged files must stay)."""
+
+    def busy(self) -> bool: ...
+
+    def close(self, free: bool = True, timeout: float = 0.0) -> None:
+        """`free`: no agent is known dead (a collective release would wait for it)."""

@@ -54,10 +54,11 @@ from ..events import EventLog
 from ..handles import Handle, Stage, StageLog, State, held_for_tests
 from ..layout import NodePaths
 from ..manifest import PENDING, FileEntry, LocalManifest
-from ..messages import Ack, Begin, Credit, End, File, FileCaptured, Replicated, Slot
+from ..messages import Ack, Begin, Credit, End, File, FileCaptured, Slot
 from ..stage.capture import linked_hint
 from .feed import READ, WAIT_FOR_IT, Feed
 from .partners import incoming
+from .redundancy import replicated
 from .store import ReplicaStore
 from .window import ReceiveWindow
 
@@ -268,6 +269,12 @@ class Sender:
         self.cursors.clear()
 
 
+def _mapped(entry: dict[str, Any]) -> bool:
+    """The capture copied the part into the stage (journal `mode`): its files are the
+    agent's own and may be mapped; a linked or referenced file may change under it."""
+    return entry.get("mode") == "copy"
+
+
 def map_piece(fd: int, offset: int, length: int) -> np.ndarray:
     """Bytes [offset, offset+length) of the file, mapped read-only and populated in one
     call (one fault per piece, not per page). A mapping must start on an allocation
@@ -394,6 +401,18 @@ class Replicator:
             elif sender.state == "waiting":
                 self._restart(sender, "the capture changed while it was streamed")
         return handle
+
+    # ------------------------------------------------ the agent's verbs (Protector)
+    def protect(self, manifest: LocalManifest, source: Path, entry: dict[str, Any],
+                fed_wait: float = 0.0) -> None:
+        self.captured(manifest, source, _mapped(entry), fed_wait)
+
+    def group_ready(self, manifest: LocalManifest, source: Path,
+                    entry: dict[str, Any]) -> None:
+        """Copies wait for no other node."""
+
+    def resume(self, manifest: LocalManifest, source: Path, entry: dict[str, Any]) -> None:
+        self.captured(manifest, source, _mapped(entry))
 
     def _senders(self, ckpt: str) -> list[Sender]:
         return [s for q in self.queues.values() for s in q if s.manifest.ckpt == ckpt]
@@ -608,8 +627,7 @@ class Replicator:
         else:
             handle.set(State.DONE, bytes=manifest.bytes, partners=self.partners,
                        duration=duration)
-        self.post(Replicated(ckpt=manifest.ckpt, ok=not errors, errors=errors,
-                             partners=self.partners, duration=duration))
+        self.post(replicated(manifest.ckpt, self.partners, errors, duration))
 
     # --------------------------------------------------------------- partner side
     def handle(self, source_node: int, msg: Begin | File | Slot | End | Credit | Ack
@@ -629,9 +647,9 @@ class Replicator:
         elif kind is Ack:
             self.on_ack(source_node, msg.ckpt, msg.ok, msg.error, msg.mismatch)
 
-    def close(self, free: bool = True) -> None:
+    def close(self, free: bool = True, timeout: float = 0.0) -> None:
         """Collective when `free`: pass False when any agent is known dead (freeing the
-        window would wait for it forever)."""
+        window would wait for it forever). `timeout`: unused (the window has none)."""
         self.store.close()
         for queue in self.queues.values():
             for sender in queue:

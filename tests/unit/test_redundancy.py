@@ -41,3 +41,22 @@ def test_groups_only_for_parity_and_in_distinct_domains():
     assert redundancy_of(config).groups(config, hosts) == [[0, 2, 4, 6], [1, 3, 5, 7]]
     with pytest.raises(ConfigError, match="peer.group: groups of 4 nodes need at least 4"):
         redundancy_of(config).groups(config, hosts[:3])
+
+
+def test_status_notes_read_the_status_not_the_scheme_name():
+    from cachex_agent.risk import survives
+    from cachex_agent.status import scheme_note
+    xor, rs = Redundancy.of(XOR4).status(8), Redundancy.of(RS42).status(6)
+    copy = Redundancy.of(COPY2).status(3)
+    assert (scheme_note(xor), scheme_note(rs), scheme_note(copy)) == ("(xor 4)", "(rs:4+2)", "")
+    assert survives(copy) == "any 2 lost nodes"
+    assert survives(rs) == "any 2 lost nodes of each group of 6"
+
+
+def test_recover_can_leave_out_every_kind_of_copy_it_reads_parity_included():
+    """`parity` was honoured by the recovery but refused by the command line."""
+    from cachex_agent import cli
+    from cachex_agent.recovery.plan import KINDS, PREFERENCE
+    option = next(p for p in cli.recover_command.params if p.name == "exclude")
+    assert tuple(option.type.choices) == KINDS
+    assert {"parity", "journal", *PREFERENCE} == set(KINDS)
