@@ -944,11 +944,12 @@ def job_failed_nodes_command(stderr: Any, hosts: str) -> None:
 @click.argument("said", type=click.File("r", errors="replace"), default="-")
 @_hosts_option("--hosts", "the hosts asked about", required=True)
 @click.option("--in-job", default="", metavar="HOSTLIST",
-              help="Slurm: the job's hosts as `squeue -o %N` prints them")
+              help="Slurm: the job's hosts (`squeue -o %N` through `scontrol show"
+              " hostnames`; a host list is expanded too)")
 def job_up_command(scheduler: str, said: Any, hosts: str, in_job: str) -> None:
     """The hosts still up: `up H...` and `note TEXT` lines, from the scheduler's output
-    in SAID (default: standard input; Slurm: `sinfo -h -N -o '%N %T'`; PBS: `pbsnodes -v` per host,
-    each after a `# host NAME` line)."""
+    in SAID (default: standard input; Slurm: `sinfo -h -N -o '%N %T'`; PBS: `pbsnodes
+    -v` per host, each after a `# host NAME` line)."""
     from .job.nodes import expand_hosts
     from .job.scheduler import pbs_up, slurm_up
     asked = expand_hosts(hosts, "hosts")

@@ -39,8 +39,8 @@ def _all_up(hosts: list[str], why: str) -> Up:
 
 
 def slurm_up(hosts: list[str], in_job: str, sinfo: str) -> Up:
-    """`hosts` still in the job (squeue's `%N` host list, `in_job`) and in a state that
-    can run a step (sinfo `-N -o '%N %T'` lines)."""
+    """`hosts` still in the job (`in_job`: its hosts, names or a Slurm host list) and in
+    a state that can run a step (sinfo `-N -o '%N %T'` lines)."""
     job_hosts = set(expand_hosts(in_job, "squeue %N")) if in_job.strip() else set()
     states: dict[str, str] = {}
     for line in sinfo.splitlines():

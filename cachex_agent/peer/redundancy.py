@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from ..config import Config, Peer, scheme_shape
 from ..manifest import LocalManifest
 from ..messages import FileCaptured, Replicated
-from .groups import build_groups, group_sizes, shape
+from .groups import build_groups, group_sizes
 from .partners import domains_of
 
 
@@ -65,9 +65,9 @@ class Redundancy:
         if self.replicas:
             return (f"{self.scheme}: a part is lost with its node and its {self.copies}"
                     f" partner{'s' if self.copies > 1 else ''}")
-        sizes = sorted(set(group_sizes(nodes, self.group)))
-        count = len(group_sizes(nodes, self.group))
-        return (f"{self.scheme} over {count} group(s) of {' or '.join(map(str, sizes))}"
+        sizes = group_sizes(nodes, self.group)
+        shown = " or ".join(map(str, sorted(set(sizes))))
+        return (f"{self.scheme} over {len(sizes)} group(s) of {shown}"
                 f" nodes, each rebuilding {self.survives} lost"
                 f" member{'s' if self.survives > 1 else ''}")
 
@@ -80,10 +80,6 @@ class Redundancy:
             return {"scheme": self.scheme, "copies": self.copies, "survives": self.survives}
         return {"scheme": self.scheme, "group": self.group, "survives": self.survives,
                 "sizes": group_sizes(nodes, self.group)}
-
-    def shape(self, members: int) -> tuple[int, int]:
-        """(K, M) of a group of `members` nodes: leftovers dealt into it add to K."""
-        return shape(self.scheme, self.group, members)
 
 
 def redundancy_of(config: Config) -> Redundancy:

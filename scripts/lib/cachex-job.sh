@@ -705,6 +705,8 @@ cx_slurm_alive() {  # HOST...: CX_JOB_OUT's `up` line: in the job and not down, 
                     # or failing (cachex job up reads squeue and sinfo)
     local in_job
     in_job=$(squeue -h -j "$SLURM_JOB_ID" -o %N 2>/dev/null) || in_job=
+    # Slurm's own tool expands its host list (names with several bracketed ranges too)
+    [[ -z $in_job ]] || in_job=$(scontrol show hostnames "$in_job" 2>/dev/null | tr '\n' ' ')
     cx_job up slurm --hosts "$*" --in-job "$in_job" \
         < <(sinfo -h -N -n "$(cx_join , "$@")" -o '%N %T' 2>/dev/null || true)
 }
@@ -754,7 +756,8 @@ cx_slurm_left() {       # the job's seconds left (nothing when unlimited)
 }
 
 # ================================================================= PBS
-cx_pbs_hosts() { cat "${PBS_NODEFILE:?not inside a PBS job}"; }  # one line per rank: the package counts each host once
+# one line per rank: the package counts each host once
+cx_pbs_hosts() { cat "${PBS_NODEFILE:?not inside a PBS job}"; }
 
 cx_pbs_alive() {        # HOST...: CX_JOB_OUT's `up` line: not down or offline in
                         # pbsnodes (cachex job up reads each host's answer)

@@ -8,6 +8,7 @@ import pytest
 from cachex_agent.config import Peer, load
 from cachex_agent.errors import ConfigError
 from cachex_agent.model.protection import Protection
+from cachex_agent.peer.groups import shape
 from cachex_agent.peer.redundancy import Redundancy, redundancy_of
 
 pytestmark = pytest.mark.timeout(30)
@@ -19,7 +20,8 @@ def test_each_scheme_says_what_it_holds_and_survives():
     assert (copy.replicas, copy.parity, copy.survives, copy.copies) == (True, False, 2, 2)
     assert (xor.replicas, xor.parity, xor.survives, xor.group) == (False, True, 1, 4)
     assert (rs.replicas, rs.parity, rs.survives, rs.group) == (False, True, 2, 6)
-    assert rs.shape(8) == (6, 2) and xor.shape(5) == (4, 1)     # leftovers add to K
+    assert shape(rs.scheme, rs.group, 8) == (6, 2)             # leftovers add to K
+    assert shape(xor.scheme, xor.group, 5) == (4, 1)
 
 
 def test_the_model_and_status_read_the_descriptor():
