@@ -279,7 +279,7 @@ def raw_loop(comm: Any, owner: Owner, partner: Partner, wake: threading.Event,
         if time.monotonic() > deadline:
             raise TimeoutError(f"rank {comm.rank}: not done in {RAW_TIMEOUT:.0f}s")
         moved = owner.pump()
-        # MPICH's first Iprobe may only drive progress (as Agent._probe): ask twice
+        # MPICH's first Iprobe may only drive progress (as MessagePump._probe): ask twice
         while any(comm.Iprobe(source=owner.peer, tag=MPI.ANY_TAG, status=status)
                   for _ in range(2)):
             comm.Recv([numbers, MPI.INT64_T], source=owner.peer, tag=status.Get_tag())

@@ -14,10 +14,11 @@ hits all of them, each after os.sync() and a Barrier:
              directory once.
   replicate  the real thing: rank 0 calls Replicator.replicate() on a checkpoint staged in
              /dev/shm; both ranks then drive their Replicator the way agent.py does (inbox
-             drained, Iprobe/recv, pump(), requests tested, sleep(1 ms) while busy, else
-             agent.poll) until the owner's `replicated` post. That includes Put + Flush per
-             slot, slot/credit messages, the partner's writer thread (xxh3-128 per file,
-             pwrite, fsync per file, checksum check, directory fsyncs, rename, manifest).
+             drained, the agent's MessagePump receives, pump(), sends tested, sleep(1 ms)
+             while busy, else agent.poll) until the owner's `replicated` post. That
+             includes Put + Flush per slot, slot/credit messages, the partner's writer
+             thread (xxh3-128 per file, pwrite, fsync per file, checksum check, directory
+             fsyncs, rename, manifest).
 
   tcp        (--tcp) raw TCP bandwidth between the two ranks' hosts: one connection, opened
              at set-up over --iface (default: UCX_NET_DEVICES, else lo); rank 0 sends `size`
@@ -75,7 +76,7 @@ from cachex_agent.events import EventLog
 from cachex_agent.fsutil import fsync_dir
 from cachex_agent.layout import events_path
 from cachex_agent.manifest import FileEntry, LocalManifest
-from cachex_agent.messages import Ack, Credit, Replicated, Tag, ToNode, decode, wire
+from cachex_agent.messages import Ack, Credit, Replicated, Tag, ToNode
 
 PEER = Tag.PEER
 CTRL = 9            # this benchmark's own "stop idling" message
@@ -378,22 +379,23 @@ def raw_write(comm: Any, directory: Path, sizes: list[int], pool: np.ndarray, sl
 
 class Driver:
     """Both ranks' Replicator, driven like agent.py's main loop (Agent._step: inbox, then
-    one `while probe` pass (two Iprobes, as `Agent._probe`), then pump; then the sleep of
-    `--tick`, on the agent's Inbox). Keep the two in step, so a change to the agent's
-    cadence shows up here."""
+    the agent's own MessagePump's receive, then pump; then the sleep of `--tick`, on the
+    agent's Inbox), so a change to the agent's message path shows up here."""
 
     def __init__(self, comm: Any, cfg: Config, trace: Trace | None, tick: str = "peer",
                  streams: int = 1) -> None:
         from cachex_agent.inbox import Inbox
         from cachex_agent.peer.partners import replication_map
         from cachex_agent.peer.replicator import Replicator
+        from cachex_agent.pump import MessagePump
         from cachex_agent.topology import place_in
         self.comm, self.cfg, self.trace, self.tick = comm, cfg, trace, tick
         self.paths = cfg.node_paths(comm.rank)
         self.paths.replicas.mkdir(parents=True, exist_ok=True)
         self.posts = Inbox()    # the agent's: a post ends the loop's sleep at once
-        self.requests: list[Any] = []
         self.events = EventLog(events_path(self.paths.journal), node=comm.rank)
+        self.messages = MessagePump(comm, list(range(comm.size)), comm.rank, self.deliver,
+                                    self.events, tags=[PEER])
         post = self.posts.put
         if trace is not None and comm.rank == 1:
             def post(msg: Any) -> None:
@@ -416,10 +418,18 @@ class Driver:
     def send(self, rank: int, msg: Any) -> None:
         if self.trace is not None:
             self.trace.mark(f"{msg.TYPE}_out")
-        self.requests.append(self.comm.isend(wire(msg), dest=rank, tag=PEER))
+        self.messages.send_peer(rank, msg)
+
+    def deliver(self, source: int, msg: Any) -> None:
+        if self.trace is not None:
+            self.trace.mark(f"{msg.TYPE}_in")
+        self.replicator.handle(source, msg)
+        if isinstance(msg, Ack):        # the post happened inside handle(): stop the clock
+            self.finished = time.perf_counter()
+            if self.trace is not None:
+                self.trace.mark("end")
 
     def step(self) -> None:
-        from mpi4py import MPI
         while not self.posts.empty():
             msg = self.posts.get()
             if isinstance(msg, ToNode):
@@ -428,25 +438,9 @@ class Driver:
                 self.send(msg.node, msg.message)
             elif isinstance(msg, Replicated):
                 self.results.append(msg)
-        status = MPI.Status()
-        while self.probe(status):
-            source = status.Get_source()
-            msg = decode(self.comm.recv(source=source, tag=PEER), f"rank {source}", PEER)
-            if self.trace is not None:
-                self.trace.mark(f"{msg.TYPE}_in")
-            self.replicator.handle(source, msg)
-            if isinstance(msg, Ack):        # the post happened inside handle(): stop the clock
-                self.finished = time.perf_counter()
-                if self.trace is not None:
-                    self.trace.mark("end")
+        self.messages.receive()
         self.replicator.pump()
-        self.requests = [r for r in self.requests if not r.Test()]
-
-    def probe(self, status: Any) -> bool:
-        """As `Agent._probe`: MPICH's first Iprobe may only drive progress."""
-        from mpi4py import MPI
-        return any(self.comm.iprobe(source=MPI.ANY_SOURCE, tag=PEER, status=status)
-                   for _ in range(2))
+        self.messages.test()
 
     def replicate(self, entries: list[FileEntry], source: Path, seq: int) -> float | None:
         """Collective; the owner's time from replicate() to the last `replicated` post
@@ -471,7 +465,7 @@ class Driver:
             if barrier is None and len(self.results) == len(ckpts):
                 barrier = comm.Ibarrier()   # done as the owner; the partner may still be busy
             if (barrier is not None and barrier.Test() and not self.replicator.busy()
-                    and not self.requests):
+                    and not self.messages.test()):
                 break
             self.posts.wait(self.sleep())
             steps += 1

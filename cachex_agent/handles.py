@@ -10,8 +10,8 @@ stage; fsynced) before its event is written and before anyone is told, so what a
 restarted agent reads is never behind what the coordinator heard. Every stage event
 carries `stage`, `state`, `ckpt` and `seq`; its name comes from EVENTS (the names the
 model reads: capture_start, captured, replicate_start, replicated, flush_start,
-flushed...). A restarted agent resumes each checkpoint from these states (agent.py,
-`_resume`): capture not done -> capture again; replicate not done -> replicate again;
+flushed...). A restarted agent resumes each checkpoint from these states
+(`node_policy.resume`): capture not done -> capture again; replicate not done -> replicate again;
 flush not done -> flush again (a finished bundle is adopted); done -> never again.
 """
 

@@ -17,10 +17,12 @@ restarted agent resumes each stage from it, and never repeats one that is done.
 from __future__ import annotations
 
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .fsutil import makedirs, read_json, write_bytes, write_json
+from .handles import Stage, State
 from .layout import (
     JOURNAL_STATE,
     ckpt_dir,
@@ -31,6 +33,59 @@ from .layout import (
 )
 from .manifest import GlobalManifest, LocalManifest, ManifestDigest
 from .safepath import UnsafeInput, checkpoint_id, relative_paths
+
+
+@dataclass(frozen=True, slots=True)
+class JournalEntry:
+    """One checkpoint's entry of state.json, typed: what the node's decisions read
+    (node_policy.py). Loaded entries were checked by `Journal` (ids, paths, digests)."""
+
+    ckpt: str
+    seq: int | None = None
+    stages: dict[str, str] = field(default_factory=dict)    # Stage value -> State value
+    source: str | None = None       # the captured copy: stage (copy) or spool (reference)
+    mode: str | None = None         # copy | reference | evicted
+    mode_reason: str = ""
+    global_files: tuple[str, ...] = ()
+    globals_shared: bool = False
+    protected: bool = False
+    bundle: str | None = None
+    digest: dict[str, Any] | None = None    # the global manifest's (`global`)
+
+    @classmethod
+    def of(cls, ckpt: str, data: dict[str, Any]) -> JournalEntry:
+        return cls(ckpt, seq=data.get("seq"), stages=dict(data.get("stages", {})),
+                   source=data.get("source"), mode=data.get("mode"),
+                   mode_reason=data.get("mode_reason", ""),
+                   global_files=tuple(data.get("global_files", ())),
+                   globals_shared=bool(data.get("globals_shared")),
+                   protected=bool(data.get("protected")), bundle=data.get("bundle"),
+                   digest=data.get("global"))
+
+    def state(self, stage: Stage) -> State | None:
+        """A stage's persisted state (None: never submitted)."""
+        value = self.stages.get(stage.value)
+        return State(value) if value is not None else None
+
+    def done(self, stage: Stage) -> bool:
+        return self.state(stage) == State.DONE
+
+    @property
+    def failed(self) -> bool:
+        """Its capture failed here, or the coordinator gave up on it (a failed
+        replication still goes to the PFS; a flush retries)."""
+        return State.FAILED in (self.state(Stage.CAPTURE), self.state(Stage.COMMIT))
+
+    @property
+    def staged(self) -> bool:
+        """The captured copy is the agent's own, in the stage (not the spool's files,
+        and not evicted since)."""
+        return self.mode == "copy"
+
+    @property
+    def captured(self) -> bool:
+        """Captured and not failed since: a copy to protect and flush."""
+        return self.done(Stage.CAPTURE) and not self.failed
 
 
 class Journal:
@@ -75,6 +130,16 @@ class Journal:
 
     def get(self, ckpt: str) -> dict[str, Any] | None:
         return self.entries.get(ckpt)
+
+    def entry(self, ckpt: str) -> JournalEntry | None:
+        data = self.entries.get(ckpt)
+        return None if data is None else JournalEntry.of(ckpt, data)
+
+    def typed(self) -> list[JournalEntry]:
+        """Every entry, typed, oldest (lowest seq) first."""
+        with self._lock:
+            entries = [JournalEntry.of(c, e) for c, e in self.entries.items()]
+        return sorted(entries, key=lambda e: e.seq or 0)
 
     def update(self, ckpt: str, **fields: Any) -> None:
         with self._lock:

@@ -209,7 +209,7 @@ class GlobalFile:
 
 # ------------------------------------------------------- agents -> coordinator
 # An agent builds a report with `node` unset (the agent sets it as it sends:
-# Agent._to_coordinator); the fields marked ARRIVAL are the coordinator's own, set on
+# Agent._report); the fields marked ARRIVAL are the coordinator's own, set on
 # arrival and never sent: `now` (its clock), `text` (a manifest as it came).
 ARRIVAL = {"arrival": True}
 
@@ -218,7 +218,7 @@ ARRIVAL = {"arrival": True}
 class Report:
     """What every report to the coordinator carries."""
     TYPE: ClassVar[str] = ""
-    node: int = -1                      # the sender's (Agent._to_coordinator sets it)
+    node: int = -1                      # the sender's (Agent._report sets it)
     now: float = field(default=0.0, metadata=ARRIVAL)   # the coordinator's clock
 
 

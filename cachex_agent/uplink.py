@@ -73,6 +73,11 @@ class Uplink:
         self._levels: dict[tuple[str, str], _Level] = {}
         self._now: list[dict[str, Any]] = []
 
+    def follow(self, route: relay.Route) -> None:
+        """Every relay frame's route (pump.py): a tree's skips are the new tree."""
+        if route.kind == "tree":
+            self.reroute(route.skip)
+
     def reroute(self, skip: tuple[int, ...]) -> None:
         """The skip list of the newest tree frame; a new parent gets every report of a
         checkpoint in flight again (the old one may have died holding them)."""

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from ..events import EventLog
-from ..handles import Stage, is_done, is_failed
+from ..handles import Stage
 from ..journal import Journal
 from ..layout import NodePaths
 from .remover import Remover
@@ -29,23 +29,21 @@ def retain_stage(keep: int, journal: Journal, paths: NodePaths, in_use: set[str]
     level (the owner's copy is one of the two, and an erasure scheme's data): it goes
     only once a newer checkpoint is flushed or protected (`replicated` on every node),
     so a node loss while the next one replicates does not fall back to the PFS."""
-    held = sorted(((e["seq"], c) for c, e in journal.entries.items()
-                   if is_done(e, Stage.CAPTURE) and not is_failed(e) and e.get("mode") == "copy"),
-                  reverse=True)
+    entries = journal.typed()
+    held = [e for e in reversed(entries) if e.captured and e.staged]
     if keep == 0 or len(held) <= keep:
         return []
-    safe = max((e.get("seq", 0) for e in journal.entries.values()
-                if e.get("protected") or is_done(e, Stage.COMMIT)), default=0)
+    safe = max((e.seq or 0 for e in entries if e.protected or e.done(Stage.COMMIT)),
+               default=0)
     evicted = []
-    for seq, ckpt in held[keep:]:
-        entry = journal.entries[ckpt]
-        committed = is_done(entry, Stage.COMMIT)
+    for entry in held[keep:]:
+        ckpt, committed = entry.ckpt, entry.done(Stage.COMMIT)
         if ckpt in in_use or (flush_wanted(ckpt) and not committed) or (
-                not committed and seq >= safe):
+                not committed and (entry.seq or 0) >= safe):
             continue
         remover.discard(paths.stage, paths.stage_dir(ckpt))
         journal.update(ckpt, mode="evicted")
-        events.emit("evicted", ckpt=ckpt, seq=entry["seq"], level="stage")
+        events.emit("evicted", ckpt=ckpt, seq=entry.seq, level="stage")
         if not committed:
             evicted.append(ckpt)
     return evicted
@@ -61,9 +59,8 @@ def forget_ended(journal: Journal, in_use: set[str], keep_replica: int) -> list[
     if keep_replica == 0:
         return []
     keep = max(HISTORY, keep_replica)
-    ended = sorted(((e["seq"], c) for c, e in journal.entries.items()
-                    if (is_done(e, Stage.COMMIT) or is_failed(e)) and e.get("mode") != "copy"
-                    and c not in in_use), reverse=True)
-    gone = [ckpt for _seq, ckpt in ended[keep:]]
+    ended = [e.ckpt for e in reversed(journal.typed()) if (e.done(Stage.COMMIT) or e.failed)
+             and not e.staged and e.ckpt not in in_use]
+    gone = ended[keep:]
     journal.forget(*gone)
     return gone

@@ -21,7 +21,7 @@ from cachex_agent.events import EventLog
 from cachex_agent.inbox import Inbox
 from cachex_agent.layout import replica_dir, replica_manifest_path
 from cachex_agent.manifest import FileEntry, LocalManifest
-from cachex_agent.messages import FileCaptured, Tag, ToNode, decode, wire
+from cachex_agent.messages import FileCaptured, Tag, ToNode, wire
 from cachex_agent.peer.partners import incoming, partner_map, replication_map
 from cachex_agent.topology import place_in
 
@@ -75,19 +75,19 @@ def run_replication(root: Path, cfg, sizes_of_rank, ckpts=("c1",), mapped=True,
     from mpi4py import MPI
 
     from cachex_agent.peer.replicator import Replicator
+    from cachex_agent.pump import MessagePump
     comm = MPI.COMM_WORLD
     placement = place_in(comm, "rank")
     paths = cfg.node_paths(comm.rank)
     paths.replicas.mkdir(parents=True, exist_ok=True)
     posts = Inbox()
-    requests = []
-
-    def send(rank, msg):
-        requests.append(comm.isend(wire(msg), dest=rank, tag=PEER))
     events = EventLog(paths.journal / "events.jsonl", node=comm.rank)
+    # the agent's own message pump: the replication gets what it gets in the agent
+    pump = MessagePump(comm, list(range(comm.size)), comm.rank,
+                       lambda source, msg: replicator.handle(source, msg), events, tags=[PEER])
     pmap = replication_map(cfg, list(placement.hosts))
     replicator = Replicator(comm, placement.node, pmap, list(range(comm.size)), cfg, paths,
-                            events, send, posts.put, wake=posts.wake,
+                            events, pump.send_peer, posts.put, wake=posts.wake,
                             feed=pieces(posts.wake) if pieces else None,
                             streams=STREAMS["streams"])
     results = {}
@@ -105,16 +105,12 @@ def run_replication(root: Path, cfg, sizes_of_rank, ckpts=("c1",), mapped=True,
             later.append(feed(replicator, manifest, source))
     barrier = None
     deadline = time.monotonic() + 120
-    status = MPI.Status()
     while time.monotonic() < deadline:
-        while comm.iprobe(source=MPI.ANY_SOURCE, tag=PEER, status=status):
-            source_rank = status.Get_source()
-            raw = comm.recv(source=source_rank, tag=PEER)
-            replicator.handle(source_rank, decode(raw, f"rank {source_rank}", PEER))
+        pump.receive()
         while not posts.empty():
             msg = posts.get()
             if isinstance(msg, ToNode):
-                send(msg.node, msg.message)
+                pump.to_node(msg)
             elif callable(msg):
                 msg()
             else:                       # a Replicated report, read as it travels
@@ -124,7 +120,7 @@ def run_replication(root: Path, cfg, sizes_of_rank, ckpts=("c1",), mapped=True,
             for action in filter(None, later):
                 action()
             later = []
-        requests = [r for r in requests if not r.Test()]
+        pump.test()
         if barrier is None and len(results) == len(ckpts):
             barrier = comm.Ibarrier()       # done as an owner; keep serving as a partner
         if barrier is not None and barrier.Test() and not replicator.busy():

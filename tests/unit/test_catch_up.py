@@ -1,10 +1,10 @@
-"""What a starting agent adopts from its spool (agent.catch_up)."""
+"""What a starting agent adopts from its spool (node_policy.catch_up)."""
 
 from __future__ import annotations
 
 import pytest
 
-from cachex_agent.agent import catch_up
+from cachex_agent.node_policy import catch_up
 
 pytestmark = pytest.mark.timeout(20)
 SPOOL = {"step_5", "step_10", "step_15", "step_20", "step_25"}

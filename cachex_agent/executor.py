@@ -1,0 +1,251 @@
+"""Carries out the node policy's effects (node_policy.py) on this node's stage workers.
+
+The agent's main thread hands every event about a checkpoint to `Executor.decide`: the
+state is read from the journal and what the coordinator announced, `node_policy.decide`
+says what to do, and each effect becomes one call on a worker (capture, protector,
+flusher, remover, mirror, global files) or one journal write. Nothing here chooses: a
+branch on a checkpoint's state belongs in the policy, where it is a pure function.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+from . import node_policy as policy
+from .config import Config
+from .events import EventLog
+from .flush.flusher import Flusher, flushed_report
+from .handles import Stage, StageLog, State
+from .journal import Journal
+from .layout import NodePaths, bundle_path
+from .messages import (
+    Captured,
+    CaptureFailed,
+    Drained,
+    Evicted,
+    Marker,
+    Replicated,
+    Report,
+    Unprotected,
+)
+from .peer.globals import GlobalFiles
+from .peer.mirror import Mirror
+from .peer.redundancy import Protector, replicated
+from .rules import CommitRule
+from .stage.remover import Remover
+from .stage.retention import forget_ended, retain_stage
+from .stage.watch import SpoolWatcher
+from .stage.worker import CaptureWorker, global_candidates
+from .uplink import Uplink
+
+log = logging.getLogger(__name__)
+# after this node's watcher saw a checkpoint committed, the coordinator's commit follows
+# within a few turns: the main loop polls for it at PEER_TICK that long, not at the idle
+# tick, which added up to 20 ms to commit -> partner-durable (at most 1 s)
+COMMIT_WAIT = 1.0
+
+
+@dataclass
+class Workers:
+    """The parts of a node that work on checkpoints, as the agent built them."""
+
+    capture: CaptureWorker
+    watcher: SpoolWatcher
+    flusher: Flusher
+    remover: Remover
+    protector: Protector | None
+    globals: GlobalFiles
+    mirror: Mirror
+    uplink: Uplink
+
+
+class Executor:
+    def __init__(self, config: Config, node: int, paths: NodePaths, journal: Journal,
+                 stages: StageLog, rule: CommitRule, workers: Workers,
+                 post: Callable[[Any], None], report: Callable[[Report], None],
+                 others: list[int], counters: Callable[[], dict[str, Any]],
+                 preexisting: set[str]) -> None:
+        """`others`: the other agents' ranks; `preexisting`: the checkpoints committed in
+        the spool before this agent started (node_setup.committed_now)."""
+        self.config, self.node, self.paths, self.journal = config, node, paths, journal
+        self.stages, self.rule, self.w = stages, rule, workers
+        self.post, self.report, self.others, self.counters = post, report, others, counters
+        self.events: EventLog = stages.events
+        self.announced: dict[str, policy.Announced] = {}
+        self.received_at: dict[str, float] = {}     # ckpt -> commit first heard (wall)
+        self.draining, self.drain_deadline, self._drained_sent = False, 0.0, False
+        self.preexisting = preexisting
+        self._commit_due: dict[str, float] = {}     # ckpt -> polling for its commit until
+
+    def state(self, ckpt: str) -> policy.CkptState:
+        entry = self.journal.entry(ckpt)
+        held = bool(entry and entry.mode in ("copy", "reference") and entry.source
+                    and Path(entry.source).is_dir())
+        return policy.CkptState(ckpt, entry, self.journal.manifest(ckpt), held,
+                                self.announced.get(ckpt), self.w.capture.busy(ckpt),
+                                self.w.protector is not None)
+
+    def decide(self, msg: Any, ckpt: str | None = None) -> None:
+        self.execute(policy.decide(self.state(ckpt or msg.ckpt), msg))
+
+    def execute(self, effects: list[Any]) -> None:
+        for effect in effects:
+            getattr(self, f"_{type(effect).__name__}")(effect)
+
+    def resume(self, known: set[str]) -> None:
+        """Every checkpoint from its stages' persisted states, then what the trainer
+        committed while no agent was watching (node_policy.resume); `known`: the
+        checkpoints this node heard of (setup.known)."""
+        effects, again, adopt = policy.resume(
+            [self.state(e.ckpt) for e in self.journal.typed()], self.preexisting, known)
+        self.execute(effects)
+        for ckpt in [*again, *adopt]:   # oldest first: the coordinator numbers new ones
+            self.on_marker(ckpt, force=True)    # in the order it hears them
+        if adopt:
+            self.events.emit("catch_up", ckpts=adopt)
+
+    def from_worker(self, msg: Report) -> Report:
+        """A worker thread's report: what this node does about it; then it goes to the
+        coordinator as returned."""
+        if isinstance(msg, Captured):
+            self.decide(msg)
+        elif isinstance(msg, CaptureFailed) and self.w.protector is not None:
+            self.w.protector.cancel(msg.ckpt, f"capture failed: {msg.error}")
+        elif isinstance(msg, Marker) and msg.ckpt not in self.announced:
+            self._commit_due[msg.ckpt] = time.monotonic() + COMMIT_WAIT
+        elif isinstance(msg, Replicated):
+            self.retain()
+            self.w.flusher.copy_events_soon()
+            dead = sorted(self.w.protector.dead) if self.w.protector else []
+            return replace(msg, dead=dead)
+        return msg
+
+    def commit_expected(self, now: float) -> bool:
+        """This node's part of a checkpoint was written less than COMMIT_WAIT ago and
+        its commit has not come yet."""
+        self._commit_due = {c: t for c, t in self._commit_due.items()
+                            if t > now and c not in self.announced}
+        return bool(self._commit_due)
+
+    def on_marker(self, ckpt: str, force: bool = False) -> None:
+        """The watcher saw `ckpt` committed (its thread; and the start-up's catch-up)."""
+        if policy.marker_wanted(self.journal.entry(ckpt), ckpt in self.preexisting, force):
+            self.post(Marker(ckpt=ckpt, rule=self.rule.kind(ckpt),
+                             global_files=global_candidates(self.rule, self.paths.spool, ckpt)))
+
+    def drained(self, busy: bool) -> None:
+        """Draining: `drained` to the coordinator once nothing is left (or time is up)."""
+        if policy.drained(busy or self.w.capture.busy() or bool(self.w.flusher.pending()),
+                          time.monotonic() >= self.drain_deadline, self._drained_sent):
+            self._drained_sent = True
+            self.report(Drained(unflushed=self.w.flusher.pending()))
+
+    def retain(self) -> None:
+        in_use = set(self.w.flusher.pending())
+        if self.w.protector is not None:
+            in_use |= self.w.protector.pending()
+        wanted = lambda c: self.announced.get(c, policy.Announced()).flush  # noqa: E731
+        for ckpt in retain_stage(self.config.keep.stage, self.journal, self.paths, in_use,
+                                 wanted, self.events, self.w.remover):
+            self.report(Evicted(ckpt=ckpt))
+        forget_ended(self.journal, in_use, self.config.keep.replica)
+
+    # ------------------------------------------------------------------ effects
+    def _Announce(self, e: policy.Announce) -> None:
+        self.announced[e.ckpt] = e.announced
+        self.received_at.setdefault(e.ckpt, time.time())
+
+    def _Capture(self, e: policy.Capture) -> None:
+        a = self.announced[e.ckpt]
+        self.w.capture.submit({"ckpt": e.ckpt, "seq": a.seq, "path": a.path, "flush": a.flush,
+                               "global_files": list(a.global_files),
+                               "received": self.received_at.get(e.ckpt)})
+
+    def _Post(self, e: policy.Post) -> None:
+        self.post(e.message)
+
+    def _protected(self, ckpt: str) -> tuple[Any, Path, dict[str, Any]]:
+        entry = self.journal.get(ckpt) or {}
+        return self.journal.manifest(ckpt), Path(entry["source"]), entry
+
+    def _Protect(self, e: policy.Protect) -> None:
+        assert self.w.protector is not None
+        self.w.protector.protect(*self._protected(e.ckpt), e.fed_wait)
+
+    def _GroupReady(self, e: policy.GroupReady) -> None:
+        assert self.w.protector is not None
+        self.w.protector.group_ready(*self._protected(e.ckpt))
+
+    def _ResumeProtection(self, e: policy.ResumeProtection) -> None:
+        assert self.w.protector is not None
+        self.w.protector.resume(*self._protected(e.ckpt))
+
+    def _StreamFile(self, e: policy.StreamFile) -> None:
+        assert self.w.protector is not None
+        self.w.protector.file_captured(e.message)
+
+    def _ReplicatedAlready(self, e: policy.ReplicatedAlready) -> None:
+        assert self.w.protector is not None
+        self.post(replicated(e.ckpt, self.w.protector.partners, adopted=True))
+
+    def _Flush(self, e: policy.Flush) -> None:
+        manifest, source, _entry = self._protected(e.ckpt)
+        self.w.flusher.submit(manifest, source)
+
+    def _FlushedAlready(self, e: policy.FlushedAlready) -> None:
+        bundle = e.bundle or bundle_path(self.paths.pfs, e.ckpt, self.node).name
+        self.post(flushed_report(e.ckpt, self.node, bundle, 0.0, adopted=True))
+
+    def _ShareGlobals(self, e: policy.ShareGlobals) -> None:
+        entry = self.journal.get(e.ckpt) or {}
+        self.w.globals.share(e.ckpt, Path(entry["source"]), list(e.files), self.others)
+        self.journal.update(e.ckpt, globals_shared=True)
+
+    def _Remember(self, e: policy.Remember) -> None:
+        self.journal.update(e.ckpt, **e.fields)
+
+    def _Mirror(self, e: policy.Mirror) -> None:
+        self.w.mirror.mirror(e.ckpt)
+
+    def _Finalize(self, e: policy.Finalize) -> None:
+        self.w.uplink.forget(e.ckpt)
+        self.events.emit("counters", ckpt=e.ckpt, **self.counters())
+        if e.record:
+            self.stages.record(Stage.COMMIT, State.DONE, e.ckpt, e.seq,
+                               persist={"global": e.digest})
+
+    def _Abandon(self, e: policy.Abandon) -> None:
+        self.w.uplink.forget(e.ckpt)
+        self.w.capture.cancel(e.ckpt)
+        self.w.flusher.cancel(e.ckpt)
+        if self.w.protector is not None:
+            self.w.protector.cancel(e.ckpt)
+        if e.discard:
+            self.w.remover.discard(self.paths.stage, self.paths.stage_dir(e.ckpt))
+        self.stages.record(Stage.COMMIT, State.FAILED, e.ckpt, e.seq,
+                           persist={"reason": e.reason}, error=e.reason)
+        self.w.watcher.forget(e.ckpt)
+
+    def _Retain(self, _e: policy.Retain) -> None:
+        self.retain()
+
+    def _LeaveUnprotected(self, e: policy.LeaveUnprotected) -> None:
+        log.warning("node %d: %s", self.node, e.note)
+        self.events.emit("catch_up_skipped", ckpts=e.ckpts, reason=e.note)
+        self.report(Unprotected(ckpts=e.ckpts, note=e.note))
+
+    def _Report(self, e: policy.Report) -> None:
+        self.report(e.report)
+
+    def _StartDrain(self, _e: policy.StartDrain) -> None:
+        self.draining = True
+        self.drain_deadline = time.monotonic() + self.config.flush.drain_timeout
+        self.w.watcher.stop()
+
+    def _WantFlush(self, e: policy.WantFlush) -> None:
+        self.decide(e)
