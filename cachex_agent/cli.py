@@ -20,7 +20,7 @@ from typing import Any
 
 import click
 
-from . import __version__
+from . import __version__, faults
 from . import config as configuration
 from .errors import CachexError, ConfigError, OperationError
 from .fsutil import makedirs, write_json
@@ -165,6 +165,7 @@ def agent_command(cfg: configuration.Config, verbose: int, quiet: bool, check: b
     Watches the spool, captures committed checkpoints into the stage and flushes them to
     the PFS; runs until `cachex stop` or SIGTERM, then drains.
     """
+    faults.install()    # before any work starts: the one reading of a test's faults
     short_of_memory = _memory_error(cfg)
     netmod = choose_netmod()
     from mpi4py import MPI  # only the agent needs MPI: `cachex status` must not
@@ -525,6 +526,7 @@ def recover_command(cfg: configuration.Config, ckpt: str | None, exclude: tuple[
     may have fewer or more nodes than the checkpoint (see docs/levels.md). Rank 0
     shows the steps and its own node's bytes on stderr.
     """
+    faults.install()    # before any work starts: the one reading of a test's faults
     choose_netmod()
     from mpi4py import MPI
 

@@ -13,15 +13,20 @@ model reads: capture_start, captured, replicate_start, replicated, flush_start,
 flushed...). A restarted agent resumes each checkpoint from these states
 (`node_policy.resume`): capture not done -> capture again; replicate not done -> replicate again;
 flush not done -> flush again (a finished bundle is adopted); done -> never again.
+
+Tests inject faults into real agents through one hook, `Handle.faults` (faults.py
+installs one from the environment at start-up; production has none): the work asks its
+handle at a few points (`held`, `hold`, `at`) and, with no hook, that is one attribute
+check.
 """
 
 from __future__ import annotations
 
 import threading
+import time
+from collections.abc import Iterable
 from enum import StrEnum
-from typing import Any, Protocol
-
-from . import faults
+from typing import Any, ClassVar, Protocol
 
 
 class Stage(StrEnum):
@@ -38,6 +43,12 @@ class State(StrEnum):
     DONE = "done"
     FAILED = "failed"
     CANCELLED = "cancelled"
+
+
+class Point(StrEnum):
+    """Where the work asks its handle for a test's fault (`Handle.at`)."""
+    START = "start"     # the work's thread takes it up, before `running`
+    FILE = "file"       # between two files of the work
 
 
 ENDED = frozenset({State.DONE, State.FAILED, State.CANCELLED})
@@ -89,11 +100,28 @@ class StageLog:
         return self.events.emit(event, **fields)
 
 
+class FaultHook(Protocol):
+    """A test's faults, asked by the work through its handle."""
+
+    def held(self, stage: Stage, node: int) -> bool:
+        """`stage` stays `running` on `node`."""
+        ...
+
+    def at(self, handle: Handle, point: Point, **context: Any) -> None:
+        """Act at `point` of `handle`'s work, on its thread: raise, or wait (bounded)."""
+        ...
+
+
+HOLD_POLL = 0.05    # a held worker looks this often whether it may go on
+
+
 class Handle:
     """One stage of one checkpoint. Subclasses start the work in `_start` and stop it
     in `_cancel`; the work reports through `set` (any thread)."""
 
     stage: Stage
+    # one per process (faults.install), shared by every handle: None in production
+    faults: ClassVar[FaultHook | None] = None
 
     def __init__(self, ckpt: str, seq: int | None, log: StageLog) -> None:
         self.ckpt, self.seq, self.log = ckpt, seq, log
@@ -151,6 +179,29 @@ class Handle:
         assert self.state is not None
         self.log.note(event, self.stage, self.state, self.ckpt, self.seq, **fields)
 
+    # --------------------------------------------------------- test faults
+    @classmethod
+    def held(cls, node: int) -> bool:
+        """A test keeps this stage `running` on `node` (long enough to kill the agent
+        there). Never blocks: a caller that must not wait (the main loop) just does not
+        move the work on."""
+        return cls.faults is not None and cls.faults.held(cls.stage, node)
+
+    def hold(self, node: int, until: Iterable[threading.Event] | None = None) -> None:
+        """Block this worker's thread while `held(node)`, until any of `until` is set
+        (default: this handle cancelled; empty: until the process ends)."""
+        if not self.held(node):
+            return
+        ends = (self.cancelled,) if until is None else tuple(until)
+        while self.held(node) and not any(end.is_set() for end in ends):
+            time.sleep(HOLD_POLL)
+
+    def at(self, point: Point, **context: Any) -> None:
+        """A test's fault at `point` of this work (`context`: what the hook matches on,
+        such as `node` or `rank`); nothing in production."""
+        if self.faults is not None:
+            self.faults.at(self, point, **context)
+
     def _start(self) -> None:
         """Hand the work to whoever runs it (a thread, a pool, the main loop)."""
 
@@ -172,9 +223,3 @@ def is_failed(entry: dict[str, Any] | None) -> bool:
     """The checkpoint failed on this node: its capture, or the coordinator said so (a
     failed replication still goes to the PFS; a flush retries)."""
     return State.FAILED in (stage_state(entry, Stage.CAPTURE), stage_state(entry, Stage.COMMIT))
-
-
-def held_for_tests(stage: Stage, node: int) -> bool:
-    """The integration tests' way to keep a stage `running` long enough to kill the
-    agent there (faults.py); never so in production."""
-    return faults.held(stage.value, node)

@@ -31,7 +31,7 @@ from ..config import Flush
 from ..errors import OperationError, describe
 from ..events import EventCopy, EventLog
 from ..fsutil import makedirs
-from ..handles import Handle, Stage, StageLog, State, held_for_tests
+from ..handles import Handle, Stage, StageLog, State
 from ..layout import bundle_path
 from ..manifest import LocalManifest
 from ..messages import Flushed, FlushError, Progress
@@ -147,9 +147,7 @@ class Flusher:
             return
         makedirs(target.parent)
         handle.set(State.RUNNING, bytes=manifest.bytes, target=str(target))
-        while held_for_tests(Stage.FLUSH, manifest.node) and not (
-                self._stop.is_set() or handle.cancelled.is_set()):
-            self._stop.wait(0.1)
+        handle.hold(manifest.node, until=(self._stop, handle.cancelled))
         progress = _Progress(manifest, self.report)
         write_bundle(target, manifest, handle.source, chunk=self.settings.chunk,
                      throttle=self.bucket, on_bytes=progress.add, verify=self.settings.verify,

@@ -32,7 +32,7 @@ from mpi4py import MPI
 from ..collective import agree, arrive
 from ..config import Config
 from ..errors import CachexError, ConfigError, OperationError
-from ..handles import Handle, Stage, StageLog, State, held_for_tests, is_done, is_failed
+from ..handles import Handle, Stage, StageLog, State, is_done, is_failed
 from ..layout import NodePaths
 from ..manifest import LocalManifest
 from ..messages import FileCaptured
@@ -177,8 +177,8 @@ class Encoder:
                 handle.set(State.CANCELLED)
                 return
             handle.set(State.RUNNING, bytes=handle.manifest.bytes, partners=self.partners)
-            while held_for_tests(Stage.REPLICATE, self.node):
-                time.sleep(0.05)
+            # a cancel never ended this hold: the test that holds it kills the agent
+            handle.hold(self.node, until=())
             encode_part(self.comm, self.members, self.scheme, handle.manifest,
                         handle.source, self.root, self.timeout)
         except (CachexError, OSError) as exc:

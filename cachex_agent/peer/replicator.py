@@ -51,7 +51,7 @@ import numpy as np
 
 from ..config import Config
 from ..events import EventLog
-from ..handles import Handle, Stage, StageLog, State, held_for_tests
+from ..handles import Handle, Stage, StageLog, State
 from ..layout import NodePaths
 from ..manifest import PENDING, FileEntry, LocalManifest
 from ..messages import Ack, Begin, Credit, End, File, FileCaptured, Slot
@@ -482,7 +482,7 @@ class Replicator:
             self._begin(sender, now)
         if sender.stream is not None and sender.state == "sending":
             self._announce(sender)
-        held = held_for_tests(Stage.REPLICATE, self.node)
+        held = ReplicateHandle.held(self.node)
         try:
             while sender.state == "sending" and sender.free and not held:
                 chunk = sender.next_chunk(self.buffer)

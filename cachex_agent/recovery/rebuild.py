@@ -97,7 +97,7 @@ from .plan import (
     next_source,
     where,
 )
-from .restore_handle import open_restore
+from .restore_handle import RestoreHandle, open_restore
 from .slices import Entries, Known, Share, Work
 
 log = logging.getLogger(__name__)
@@ -160,7 +160,7 @@ def recover(config: Config, comm: Any, want: str | None = None,
     if handle.interrupted():
         progress.step(f"node {node}: an earlier restore of {share.ckpt} was cut short;"
                       " restoring it again")
-    restore = _Restore(comm, config, node, share, lead, progress, handle.check)
+    restore = _Restore(comm, config, node, share, lead, progress, handle)
     handle.submit(persist={"seq": share.seq})
     moved = handle.run(restore.run, sources=sorted({m.source.kind for m in share.work.moves
                                                     if m.target == node}))
@@ -372,13 +372,15 @@ class _Restore:
 
     def __init__(self, comm: Any, config: Config, node: int, share: Share,
                  lead: _Lead | None, progress: Progress,
-                 check: Callable[[], None] = lambda: None) -> None:
+                 handle: RestoreHandle | None = None) -> None:
         """`share`: this rank's slice of the plan; `lead`: the whole (rank 0), whose
-        retries it decides. `check`: raises when this rank's restore was cancelled
-        (inside each round's agreement, so every rank fails the round alike)."""
+        retries it decides. `handle`: this node's restore (None: `--to`, which has
+        none), whose `check` raises when it was cancelled (inside each round's
+        agreement, so every rank fails the round alike)."""
         self.comm, self.config, self.node = comm, config, node
         self.plan, self.lead, self.progress = share, lead, progress
-        self.check = check
+        self.handle = handle
+        self.check: Callable[[], None] = handle.check if handle is not None else _go_on
         self.work = share.work
         self.entries = share.work.entries()
         self.spool = config.node_paths(node).spool if share.to is None else Path(share.to)
@@ -470,7 +472,7 @@ class _Restore:
                 problems = transfer.send_files(
                     self.comm, holdings.source_dir(self.config, move.source), files,
                     self.work.ranks[move.target], self.config.agent.timeout,
-                    f"node {move.target}", stop=self._stopping)
+                    f"node {move.target}", stop=self._stopping, handle=self.handle)
             else:
                 continue
             found += [(move.target, move.owner, path, move.source, why,
@@ -677,6 +679,10 @@ def _send_parts(comm: Any, config: Config, node: int, share: Share,
             root = config.node_paths(node).replicas
             moved += _receive_replica(comm, config, root, share, job)
     return moved
+
+
+def _go_on() -> None:
+    """A restore without a handle (`--to`) is never cancelled."""
 
 
 def _fail_on(problems: transfer.Problems, what: str) -> None:

@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 from ..config import Config
 from ..errors import CachexError, OperationError, describe
 from ..events import EventLog
-from ..handles import Handle, Stage, StageLog, State, held_for_tests, stage_state
+from ..handles import Handle, Stage, StageLog, State, stage_state
 from ..journal import Journal
 from ..layout import events_path
 from ..safepath import UnsafeInput
@@ -57,8 +57,7 @@ class RestoreHandle(Handle):
             raise OperationError(f"restore of {self.ckpt} cancelled before it started")
         try:
             with _cancel_on_signals(self):
-                if held_for_tests(Stage.RESTORE, self.node):
-                    self.cancelled.wait(3600)
+                self.hold(self.node)
                 result = work()
         except BaseException as exc:
             state = State.CANCELLED if self.cancelled.is_set() else State.FAILED

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import time
 from collections import deque
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -28,10 +27,10 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
-from .. import faults
 from ..checksum import CHUNK, copy_with_checksum, file_problem, hasher
 from ..collective import wait
 from ..fsutil import makedirs, open_private, temp_name, trainer_mode
+from ..handles import Handle, Point
 from ..manifest import FileEntry
 from ..messages import Tag
 from ..progress import Done
@@ -98,16 +97,18 @@ def _finish(temp: Path, target: Path, entry: FileEntry, size: int, checksum: str
 
 # -------------------------------------------------------------------------- MPI
 def send_files(comm: Any, directory: Path, files: list[FileEntry], dest: int,
-               timeout: float, name: str, stop: Stop | None = None) -> Problems:
-    """`stop`: before each file, both ends say whether they stop (`_agreed_stop`); the
-    receiver must be given one too."""
+               timeout: float, name: str, stop: Stop | None = None,
+               handle: Handle | None = None) -> Problems:
+    """`stop`: before each file, both ends say whether they stop (`_Ends`); the
+    receiver must be given one too. `handle`: the work this transfer is part of (the
+    restore), asked between two files (a test's fault hook may slow it there, so that
+    a signal lands midway)."""
     problems: Problems = {}
     stream = _Sender(comm, dest, timeout, name)
     ends = _Ends(comm, dest, timeout, name, stop)
-    pace = faults.pace()    # the tests' way to signal a transfer midway (faults.py)
     for k, entry in enumerate(files):
-        if k and pace:
-            time.sleep(pace)
+        if k and handle is not None:
+            handle.at(Point.FILE)
         if ends.stopped():
             problems.update(_not_moved(files[k:], name))
             break

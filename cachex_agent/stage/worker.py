@@ -28,11 +28,11 @@ from typing import Any
 
 import psutil
 
-from .. import faults, messages
+from .. import messages
 from ..config import Config
 from ..errors import CachexError, describe
 from ..fsutil import remove_under
-from ..handles import Handle, Stage, StageLog, State, held_for_tests
+from ..handles import Handle, Point, Stage, StageLog, State
 from ..journal import Journal
 from ..layout import NodePaths, ckpt_dir, root_entry
 from ..manifest import PENDING, FileEntry, LocalManifest
@@ -85,7 +85,6 @@ class CaptureWorker:
         self.removed = removed
         self.queue: queue.Queue[CaptureHandle | None] = queue.Queue()
         self.handles: dict[str, CaptureHandle] = {}     # not ended yet
-        self._paused: set[str] = set()      # faults.capture_pause: paused once already
         self._thread = threading.Thread(target=self._loop, name="capture", daemon=True)
 
     def start(self) -> None:
@@ -116,7 +115,7 @@ class CaptureWorker:
     def _loop(self) -> None:
         while (handle := self.queue.get()) is not None:
             try:
-                self._fail_for_tests()
+                handle.at(Point.START, rank=self.placement.rank)
                 if handle.set(State.RUNNING):
                     self._capture(handle)
             except (CachexError, OSError) as exc:
@@ -126,12 +125,6 @@ class CaptureWorker:
                     self.post(CaptureFailed(ckpt=handle.ckpt, error=error))
             finally:
                 self.handles.pop(handle.ckpt, None)
-
-    def _fail_for_tests(self) -> None:
-        """The integration tests' way to raise an unexpected error in this thread
-        (faults.py); never so in production."""
-        if faults.capture_fails(self.placement.rank):
-            raise RuntimeError(f"{faults.FAIL_CAPTURE}={self.placement.rank}")
 
     def _capture(self, handle: CaptureHandle) -> None:
         task, ckpt, seq = handle.task, handle.ckpt, handle.seq
@@ -153,8 +146,7 @@ class CaptureWorker:
         feed = self.feed if task.get("path", "peer") == "peer" else None
         target, entries, mode, reason, linked = self._capture_whole(
             handle, source, vouched, deadline, self._streamer(handle, header), feed)
-        if held_for_tests(Stage.CAPTURE, self.placement.node):
-            handle.cancelled.wait(3600)
+        handle.hold(self.placement.node)
         manifest = dataclasses.replace(header, files=entries, captured_at=time.time())
         self.journal.save_manifest(manifest)
         # the time the feed held the capture back is the replication's (peer/feed.py)
@@ -222,22 +214,9 @@ class CaptureWorker:
         def on_file(index: int, entry: FileEntry, partial: Path) -> None:
             self.post(FileCaptured(header, index, entry, partial, final))
             if entry.checksum != PENDING:
-                self._pause_for_tests(handle)
+                handle.at(Point.FILE, node=self.placement.node,
+                          timeout=self.config.commit.timeout)
         return on_file
-
-    def _pause_for_tests(self, handle: CaptureHandle) -> None:
-        """The integration tests' way to hold a capture between its files (faults.py),
-        once per checkpoint; never so in production."""
-        where = faults.capture_pause(self.placement.node)
-        if where is None or handle.ckpt in self._paused:
-            return
-        self._paused.add(handle.ckpt)
-        Path(where, f"paused-{handle.ckpt}").touch()
-        resume = Path(where, f"resume-{handle.ckpt}")
-        deadline = time.monotonic() + self.config.commit.timeout
-        while not resume.exists() and time.monotonic() < deadline:
-            if handle.cancelled.wait(0.05):
-                return
 
     def _capture_whole(self, handle: CaptureHandle, source: Path, vouched: bool,
                        deadline: float, on_file: OnFile, feed: PieceSink | None) -> Captured:
