@@ -21,7 +21,7 @@ from .config import Config
 from .events import EventLog
 from .flush.flusher import Flusher, flushed_report
 from .handles import Stage, StageLog, State
-from .journal import Journal
+from .journal import Journal, JournalEntry
 from .layout import NodePaths, bundle_path
 from .messages import (
     Captured,
@@ -169,9 +169,10 @@ class Executor:
     def _Post(self, e: policy.Post) -> None:
         self.post(e.message)
 
-    def _protected(self, ckpt: str) -> tuple[Any, Path, dict[str, Any]]:
-        entry = self.journal.get(ckpt) or {}
-        return self.journal.manifest(ckpt), Path(entry["source"]), entry
+    def _protected(self, ckpt: str) -> tuple[Any, Path, JournalEntry]:
+        entry = self.journal.entry(ckpt)
+        assert entry is not None and entry.source is not None, ckpt    # policy: captured
+        return self.journal.manifest(ckpt), Path(entry.source), entry
 
     def _Protect(self, e: policy.Protect) -> None:
         assert self.w.protector is not None
@@ -202,8 +203,8 @@ class Executor:
         self.post(flushed_report(e.ckpt, self.node, bundle, 0.0, adopted=True))
 
     def _ShareGlobals(self, e: policy.ShareGlobals) -> None:
-        entry = self.journal.get(e.ckpt) or {}
-        self.w.globals.share(e.ckpt, Path(entry["source"]), list(e.files), self.others)
+        _manifest, source, _entry = self._protected(e.ckpt)
+        self.w.globals.share(e.ckpt, source, list(e.files), self.others)
         self.journal.update(e.ckpt, globals_shared=True)
 
     def _Remember(self, e: policy.Remember) -> None:

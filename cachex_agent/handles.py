@@ -10,9 +10,10 @@ stage; fsynced) before its event is written and before anyone is told, so what a
 restarted agent reads is never behind what the coordinator heard. Every stage event
 carries `stage`, `state`, `ckpt` and `seq`; its name comes from EVENTS (the names the
 model reads: capture_start, captured, replicate_start, replicated, flush_start,
-flushed...). A restarted agent resumes each checkpoint from these states
-(`node_policy.resume`): capture not done -> capture again; replicate not done -> replicate again;
-flush not done -> flush again (a finished bundle is adopted); done -> never again.
+flushed...); the journal's typed entries read them back (`journal.JournalEntry`). A
+restarted agent resumes each checkpoint from these states (`node_policy.resume`):
+capture not done -> capture again; replicate not done -> replicate again; flush not done
+-> flush again (a finished bundle is adopted); done -> never again.
 
 Tests inject faults into real agents through one hook, `Handle.faults` (faults.py
 installs one from the environment at start-up; production has none): the work asks its
@@ -207,19 +208,3 @@ class Handle:
 
     def _cancel(self) -> None:
         """Tell whoever runs the work; the default relies on `cancelled`."""
-
-
-def stage_state(entry: dict[str, Any] | None, stage: Stage) -> State | None:
-    """A stage's persisted state in a journal entry (None: never submitted)."""
-    value = (entry or {}).get("stages", {}).get(stage.value)
-    return State(value) if value is not None else None
-
-
-def is_done(entry: dict[str, Any] | None, stage: Stage) -> bool:
-    return stage_state(entry, stage) == State.DONE
-
-
-def is_failed(entry: dict[str, Any] | None) -> bool:
-    """The checkpoint failed on this node: its capture, or the coordinator said so (a
-    failed replication still goes to the PFS; a flush retries)."""
-    return State.FAILED in (stage_state(entry, Stage.CAPTURE), stage_state(entry, Stage.COMMIT))

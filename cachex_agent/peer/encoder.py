@@ -32,7 +32,8 @@ from mpi4py import MPI
 from ..collective import agree, arrive
 from ..config import Config
 from ..errors import CachexError, ConfigError, OperationError
-from ..handles import Handle, Stage, StageLog, State, is_done, is_failed
+from ..handles import Handle, Stage, StageLog, State
+from ..journal import JournalEntry
 from ..layout import NodePaths
 from ..manifest import LocalManifest
 from ..messages import FileCaptured
@@ -107,22 +108,22 @@ class Encoder:
         self.thread.start()
 
     # ------------------------------------------------ the agent's verbs (Protector)
-    def protect(self, manifest: LocalManifest, source: Path, entry: dict[str, Any],
+    def protect(self, manifest: LocalManifest, source: Path, entry: JournalEntry,
                 fed_wait: float = 0.0) -> None:
         """Captured here: the group encodes once every node has (a restart that heard
         the global manifest before its capture ended encodes now)."""
-        if "global" in entry:
+        if entry.digest is not None:
             self.group_ready(manifest, source, entry)
 
     def group_ready(self, manifest: LocalManifest, source: Path,
-                    entry: dict[str, Any]) -> None:
+                    entry: JournalEntry) -> None:
         if self._wanted(entry, manifest):
             self.encode(manifest, source)
 
     def file_captured(self, msg: FileCaptured) -> None:
         """Parity needs every member's whole part: nothing is encoded file by file."""
 
-    def resume(self, manifest: LocalManifest, source: Path, entry: dict[str, Any]) -> None:
+    def resume(self, manifest: LocalManifest, source: Path, entry: JournalEntry) -> None:
         """The group has moved on: one member alone cannot encode (it is collective)."""
 
     def handle(self, source_node: int, msg: Any) -> None:
@@ -134,10 +135,10 @@ class Encoder:
     def waits_on_peer(self) -> bool:
         return False
 
-    def _wanted(self, entry: dict[str, Any], manifest: LocalManifest) -> bool:
+    def _wanted(self, entry: JournalEntry, manifest: LocalManifest) -> bool:
         """Captured, not failed, and not encoded (or under way) already."""
-        return (is_done(entry, Stage.CAPTURE) and not is_failed(entry)
-                and not is_done(entry, Stage.REPLICATE) and manifest.ckpt not in self.handles)
+        return (entry.captured and not entry.done(Stage.REPLICATE)
+                and manifest.ckpt not in self.handles)
 
     def encode(self, manifest: LocalManifest, source: Path) -> EncodeHandle:
         handle = EncodeHandle(manifest, source, self)

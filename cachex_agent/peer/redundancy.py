@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from ..config import Config, Peer, scheme_shape
+from ..journal import JournalEntry
 from ..manifest import LocalManifest
 from ..messages import FileCaptured, Replicated
 from .groups import build_groups, group_sizes
@@ -105,18 +106,18 @@ class Protector(Protocol):
     feed: Any                       # peer.feed.Feed the capture hands pieces to, or None
     dead: Any                       # the nodes it found gone (iterable of node numbers)
 
-    def protect(self, manifest: LocalManifest, source: Path, entry: dict[str, Any],
+    def protect(self, manifest: LocalManifest, source: Path, entry: JournalEntry,
                 fed_wait: float = 0.0) -> None:
         """This node's part is captured (`entry`: its journal entry)."""
 
     def group_ready(self, manifest: LocalManifest, source: Path,
-                    entry: dict[str, Any]) -> None:
+                    entry: JournalEntry) -> None:
         """Every node captured the checkpoint (the coordinator's global manifest)."""
 
     def file_captured(self, msg: FileCaptured) -> Any:
         """A file of a part still being captured."""
 
-    def resume(self, manifest: LocalManifest, source: Path, entry: dict[str, Any]) -> None:
+    def resume(self, manifest: LocalManifest, source: Path, entry: JournalEntry) -> None:
         """A restart found this part's protection cut short."""
 
     def cancel(self, ckpt: str, reason: str = "cancelled") -> None: ...

@@ -52,6 +52,7 @@ import numpy as np
 from ..config import Config
 from ..events import EventLog
 from ..handles import Handle, Stage, StageLog, State
+from ..journal import JournalEntry
 from ..layout import NodePaths
 from ..manifest import PENDING, FileEntry, LocalManifest
 from ..messages import Ack, Begin, Credit, End, File, FileCaptured, Slot
@@ -269,12 +270,6 @@ class Sender:
         self.cursors.clear()
 
 
-def _mapped(entry: dict[str, Any]) -> bool:
-    """The capture copied the part into the stage (journal `mode`): its files are the
-    agent's own and may be mapped; a linked or referenced file may change under it."""
-    return entry.get("mode") == "copy"
-
-
 def map_piece(fd: int, offset: int, length: int) -> np.ndarray:
     """Bytes [offset, offset+length) of the file, mapped read-only and populated in one
     call (one fault per piece, not per page). A mapping must start on an allocation
@@ -403,16 +398,18 @@ class Replicator:
         return handle
 
     # ------------------------------------------------ the agent's verbs (Protector)
-    def protect(self, manifest: LocalManifest, source: Path, entry: dict[str, Any],
+    def protect(self, manifest: LocalManifest, source: Path, entry: JournalEntry,
                 fed_wait: float = 0.0) -> None:
-        self.captured(manifest, source, _mapped(entry), fed_wait)
+        # a stage copy is the agent's own and may be mapped; a linked or referenced
+        # file is the trainer's and may change under a mapping
+        self.captured(manifest, source, entry.staged, fed_wait)
 
     def group_ready(self, manifest: LocalManifest, source: Path,
-                    entry: dict[str, Any]) -> None:
+                    entry: JournalEntry) -> None:
         """Copies wait for no other node."""
 
-    def resume(self, manifest: LocalManifest, source: Path, entry: dict[str, Any]) -> None:
-        self.captured(manifest, source, _mapped(entry))
+    def resume(self, manifest: LocalManifest, source: Path, entry: JournalEntry) -> None:
+        self.captured(manifest, source, entry.staged)
 
     def _senders(self, ckpt: str) -> list[Sender]:
         return [s for q in self.queues.values() for s in q if s.manifest.ckpt == ckpt]

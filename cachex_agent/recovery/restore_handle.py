@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 from ..config import Config
 from ..errors import CachexError, OperationError, describe
 from ..events import EventLog
-from ..handles import Handle, Stage, StageLog, State, stage_state
+from ..handles import Handle, Stage, StageLog, State
 from ..journal import Journal
 from ..layout import events_path
 from ..safepath import UnsafeInput
@@ -47,8 +47,9 @@ class RestoreHandle(Handle):
 
     def interrupted(self) -> bool:
         """An earlier restore of this checkpoint here never ended."""
-        entry = self.journal.get(self.ckpt) if self.journal is not None else None
-        return stage_state(entry, Stage.RESTORE) in (State.QUEUED, State.RUNNING)
+        entry = self.journal.entry(self.ckpt) if self.journal is not None else None
+        return entry is not None and entry.state(Stage.RESTORE) in (State.QUEUED,
+                                                                    State.RUNNING)
 
     def run(self, work: Callable[[], T], **done_fields: Any) -> T:
         """Run `work` as this handle's running state: done when it returns, failed (or

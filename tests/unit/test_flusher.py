@@ -20,7 +20,7 @@ from cachex_agent.config import Flush
 from cachex_agent.events import EventLog, read_events
 from cachex_agent.flush.bundle import extract, read_manifest, verify_bundle
 from cachex_agent.flush.flusher import Flusher
-from cachex_agent.handles import Stage, StageLog, State, stage_state
+from cachex_agent.handles import Stage, StageLog, State
 from cachex_agent.journal import Journal
 from cachex_agent.layout import bundle_path, pfs_ckpt_dir
 from cachex_agent.manifest import LocalManifest
@@ -183,7 +183,7 @@ def test_flush_states_reach_the_journal_before_the_report(tmp_path, pfs_run, eve
 
     def report(msg: Any) -> None:
         if msg.TYPE == "flushed":
-            seen.append(stage_state(Journal(journal.root).get(CKPT), Stage.FLUSH))
+            seen.append(Journal(journal.root).entry(CKPT).state(Stage.FLUSH))
 
     flusher = Flusher(pfs_run, SETTINGS, events, report, StageLog(events, journal))
     handle = flusher.submit(manifest, stage)

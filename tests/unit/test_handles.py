@@ -16,9 +16,6 @@ from cachex_agent.handles import (
     Stage,
     StageLog,
     State,
-    is_done,
-    is_failed,
-    stage_state,
 )
 from cachex_agent.journal import Journal
 
@@ -81,16 +78,16 @@ def test_submit_test_wait_and_every_state_persisted_before_its_event(parts, tmp_
     work.thread.join(10)
     assert journal.early == []                  # the journal first, every time
     reopened = Journal(tmp_path / "journal")    # what a restarted agent reads
-    entry = reopened.get(CKPT)
-    assert stage_state(entry, Stage.CAPTURE) == State.DONE and is_done(entry, Stage.CAPTURE)
-    assert entry["seq"] == 7 and entry["source"] == "x"
+    entry = reopened.entry(CKPT)
+    assert entry.state(Stage.CAPTURE) == State.DONE and entry.done(Stage.CAPTURE)
+    assert entry.seq == 7 and entry.source == "x" and entry.captured
     evs = [e for e in read_events(events.path) if e.get("ckpt") == CKPT]
     assert [(e["event"], e["stage"], e["state"], e["seq"]) for e in evs] == [
         ("capture_queued", "capture", "queued", 7), ("capture_start", "capture", "running", 7),
         ("captured", "capture", "done", 7)]
     assert evs[-1]["bytes"] == 3
     assert not work.cancel()                    # ended: nothing to cancel
-    assert stage_state(Journal(tmp_path / "journal").get(CKPT), Stage.CAPTURE) == State.DONE
+    assert Journal(tmp_path / "journal").entry(CKPT).state(Stage.CAPTURE) == State.DONE
 
 
 @pytest.mark.timeout(20)
@@ -102,8 +99,8 @@ def test_wait_times_out_then_cancel_of_running_work_ends_it_cancelled(parts, tmp
     assert work.wait(10) and work.state == State.CANCELLED
     work.thread.join(10)
     assert not work.set(State.DONE)             # an ended handle records nothing more
-    entry = Journal(tmp_path / "journal").get(CKPT)
-    assert stage_state(entry, Stage.CAPTURE) == State.CANCELLED and not is_failed(entry)
+    entry = Journal(tmp_path / "journal").entry(CKPT)
+    assert entry.state(Stage.CAPTURE) == State.CANCELLED and not entry.failed
     assert [e["event"] for e in read_events(events.path)][-1] == "capture_cancelled"
 
 
@@ -119,8 +116,7 @@ def test_cancel_of_queued_work_never_starts_it(parts, tmp_path):
     assert work.state == State.QUEUED
     assert work.cancel() and work.test() and work.state == State.CANCELLED
     assert not work.set(State.RUNNING)          # a worker that gets it later skips it
-    assert stage_state(Journal(tmp_path / "journal").get(CKPT),
-                       Stage.CAPTURE) == State.CANCELLED
+    assert Journal(tmp_path / "journal").entry(CKPT).state(Stage.CAPTURE) == State.CANCELLED
 
 
 @pytest.mark.timeout(20)
@@ -130,10 +126,11 @@ def test_failed_capture_or_commit_fails_the_checkpoint_not_a_failed_replication(
     journal.set_stage("b", "capture", "failed", reason="gone")
     journal.set_stage("c", "commit", "failed")
     journal.set_stage("c", "capture", "done")
-    entries = Journal(tmp_path / "journal").entries
-    assert [is_failed(entries[c]) for c in "abc"] == [False, True, True]
-    assert entries["c"]["stages"] == {"commit": "failed", "capture": "done"}
-    assert stage_state(entries["a"], Stage.FLUSH) is None
+    reopened = Journal(tmp_path / "journal")
+    assert [reopened.entry(c).failed for c in "abc"] == [False, True, True]
+    assert reopened.entry("c").stages == {"commit": "failed", "capture": "done"}
+    assert reopened.entry("a").state(Stage.FLUSH) is None
+    assert not reopened.entry("c").captured     # captured, then failed: nothing to protect
 
 
 def test_every_stage_and_state_has_one_event_name():
