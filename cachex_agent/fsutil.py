@@ -245,3 +245,18 @@ def remove_temporaries(directory: Path, recursive: bool = False,
     if removed:
         fsync_dir(directory)
     return removed
+
+
+def is_linked(path: str | os.PathLike[str]) -> bool:
+    """A staged file that is also a name of the trainer's file (a capture by link whose
+    spool name still exists): the trainer can still write it."""
+    try:
+        return os.stat(path).st_nlink > 1
+    except OSError:
+        return False
+
+
+def linked_hint(path: str | os.PathLike[str]) -> str:
+    """What a report of a staged file's checksum mismatch adds when it is linked."""
+    return (" (captured by hard link: the trainer rewrote its file in place since)"
+            if is_linked(path) else "")

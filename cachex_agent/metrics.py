@@ -20,7 +20,7 @@ from typing import Any
 from .config import Config, job_id, render
 from .errors import ConfigError
 from .fsutil import atomic_open
-from .risk import at_risk
+from .risk import at_risk, newest_flush
 
 LEVELS = ("written", "captured", "replicated", "flushed", "failed", "evicted", "purged")
 LATENCY_LEVELS = ("captured", "replicated", "flushed")
@@ -105,7 +105,9 @@ def _samples(status: dict[str, Any], rows: list[dict[str, Any]], pending: dict[s
         for level, r in newest.items() if r is not None]
     yield "cachex_level_bytes", [({"level": level}, r["bytes"])
                                  for level, r in newest.items() if r is not None]
-    yield "cachex_flush_bandwidth_bytes_per_second", _bandwidth(newest["flushed"])
+    flush = newest_flush(rows)
+    yield "cachex_flush_bandwidth_bytes_per_second", (
+        [({}, (flush[0].get("bytes") or 0) / flush[2])] if flush else [])
     yield "cachex_lane_pending", [({"lane": lane}, n) for lane, n in sorted(pending.items())]
 
 
@@ -114,14 +116,6 @@ def _newest_at(rows: list[dict[str, Any]], level: str) -> dict[str, Any] | None:
     timed = [r for r in rows if isinstance((r.get("times") or {}).get(level), (int, float))
              and isinstance(r["times"].get("written"), (int, float))]
     return max(timed, key=lambda r: r["seq"], default=None)
-
-
-def _bandwidth(row: dict[str, Any] | None) -> Samples:
-    if row is None:
-        return []
-    start = row["times"].get("captured", row["times"]["written"])
-    seconds = row["times"]["flushed"] - start
-    return [({}, row["bytes"] / seconds)] if seconds > 0 else []
 
 
 def _number(value: float) -> str:

@@ -111,3 +111,16 @@ def _duration(seconds: float) -> str:
     if seconds < 7200:
         return f"{seconds / 60:.1f} min"
     return f"{seconds / 3600:.1f} h"
+
+
+def newest_flush(rows: list[dict[str, Any]]) -> tuple[dict[str, Any], str, float] | None:
+    """The newest flushed checkpoint with its times, when its flush started (`captured`,
+    else `written`) and the seconds from then to `flushed`: both times the coordinator's,
+    so no clock is set against another (`cachex watch`'s bandwidth line, the metrics)."""
+    for row in sorted(rows, key=lambda r: r.get("seq") or 0, reverse=True):
+        times = row.get("times") or {}
+        start_name = "captured" if "captured" in times else "written"
+        start, end = times.get(start_name), times.get("flushed")
+        if all(isinstance(t, (int, float)) for t in (start, end)) and end > start:
+            return row, start_name, end - start
+    return None

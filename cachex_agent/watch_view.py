@@ -20,7 +20,7 @@ from typing import Any, TextIO
 from .beats import Unchanged
 from .config import Config
 from .errors import CachexError
-from .risk import risk_lines
+from .risk import newest_flush, risk_lines
 from .status import human_size, load_status
 
 CLEAR = "\x1b[H\x1b[2J"     # home, erase the screen: understood by any terminal over ssh
@@ -129,18 +129,13 @@ def bar(row: dict[str, Any], nodes: Any, width: int = BAR) -> str:
 
 
 def bandwidth_line(rows: list[dict[str, Any]]) -> str:
-    """The newest flushed checkpoint's bytes over the coordinator's time from capture
-    (else commit) to flushed: both its times, so no clock is set against another."""
-    for row in sorted(rows, key=lambda r: r.get("seq") or 0, reverse=True):
-        times = row.get("times") or {}
-        start_name = "captured" if "captured" in times else "written"
-        start, end = times.get(start_name), times.get("flushed")
-        if not all(isinstance(t, (int, float)) for t in (start, end)) or end <= start:
-            continue
-        size, seconds = row.get("bytes") or 0, end - start
-        return (f"flush bandwidth: {human_size(size / seconds)}/s ({row.get('id')}:"
-                f" {human_size(size)}, {start_name} to flushed in {seconds:.1f} s)")
-    return "flush bandwidth: not known yet (no flushed checkpoint with its times)"
+    """The newest flushed checkpoint's bytes over its flush time (risk.newest_flush)."""
+    if (flush := newest_flush(rows)) is None:
+        return "flush bandwidth: not known yet (no flushed checkpoint with its times)"
+    row, start_name, seconds = flush
+    size = row.get("bytes") or 0
+    return (f"flush bandwidth: {human_size(size / seconds)}/s ({row.get('id')}:"
+            f" {human_size(size)}, {start_name} to flushed in {seconds:.1f} s)")
 
 
 def _problems(rows: list[dict[str, Any]]) -> list[str]:

@@ -40,10 +40,17 @@ import numpy as np
 
 from ..checksum import hasher
 from ..errors import CachexError, OperationError, describe
-from ..fsutil import commit_rename, create_file, fsync_dir, makedirs, temp_name, trainer_mode
+from ..fsutil import (
+    commit_rename,
+    create_file,
+    fsync_dir,
+    linked_hint,
+    makedirs,
+    temp_name,
+    trainer_mode,
+)
 from ..manifest import FileEntry, LocalManifest
 from ..safepath import checkpoint_id, component, index, relative_path
-from ..stage.capture import linked_hint
 from .throttle import TokenBucket
 
 log = logging.getLogger(__name__)

@@ -51,12 +51,12 @@ import numpy as np
 
 from ..config import Config
 from ..events import EventLog
+from ..fsutil import linked_hint
 from ..handles import Handle, Stage, StageLog, State
 from ..journal import JournalEntry
 from ..layout import NodePaths
 from ..manifest import PENDING, FileEntry, LocalManifest
 from ..messages import Ack, Begin, Credit, End, File, FileCaptured, Slot
-from ..stage.capture import linked_hint
 from .feed import READ, WAIT_FOR_IT, Feed
 from .partners import incoming
 from .redundancy import replicated

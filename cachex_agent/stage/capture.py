@@ -162,21 +162,6 @@ def capture_method(setting: str, new_files: bool, spool: Path, stage: Path
     return "link", ""
 
 
-def is_linked(path: str | os.PathLike[str]) -> bool:
-    """A staged file that is also a name of the trainer's file (a capture by link whose
-    spool name still exists): the trainer can still write it."""
-    try:
-        return os.stat(path).st_nlink > 1
-    except OSError:
-        return False
-
-
-def linked_hint(path: str | os.PathLike[str]) -> str:
-    """What a report of a staged file's checksum mismatch adds when it is linked."""
-    return (" (captured by hard link: the trainer rewrote its file in place since)"
-            if is_linked(path) else "")
-
-
 def part_changes(before: Mapping[Path, FileState], after: Mapping[Path, FileState]) -> str:
     """'' when both listings are equal, else what differs (counts, then a few names)."""
     added = sorted(set(after) - set(before))
