@@ -128,7 +128,7 @@ class StageModel:
         # just past the fixed cost the implied bandwidth is huge: a Weibull's x**c
         # overflows to inf there and its survival is exactly 0, which is right
         with np.errstate(over="ignore"):
-            out[positive] = self.bandwidth.frozen.sf(self.scale(size, nodes) / over[positive])
+            out[positive] = self.bandwidth.sf(self.scale(size, nodes) / over[positive])
         return out
 
     def to_json(self) -> dict[str, Any]:
