@@ -82,3 +82,29 @@ def test_a_flushed_copy_goes_as_soon_as_it_is_beyond_keep(tmp_path):
     node.captured(3)
     assert node.retain(keep=1) == []                        # step_2's flush needs it
     assert node.staged() == ["step_2", "step_3"]
+
+
+def entry(seq: int, mode: str = "copy", protected: bool = False, **stages: str):
+    from cachex_agent.journal import JournalEntry
+    return JournalEntry(f"step_{seq}", seq=seq, stages={"capture": "done", **stages},
+                        mode=mode, protected=protected)
+
+
+def test_evictable_is_a_pure_choice_over_typed_entries():
+    from cachex_agent.stage.retention import evictable, forgettable
+    entries = [entry(1, commit="done"), entry(2, protected=True), entry(3)]
+    never = lambda _c: False    # noqa: E731
+    # step_3 newest staged: kept; step_2 unflushed and nothing newer protected: kept
+    assert [e.ckpt for e in evictable(entries, 1, set(), never)] == ["step_1"]
+    assert evictable(entries, 1, {"step_1"}, never) == []       # a stage still reads it
+    assert evictable(entries, 0, set(), never) == []            # keep.stage 0: keep all
+    protected = [*entries[:2], entry(3, protected=True)]
+    assert [e.ckpt for e in evictable(protected, 1, set(), never)] == ["step_2", "step_1"]
+    assert [e.ckpt for e in evictable(protected, 1, set(), lambda c: c == "step_2")] == [
+        "step_1"]                                               # its flush still needs it
+    newer = [*entries, entry(4, mode="reference", commit="done")]  # finalized, newer
+    assert [e.ckpt for e in evictable(newer, 1, set(), never)] == ["step_2", "step_1"]
+    ended = [entry(s, mode="evicted", commit="done") for s in range(1, 8)]
+    assert forgettable(ended, set(), keep_replica=2) == ["step_3", "step_2", "step_1"]
+    assert forgettable(ended, {"step_1"}, keep_replica=2) == ["step_3", "step_2"]
+    assert forgettable(ended, set(), keep_replica=0) == []
