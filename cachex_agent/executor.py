@@ -169,22 +169,17 @@ class Executor:
     def _Post(self, e: policy.Post) -> None:
         self.post(e.message)
 
-    def _protected(self, ckpt: str) -> tuple[Any, Path, JournalEntry]:
-        entry = self.journal.entry(ckpt)
-        assert entry is not None and entry.source is not None, ckpt    # policy: captured
-        return self.journal.manifest(ckpt), Path(entry.source), entry
-
     def _Protect(self, e: policy.Protect) -> None:
         assert self.w.protector is not None
-        self.w.protector.protect(*self._protected(e.ckpt), e.fed_wait)
+        self.w.protector.protect(e.manifest, _source(e.entry), e.entry, e.fed_wait)
 
     def _GroupReady(self, e: policy.GroupReady) -> None:
         assert self.w.protector is not None
-        self.w.protector.group_ready(*self._protected(e.ckpt))
+        self.w.protector.group_ready(e.manifest, _source(e.entry), e.entry)
 
     def _ResumeProtection(self, e: policy.ResumeProtection) -> None:
         assert self.w.protector is not None
-        self.w.protector.resume(*self._protected(e.ckpt))
+        self.w.protector.resume(e.manifest, _source(e.entry), e.entry)
 
     def _StreamFile(self, e: policy.StreamFile) -> None:
         assert self.w.protector is not None
@@ -195,16 +190,14 @@ class Executor:
         self.post(replicated(e.ckpt, self.w.protector.partners, adopted=True))
 
     def _Flush(self, e: policy.Flush) -> None:
-        manifest, source, _entry = self._protected(e.ckpt)
-        self.w.flusher.submit(manifest, source)
+        self.w.flusher.submit(e.manifest, _source(e.entry))
 
     def _FlushedAlready(self, e: policy.FlushedAlready) -> None:
         bundle = e.bundle or bundle_path(self.paths.pfs, e.ckpt, self.node).name
         self.post(flushed_report(e.ckpt, self.node, bundle, 0.0, adopted=True))
 
     def _ShareGlobals(self, e: policy.ShareGlobals) -> None:
-        _manifest, source, _entry = self._protected(e.ckpt)
-        self.w.globals.share(e.ckpt, source, list(e.files), self.others)
+        self.w.globals.share(e.ckpt, _source(e.entry), list(e.files), self.others)
         self.journal.update(e.ckpt, globals_shared=True)
 
     def _Remember(self, e: policy.Remember) -> None:
@@ -250,3 +243,10 @@ class Executor:
 
     def _WantFlush(self, e: policy.WantFlush) -> None:
         self.decide(e)
+
+
+def _source(entry: JournalEntry) -> Path:
+    """The captured copy an effect hands to a worker (the policy asked for a captured
+    checkpoint, whose entry names it)."""
+    assert entry.source is not None, entry.ckpt
+    return Path(entry.source)

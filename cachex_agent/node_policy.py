@@ -86,20 +86,28 @@ class Report:
     report: Any
 
 
+# the part's manifest and journal entry ride with the effects that hand the part to a
+# worker: the state they were decided on already holds them, read once
 @dataclass(frozen=True, slots=True)
 class Protect:
     ckpt: str
+    manifest: LocalManifest
+    entry: JournalEntry
     fed_wait: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
 class GroupReady:
     ckpt: str
+    manifest: LocalManifest
+    entry: JournalEntry
 
 
 @dataclass(frozen=True, slots=True)
 class ResumeProtection:
     ckpt: str
+    manifest: LocalManifest
+    entry: JournalEntry
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,6 +118,8 @@ class StreamFile:
 @dataclass(frozen=True, slots=True)
 class Flush:
     ckpt: str
+    manifest: LocalManifest
+    entry: JournalEntry
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,6 +136,7 @@ class ReplicatedAlready:
 @dataclass(frozen=True, slots=True)
 class ShareGlobals:
     ckpt: str
+    entry: JournalEntry
     files: tuple[FileEntry, ...]
 
 
@@ -215,7 +226,7 @@ def on_captured(state: CkptState, msg: Captured) -> list[Any]:
         # a restart: done here, but the coordinator's state may predate the report
         # (it records `flushed` only after `replicated`): report it again
         effects.append(ReplicatedAlready(msg.ckpt) if entry.done(Stage.REPLICATE)
-                       else Protect(msg.ckpt, msg.fed_wait))
+                       else Protect(msg.ckpt, manifest, entry, msg.fed_wait))
     return [*effects, *flush_if_wanted(state), Retain()]
 
 
@@ -224,7 +235,7 @@ def share_globals(state: CkptState, manifest: LocalManifest) -> list[Any]:
     entry = state.entry or JournalEntry(state.ckpt)
     names = {*(state.announced.global_files if state.announced else ()), *entry.global_files}
     held = tuple(f for f in manifest.files if f.path in names)
-    return [ShareGlobals(state.ckpt, held)] if held and not entry.globals_shared else []
+    return [ShareGlobals(state.ckpt, entry, held)] if held and not entry.globals_shared else []
 
 
 def flush_if_wanted(state: CkptState) -> list[Any]:
@@ -236,7 +247,7 @@ def flush_if_wanted(state: CkptState) -> list[Any]:
         return []
     if entry.done(Stage.FLUSH):
         return [FlushedAlready(state.ckpt, entry.bundle)]
-    return [Flush(state.ckpt)]
+    return [Flush(state.ckpt, state.manifest, entry)]
 
 
 def on_file_captured(state: CkptState, msg: FileCaptured) -> list[Any]:
@@ -254,7 +265,7 @@ def on_manifest(state: CkptState, msg: ManifestReady) -> list[Any]:
         effects.append(Remember(msg.ckpt, {"global": msg.digest.to_json()}))
     effects.append(Mirror(msg.ckpt))
     if state.peer_path and state.entry is not None and state.manifest is not None:
-        effects.append(GroupReady(msg.ckpt))
+        effects.append(GroupReady(msg.ckpt, state.manifest, state.entry))
     return effects
 
 
@@ -326,9 +337,9 @@ def resume(entries: list[CkptState], preexisting: set[str], known: set[str]
             effects.append(Report(Marker(ckpt=state.ckpt,
                                          global_files=list(entry.global_files))))
         elif entry.done(Stage.COMMIT) and state.protects and state.held:
-            cut_short = entry.state(Stage.REPLICATE) in (State.QUEUED, State.RUNNING)
-            if cut_short and state.manifest is not None:
-                effects.append(ResumeProtection(state.ckpt))
+            replicating = entry.state(Stage.REPLICATE) in (State.QUEUED, State.RUNNING)
+            if replicating and state.manifest is not None:
+                effects.append(ResumeProtection(state.ckpt, state.manifest, entry))
     cut_short = [s.ckpt for s in entries if s.ckpt in preexisting and s.entry is not None
                  and s.entry.state(Stage.CAPTURE) in (State.QUEUED, State.RUNNING)]
     adopt, skipped = catch_up(preexisting, known)

@@ -83,6 +83,7 @@ def test_captured_on_the_peer_path_is_protected_then_retained():
     effects = p.decide(state(entry()), captured(0.25))
     assert kinds(effects) == ["Protect", "Retain"]
     assert effects[0].fed_wait == 0.25
+    assert effects[0].manifest == MANIFEST and effects[0].entry.source == f"/stage/{CKPT}"
 
 
 def test_captured_and_replicated_before_a_restart_is_reported_not_sent_again():
