@@ -55,10 +55,12 @@ one JSON line of everything (also written to --json).
     python benchmarks/partner.py [--sizes 64MiB,256MiB,1GiB] [--files 4] [--repeat 3]
                                  [--dir /dev/shm] [--pfs /tmp] [--conditions quiet,loaded]
                                  [--json FILE] [--nice N] [--sched other|batch|idle]
-                                 [--cpus LIST]
+                                 [--cpus LIST] [--lease true|false]
 
---cpus is the agents' agent.cpus (e.g. 1: both agents on CPU 1, the trainer and the
-burners on every CPU, as a job whose agent step is bound to a core of its own).
+--lease is the agents' stage.lease (false: a linked file is read into the feed's
+buffers, not hashed and Put from its mapping under a read lease). --cpus is the agents'
+agent.cpus (e.g. 1: both agents on CPU 1, the trainer and the burners on every CPU, as
+a job whose agent step is bound to a core of its own).
 
 On a shared machine run it under `nice` (the agents, the burners and the trainer inherit
 it). Run it also with MPIR_CVAR_NOLOCAL=1 in the environment (the agents and the raw
@@ -507,6 +509,8 @@ def parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--nice", type=int, default=0, help="the agents' agent.nice")
     parser.add_argument("--sched", default="other", help="the agents' agent.sched")
     parser.add_argument("--cpus", default="", help="the agents' agent.cpus")
+    parser.add_argument("--lease", choices=("true", "false"), default="true",
+                        help="the agents' stage.lease (false: linked files read, not mapped)")
     hidden = argparse.SUPPRESS      # the modes this file runs itself in
     parser.add_argument("--raw-worker", action="store_true", help=hidden)
     parser.add_argument("--root", help=hidden)
@@ -536,7 +540,8 @@ def condition_run(args: argparse.Namespace, condition: str, sizes: list[str], ma
     out: dict[str, dict[str, Any]] = {}
     try:
         config = agent_config(root, pfs, agent={"nice": args.nice, "sched": args.sched,
-                                                "cpus": args.cpus})
+                                                "cpus": args.cpus},
+                              stage={"lease": args.lease == "true"})
         peer = load(config, environ={}).peer
         agents = start_agents(root, config)
         procs = agent_processes(agents)
@@ -651,6 +656,7 @@ def main(argv: list[str] | None = None) -> int:
     header: dict[str, Any] = {
         **machine(), "nodes": NODES, "files": args.files, "repeat": args.repeat, "dir": args.dir,
         "agent_nice": args.nice, "agent_sched": args.sched, "agent_cpus": args.cpus,
+        "stage_lease": args.lease == "true",
         "file_sizes": {s: part_sizes(parse_size(s, "--sizes"), args.files) for s in sizes},
         "matmuls_per_step": matmuls, "burners": BURNERS, "slot": Peer().slot,
         "slots": Peer().slots,

@@ -30,6 +30,7 @@ import time
 from dataclasses import replace
 from typing import Any, NoReturn
 
+from . import mapped
 from . import node_policy as policy
 from . import node_setup as setup
 from .collective import agree
@@ -127,6 +128,7 @@ class Agent:
     # --------------------------------------------------------------- lifecycle
     def run(self) -> int:
         self.stops.install()
+        mapped.prepare()    # a lease break's SIGIO, ignored: linked files may be mapped
         threading.excepthook = self._thread_failed
         protector = self.protector
         self.events.emit("agent_start", spool=str(self.paths.spool), pfs=str(self.paths.pfs),

@@ -364,6 +364,11 @@ class Staging:
                        " (trackers excepted); `copy` always copies. A linked file is the"
                        " trainer's own: one rewritten in place later fails its checksum and is"
                        " never served (docs/levels.md).")
+    lease: bool = key(True, _bool,
+                      "Hash and send a linked file from a mapping of it, held under a read lease"
+                      " (no copy into a buffer): a trainer's later write or truncate of it waits"
+                      " until the agent lets go, at most the time of one piece. Off, or where"
+                      " the kernel or file system refuses leases, the file is read.")
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,14 @@ one after another): `begin` takes back whatever an earlier part left unsent. The
 serves one partner (`peer.copies = 1`): with several, the buffers would wait for the
 slowest of them.
 
+A piece may also be a view of a mapping of the linked file under a read lease
+(mapped.py): the capture hashes the page cache in place and gives that view, with its
+`lease`, and one of the feed's buffers stays with the piece only as the count of pieces
+in flight. `serve` hands out such a piece only while its lease is `held`: once a trainer
+waits to write the file, the piece is read from the file instead. Before the capture
+lets go of a lease it calls `settle`: the pieces not yet served are taken back and the
+one being Put is waited for, so no mapping is touched after its lease is gone.
+
 The time the capture spends waiting for a buffer (`waited`) is the replication's, not
 the capture's: with the feed the two move at the pace of the slower, and the model must
 not take a replication that holds the capture back for a slow capture (it would then
@@ -29,6 +37,8 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -36,6 +46,19 @@ import numpy as np
 #: main thread Puts a piece in a few ms; longer means the replication is behind)
 WAIT = 0.1
 READ, WAIT_FOR_IT = "read", "wait"
+#: how often `settle` looks whether the lease it waits on is broken
+LOOK = 0.005
+
+
+class Lease(Protocol):
+    def held(self) -> bool: ...
+
+
+@dataclass
+class _Piece:
+    data: np.ndarray            # what is Put: the buffer's first bytes, or a mapped view
+    buffer: np.ndarray          # the feed's buffer it counts against
+    lease: Lease | None = None  # a mapped view's: touch it only while held
 
 
 class Feed:
@@ -46,7 +69,8 @@ class Feed:
         """`piece`: bytes per buffer (the slot); `wake`: ends the main loop's sleep."""
         self.piece, self.wait, self.wake = piece, wait, wake
         self._free = [np.empty(piece, dtype=np.uint8) for _ in range(count)]
-        self._ready: dict[tuple[int, int], np.ndarray] = {}
+        self._ready: dict[tuple[int, int], _Piece] = {}
+        self._lent: dict[int, _Piece] = {}      # by id of the data served, until released
         self._ckpt: str | None = None
         self._feeding = False
         self._cond = threading.Condition()
@@ -74,11 +98,14 @@ class Feed:
             self.wake()     # a replication waiting for the next piece reads it itself
         return buffer
 
-    def give(self, file: int, offset: int, buffer: np.ndarray, length: int) -> None:
-        """`buffer[:length]` holds bytes [offset, offset+length) of file `file`, hashed."""
+    def give(self, file: int, offset: int, buffer: np.ndarray, length: int,
+             mapped: np.ndarray | None = None, lease: Lease | None = None) -> None:
+        """`buffer[:length]` holds bytes [offset, offset+length) of file `file`, hashed;
+        or `mapped` does, a view under `lease` (`buffer` then only counts the piece)."""
+        data = buffer[:length] if mapped is None else mapped
         with self._cond:
             if self._feeding:
-                self._ready[(file, offset)] = buffer[:length]
+                self._ready[(file, offset)] = _Piece(data, buffer, lease)
             else:
                 self._free.append(buffer)
         self.wake()
@@ -89,21 +116,47 @@ class Feed:
             self._feeding = False
         self.wake()
 
+    def out(self, lease: Lease) -> bool:
+        """A piece given under `lease` is not Put yet (waiting, or being Put)."""
+        with self._cond:
+            return self._out(lease)
+
+    def settle(self, lease: Lease, wait: float = 0.0) -> None:
+        """No piece under `lease` is out once this returns (let go of the lease then):
+        they are waited for up to `wait` while the lease is held, then those not served
+        are taken back (the replication reads them from the file) and the one being Put
+        is waited for (the main thread's Put of one piece)."""
+        until = time.monotonic() + wait
+        with self._cond:
+            while (self._out(lease) and lease.held()
+                   and (left := until - time.monotonic()) > 0):
+                self._cond.wait(min(left, LOOK))
+            for key in [k for k, p in self._ready.items() if p.lease is lease]:
+                self._free.append(self._ready.pop(key).buffer)
+            self._cond.notify_all()
+            self._cond.wait_for(lambda: not self._out(lease))
+
+    def _out(self, lease: Lease) -> bool:
+        return any(p.lease is lease for p in (*self._ready.values(), *self._lent.values()))
+
     # --------------------------------------------------------------- main thread
     def serve(self, ckpt: str, file: int, offset: int, length: int, pending: bool
               ) -> np.ndarray | str:
         """The fed bytes of that piece (Put them, then `release`), or READ (read it from
-        the file: never fed, or the feed stopped) or WAIT_FOR_IT (`pending`: the capture
-        is still hashing that file, and feeding)."""
+        the file: never fed, the feed stopped, or a trainer waits to write the mapped
+        file) or WAIT_FOR_IT (`pending`: the capture is still hashing that file, and
+        feeding)."""
         with self._cond:
             if ckpt == self._ckpt:
-                data = self._ready.pop((file, offset), None)
-                if data is not None and data.nbytes == length:
+                piece = self._ready.pop((file, offset), None)
+                if piece is not None and piece.data.nbytes == length and (
+                        piece.lease is None or piece.lease.held()):
                     self.served += 1
-                    return data
-                if data is not None:
-                    self._free.append(data.base if data.base is not None else data)
-                    self._cond.notify()
+                    self._lent[id(piece.data)] = piece
+                    return piece.data
+                if piece is not None:
+                    self._free.append(piece.buffer)
+                    self._cond.notify_all()
                 elif pending and self._feeding:
                     return WAIT_FOR_IT
         return READ
@@ -111,8 +164,8 @@ class Feed:
     def release(self, data: np.ndarray) -> None:
         """A piece from `serve` was Put: its buffer may be filled again."""
         with self._cond:
-            self._free.append(data.base if data.base is not None else data)
-            self._cond.notify()
+            self._free.append(self._lent.pop(id(data)).buffer)
+            self._cond.notify_all()
 
     def drop(self, ckpt: str) -> None:
         """The replication of `ckpt` will take no more pieces (ended, abandoned)."""
@@ -123,6 +176,5 @@ class Feed:
                 self._cond.notify_all()
 
     def _reclaim(self) -> None:
-        for data in self._ready.values():
-            self._free.append(data.base if data.base is not None else data)
+        self._free.extend(piece.buffer for piece in self._ready.values())
         self._ready.clear()

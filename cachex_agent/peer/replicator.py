@@ -21,8 +21,9 @@ memory is bounded by the window whatever the checkpoint size, and several owners
 send to one partner at once. Bytes go from a mapping of the staged file straight into
 the partner's window (no read into a buffer first); a file captured by hard link, still
 the trainer's, is read into a buffer instead, or, with one partner, Put from the
-capture's own buffers as it hashes them (peer/feed.py: such a file is announced with a
-PENDING checksum, which the final manifest gives). The owner does not hash what it
+capture's own pieces as it hashes them (peer/feed.py: its buffers, or views of the file
+mapped under a read lease, mapped.py; such a file is announced with a PENDING checksum,
+which the final manifest gives). The owner does not hash what it
 sends: the partner checks every file against the manifest's checksum as it writes it,
 and an ack that names a file that differed makes the owner's error say why (for a
 linked file, the trainer rewrote it since the capture). The main thread calls `pump()`
@@ -37,7 +38,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import mmap
 import os
 import socket
 import time
@@ -56,6 +56,7 @@ from ..handles import Handle, Stage, StageLog, State
 from ..journal import JournalEntry
 from ..layout import NodePaths
 from ..manifest import PENDING, FileEntry, LocalManifest
+from ..mapped import map_piece
 from ..messages import Ack, Begin, Credit, End, File, FileCaptured, Slot
 from .feed import READ, WAIT_FOR_IT, Feed
 from .partners import incoming
@@ -66,7 +67,6 @@ from .window import ReceiveWindow
 log = logging.getLogger(__name__)
 Send = Callable[[int, Any], None]         # (rank, a typed message)
 Post = Callable[[Any], None]        # into the agent's inbox
-POPULATE = getattr(mmap, "MAP_POPULATE", 0)     # Linux; elsewhere faults per page
 
 
 Final = tuple[LocalManifest, Path, bool]     # a finished capture: manifest, source, mapped
@@ -166,16 +166,18 @@ class Sender:
     def next_chunk(self, buffer: np.ndarray) -> tuple[int, int, np.ndarray] | str | None:
         """The next piece, at most `buffer.nbytes` long: (file index, offset, its bytes),
         NOT_READY while the capture is still hashing it for the feed, or None when every
-        file was sent. A fed piece is the capture's buffer: `release` it once it was Put.
+        file was sent. A fed piece is the capture's (its buffer, or a view of the linked
+        file mapped under the capture's read lease): `release` it once it was Put.
         With `streams` > 1 the pieces of that many files go in turn (the partner writes
         each file on a thread of its own).
 
         Mapped, the bytes are a view of a mapping of just that piece (no copy, and memory
         bounded by one slot whatever the file size); drop the view once it was Put. A
-        capture by reference, or a file captured by hard link, is read into `buffer`
-        instead: its file is the trainer's, and a mapped file truncated under us would end
-        the agent with SIGBUS. Nothing is hashed here: the partner hashes what it writes
-        and names a file that differs from the manifest in its ack (`mismatch`)."""
+        capture by reference, or a file captured by hard link and not fed, is read into
+        `buffer` instead: its file is the trainer's, and a mapped file truncated under us
+        would end the agent with SIGBUS (only the capture maps one, under a lease).
+        Nothing is hashed here: the partner hashes what it writes and names a file that
+        differs from the manifest in its ack (`mismatch`)."""
         files = self.manifest.files
         while True:
             while len(self.cursors) < self.width() and self.opened < len(files):
@@ -268,20 +270,6 @@ class Sender:
         for cursor in self.cursors:
             cursor.close()
         self.cursors.clear()
-
-
-def map_piece(fd: int, offset: int, length: int) -> np.ndarray:
-    """Bytes [offset, offset+length) of the file, mapped read-only and populated in one
-    call (one fault per piece, not per page). A mapping must start on an allocation
-    boundary: map from the one below `offset`. The mapping goes with the last view of it.
-    `length` > 0 (an empty file has no piece; mmap refuses 0 bytes)."""
-    start = offset - offset % mmap.ALLOCATIONGRANULARITY
-    try:
-        mapping = mmap.mmap(fd, offset + length - start, flags=mmap.MAP_SHARED | POPULATE,
-                            prot=mmap.PROT_READ, offset=start)
-    except ValueError as exc:       # mmap's word for "past the end of the file"
-        raise OSError(errno.EIO, f"shorter than its manifest ({exc})") from None
-    return np.frombuffer(mapping, dtype=np.uint8, count=length, offset=offset - start)
 
 
 def shared_memory_ranks(comm: Any) -> set[int]:
@@ -490,8 +478,10 @@ class Replicator:
                     break           # the feed's give wakes the loop
                 index, offset, data = chunk
                 slot = sender.free.popleft()
-                self.window.put(data, sender.rank, sender.region, slot)
-                sender.release()
+                try:
+                    self.window.put(data, sender.rank, sender.region, slot)
+                finally:
+                    sender.release()    # a fed piece's lease may be waiting for it
                 self.send(sender.rank, Slot(sender.manifest.ckpt, slot, index, offset,
                                             data.nbytes))
                 del data, chunk     # a mapped piece is unmapped with its last view

@@ -56,23 +56,31 @@ from ..fsutil import (
     trainer_mode,
 )
 from ..manifest import PENDING, FileEntry
+from ..mapped import ReadLease
 from ..rules.quiescence import FileState
 
 
 class PieceSink(Protocol):
     """Where a linked file's pieces go as they are hashed (peer/feed.py's `Feed`): the
     capture of a part calls `begin`, then `take`/`give` per piece, `stop` at its end;
-    `waited`: the seconds `take` kept this part's capture waiting for a buffer."""
+    `waited`: the seconds `take` kept this part's capture waiting for a buffer. A piece
+    given `mapped` under a read lease is out until Put; `settle` before letting go."""
     piece: int
+    wait: float
     waited: float
 
     def begin(self, ckpt: str) -> None: ...
 
     def take(self) -> np.ndarray | None: ...
 
-    def give(self, file: int, offset: int, buffer: np.ndarray, length: int) -> None: ...
-
     def stop(self) -> None: ...
+
+    def give(self, file: int, offset: int, buffer: np.ndarray, length: int,
+             mapped: np.ndarray | None = None, lease: ReadLease | None = None) -> None: ...
+
+    def out(self, lease: ReadLease) -> bool: ...
+
+    def settle(self, lease: ReadLease, wait: float = 0.0) -> None: ...
 
 
 OnFile = Callable[[int, FileEntry, Path], None]     # a file copied (or linked): stream it
@@ -114,7 +122,9 @@ class Plan:
 
     link: frozenset[str] = frozenset()
     ranged: bool = False    # copy by copy_file_range (until the kernel refuses it once)
+    lease: bool = False     # a fed linked file is hashed and Put from a leased mapping
     linked: list[str] = field(default_factory=list)
+    leased: list[str] = field(default_factory=list)     # those hashed from a mapping
     refused: str = ""       # why a link asked for was not made (the first refusal)
 
 
@@ -207,17 +217,24 @@ def capture_copy(src: Path, dst: Path, relpaths: Iterable[str], chunk: int = COP
     remove_under(dst.parent, partial)
     makedirs(partial)
     buffer = copy_buffer(chunk)
+    leases = _Leases(sink) if sink is not None and plan.lease else None
     try:
         entries = []
-        for i, rel in enumerate(relpaths):
-            source = sources.get(rel, src / rel)
-            announce = (lambda e, i=i: on_file(i, e, partial)) if on_file and sink else None
-            linked = (_link_one(source, partial, rel, plan, on_bytes,
-                                _Feeding(i, sink, announce) if announce else None)
-                      if rel in plan.link else None)
-            entries.append(linked or _copy_one(source, partial, rel, buffer, on_bytes, plan))
-            if on_file is not None:
-                on_file(i, entries[-1], partial)
+        try:
+            for i, rel in enumerate(relpaths):
+                source = sources.get(rel, src / rel)
+                announce = ((lambda e, i=i: on_file(i, e, partial)) if on_file and sink
+                            else None)
+                feeding = _Feeding(i, sink, announce, leases) if announce and sink else None
+                linked = (_link_one(source, partial, rel, plan, on_bytes, feeding)
+                          if rel in plan.link else None)
+                entries.append(linked or _copy_one(source, partial, rel, buffer, on_bytes,
+                                                   plan))
+                if on_file is not None:
+                    on_file(i, entries[-1], partial)
+        finally:
+            if leases is not None:
+                leases.close()
         fsync_tree(partial)
         remove_under(dst.parent, dst)
         os.rename(partial, dst)
@@ -264,11 +281,46 @@ def _copy(source: Path, target: Path, buffer: mmap.mmap,
     return copy_with_checksum(source, target, on_bytes=on_bytes, buffer=buffer)
 
 
+class _Leases:
+    """The read leases of one part's linked files (mapped.py). Each is let go as soon as
+    no piece under it is out (given and not yet Put), or once a trainer waits to write
+    its file; all of them, their pieces Put or taken back, at the part's end."""
+
+    def __init__(self, sink: PieceSink) -> None:
+        self.sink = sink
+        self.open: list[ReadLease] = []
+
+    def take(self, path: Path, inode: int, size: int) -> ReadLease | None:
+        lease = ReadLease.take(path, inode, size)
+        if lease is not None:
+            self.open.append(lease)
+        return lease
+
+    def sweep(self, current: ReadLease | None) -> None:
+        """Let go of the leases broken, and of those before `current` (the file being
+        hashed) that have no piece out."""
+        for lease in list(self.open):
+            if not lease.held() or lease is not current and not self.sink.out(lease):
+                self._let_go(lease, 0.0)
+
+    def close(self) -> None:
+        for lease in list(self.open):
+            self._let_go(lease, self.sink.wait)
+
+    def _let_go(self, lease: ReadLease, wait: float) -> None:
+        try:
+            self.sink.settle(lease, wait)
+        finally:
+            lease.release()
+            self.open.remove(lease)
+
+
 @dataclass
 class _Feeding:
     index: int
     sink: PieceSink
     announce: Callable[[FileEntry], None]
+    leases: _Leases | None = None
 
 
 def _link_one(source: Path, dst: Path, rel: str, plan: Plan,
@@ -298,7 +350,7 @@ def _link_one(source: Path, dst: Path, rel: str, plan: Plan,
         checksum = file_checksum(target)
     else:
         feeding.announce(FileEntry(rel, before[1], before[3], PENDING))
-        checksum = _checksum_feeding(target, before[1], feeding)
+        checksum = _checksum_feeding(target, before, feeding, plan)
     _check_unchanged(source, before)    # the same inode: a write while hashing shows here
     plan.linked.append(rel)
     if on_bytes:
@@ -306,20 +358,39 @@ def _link_one(source: Path, dst: Path, rel: str, plan: Plan,
     return FileEntry(rel, before[1], before[3], checksum)
 
 
-def _checksum_feeding(path: Path, size: int, feeding: _Feeding) -> str:
-    """The file's checksum, each piece read into one of the sink's buffers and given to
-    it once hashed; without a buffer (the sink stopped) the rest in a buffer of its own."""
-    digest, sink, offset = hasher(), feeding.sink, 0
+def _checksum_feeding(path: Path, before: tuple[int, int, int, int], feeding: _Feeding,
+                      plan: Plan) -> str:
+    """The file's checksum, each piece given to the sink once hashed: a view of the file
+    mapped under a read lease while the lease is held (no copy: the hash and the Put read
+    the page cache in place), else read into one of the sink's buffers; without a buffer
+    (the sink stopped) the rest is read in a buffer of its own."""
+    digest, sink, offset, size = hasher(), feeding.sink, 0, before[1]
+    leases = feeding.leases
+    lease = leases.take(path, before[0], size) if leases is not None else None
+    if lease is not None:
+        plan.leased.append(path.name)
     with open(path, "rb", buffering=0) as handle:
-        while offset < size and (buffer := sink.take()) is not None:
+        while offset < size:
+            if leases is not None:
+                leases.sweep(lease)
+            if (buffer := sink.take()) is None:
+                break
             length = min(sink.piece, size - offset)
-            n = read_hashing(handle, memoryview(buffer)[:length], digest)
-            sink.give(feeding.index, offset, buffer, n)
+            if lease is not None and lease.held():
+                data = lease.piece(offset, length)
+                digest.update(data)
+                sink.give(feeding.index, offset, buffer, length, mapped=data, lease=lease)
+                n = length
+            else:   # positional: mapped pieces before this one moved no file offset
+                handle.seek(offset)
+                n = read_hashing(handle, memoryview(buffer)[:length], digest)
+                sink.give(feeding.index, offset, buffer, n)
             offset += n
             if n < length:
                 break           # shorter than it was: _check_unchanged says so
+        handle.seek(offset)
         with copy_buffer(COPY_CHUNK) as own, memoryview(own) as view:
-            while n := read_hashing(handle, view, digest):
+            while read_hashing(handle, view, digest):
                 pass
     return digest.hexdigest()
 

@@ -36,6 +36,7 @@ from ..handles import Handle, Point, Stage, StageLog, State
 from ..journal import Journal
 from ..layout import NodePaths, ckpt_dir, root_entry
 from ..manifest import PENDING, FileEntry, LocalManifest
+from ..mapped import unusable
 from ..messages import CaptureFailed, FileCaptured
 from ..rules import CommitRule
 from ..rules.base import holds_match
@@ -58,8 +59,9 @@ from .capture import (
 log = logging.getLogger(__name__)
 MEMORY_RESERVE = 1 << 30    # capture by reference when the copy would leave less than this
 CAPTURE_ATTEMPTS = 3        # captures of a part that keeps changing before it fails
-# where, entries, mode, why that mode (or why a link fell back to a copy), files linked
-Captured = tuple[Path, list[FileEntry], str, str, int]
+# where, entries, mode, why that mode (or why a link fell back to a copy), files linked,
+# of those the ones hashed and fed from a mapping under a read lease
+Captured = tuple[Path, list[FileEntry], str, str, int, int]
 
 
 class CaptureHandle(Handle):
@@ -144,7 +146,7 @@ class CaptureWorker:
                                node=self.placement.node, host=self.placement.host,
                                rank=self.placement.rank, files=[])
         feed = self.feed if task.get("path", "peer") == "peer" else None
-        target, entries, mode, reason, linked = self._capture_whole(
+        target, entries, mode, reason, linked, leased = self._capture_whole(
             handle, source, vouched, deadline, self._streamer(handle, header), feed)
         handle.hold(self.placement.node)
         manifest = dataclasses.replace(header, files=entries, captured_at=time.time())
@@ -160,7 +162,7 @@ class CaptureWorker:
         if not handle.set(State.DONE, persist={
                 "source": str(target), "mode": mode, "mode_reason": reason,
                 "linked": linked, "bytes": manifest.bytes, "global_files": candidates},
-                bytes=manifest.bytes, files=len(entries), linked=linked, mode=mode,
+                bytes=manifest.bytes, files=len(entries), linked=linked, leased=leased, mode=mode,
                 reason=reason, duration=duration, fed_wait=fed_wait,
                 write_start=self.first_seen(ckpt), committed_at=task.get("received")):
             return
@@ -263,8 +265,8 @@ class CaptureWorker:
 
     def _capture_once(self, ckpt: str, source: Path, listed: dict[Path, FileState],
                       on_file: OnFile, feed: PieceSink | None = None) -> Captured:
-        """(where the captured bytes are, entries, mode, why that mode, files linked) of
-        one capture."""
+        """(where the captured bytes are, entries, mode, why that mode, files linked, files
+        leased) of one capture."""
         relpaths = sorted(rel for rel in (p.relative_to(source).as_posix() for p in listed)
                           if not self.rule.ignore(rel))
         roots = {root_entry(n): self.paths.spool / n
@@ -285,7 +287,8 @@ class CaptureWorker:
                                        on_file=on_file, plan=plan, sink=feed)
                 if plan.refused:
                     log.warning("capture of %s: %s", ckpt, plan.refused)
-                return target, entries, "copy", plan.refused, len(plan.linked)
+                return (target, entries, "copy", plan.refused, len(plan.linked),
+                        len(plan.leased))
             except OSError as exc:
                 if not is_stage_full(exc):
                     raise
@@ -299,7 +302,7 @@ class CaptureWorker:
         if roots:   # a reference reads the part's directory: spool-root files stay out
             reason += f"; not captured: {', '.join(sorted(p.name for p in roots.values()))}"
         log.warning("capture of %s by reference: %s", ckpt, reason)
-        return source, capture_reference(source, relpaths), "reference", reason, 0
+        return source, capture_reference(source, relpaths), "reference", reason, 0, 0
 
     def _plan(self, ckpt: str, relpaths: list[str], roots: dict[str, Path]) -> Plan:
         """The files to hard-link (stage.capture, the rule, the file systems): those of
@@ -312,7 +315,8 @@ class CaptureWorker:
         if method != "link":    # said when a link was asked for (the captured event)
             return Plan(ranged=ranged, refused=why if setting == "link" else "")
         single = self.rule.is_file_checkpoint(spool, ckpt)
-        return Plan(frozenset(roots if single else relpaths), ranged=ranged)
+        return Plan(frozenset(roots if single else relpaths), ranged=ranged,
+                    lease=self.config.stage.lease and not unusable())
 
 
 def global_candidates(rule: CommitRule, spool: Path, ckpt: str) -> list[str]:

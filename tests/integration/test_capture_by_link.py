@@ -32,7 +32,7 @@ def hold_then_rewrite(c: Cluster, stage: str, also_done: tuple[str, ...] = ()) -
              and stages(c, 0).get("capture") == "done"
              and all(stages(c, 1).get(s) == "done" for s in ("capture", *also_done)), 90,
              f"{stage} running on node 1 after its capture (now {stages(c, 1)})")
-    assert_linked(c)
+    assert_linked(c, fed=stage == "replicate")
     kill_tree(c.agents)
     spooled = c.spool(1) / CKPT / REWRITTEN
     with open(spooled, "r+b") as handle:        # the same inode, other bytes
@@ -40,8 +40,10 @@ def hold_then_rewrite(c: Cluster, stage: str, also_done: tuple[str, ...] = ()) -
     assert (c.stage(1) / CKPT / REWRITTEN).read_bytes() == spooled.read_bytes()
 
 
-def assert_linked(c: Cluster) -> None:
-    """Every file of every node's part is the trainer's inode, linked into the stage."""
+def assert_linked(c: Cluster, fed: bool) -> None:
+    """Every file of every node's part is the trainer's inode, linked into the stage;
+    `fed`: on the peer path (one partner), hashed and Put from a mapping under a read
+    lease (leases are on here), else read."""
     for node, part in PARTS.items():
         for rel in part:
             staged, spooled = (c.stage(node) / CKPT / rel).stat(), (c.spool(node) / CKPT / rel)
@@ -50,6 +52,7 @@ def assert_linked(c: Cluster) -> None:
     # the journal says done just before the event is written
     captured = wait_for(lambda: named(c, 1, "captured"), 30, "node 1's captured event")
     assert captured[0]["linked"] == len(PARTS[1]), captured
+    assert captured[0]["leased"] == (len(PARTS[1]) if fed else 0), captured
 
 
 def assert_replica_refused(c: Cluster) -> None:
