@@ -22,6 +22,23 @@ COPY_CHUNK = 1024 * 1024
 RANGE_CHUNK = 64 * 1024 * 1024
 
 
+class RunningHash:
+    """A file's checksum being computed from its start, and how far it got (`end`): the
+    bytes may be hashed by more than one thread in turn (the capture, then the Put of a
+    fed piece), each continuing where the last stopped, never two at once."""
+
+    def __init__(self) -> None:
+        self.digest = hasher()
+        self.end = 0
+
+    def update(self, data: Any) -> None:
+        self.digest.update(data)
+        self.end += len(memoryview(data))
+
+    def hexdigest(self) -> str:
+        return self.digest.hexdigest()
+
+
 def copy_buffer(size: int = COPY_CHUNK) -> mmap.mmap:
     """A page-aligned buffer for copies: the kernel's copies into and out of it cost
     about a third less CPU than with a bytearray, whose bytes start 16 bytes into a

@@ -18,12 +18,15 @@ serves one partner (`peer.copies = 1`): with several, the buffers would wait for
 slowest of them.
 
 A piece may also be a view of a mapping of the linked file under a read lease
-(mapped.py): the capture hashes the page cache in place and gives that view, with its
-`lease`, and one of the feed's buffers stays with the piece only as the count of pieces
-in flight. `serve` hands out such a piece only while its lease is `held`: once a trainer
-waits to write the file, the piece is read from the file instead. Before the capture
-lets go of a lease it calls `settle`: the pieces not yet served are taken back and the
-one being Put is waited for, so no mapping is touched after its lease is gone.
+(mapped.py), given unhashed with the file's `RunningHash`: the main thread hashes it as
+it Puts it (window.py: each MiB just before its Put, which then reads it from the cache),
+so the owner goes over those bytes once. One of the feed's buffers stays with such a
+piece only as the count of pieces in flight. `serve` hands it out only while its lease is
+`held` (once a trainer waits to write the file, the piece is read from the file instead)
+and only where the hash has got to (`running.end`): the hash stays in the file's order.
+Before the capture lets go of a lease it calls `settle`: the pieces not yet served are
+taken back and the one being Put is waited for, so no mapping is touched after its lease
+is gone, and `running.end` then says how far the Puts hashed; the capture hashes the rest.
 
 The time the capture spends waiting for a buffer (`waited`) is the replication's, not
 the capture's: with the feed the two move at the pace of the slower, and the model must
@@ -42,6 +45,8 @@ from typing import Protocol
 
 import numpy as np
 
+from ..checksum import RunningHash
+
 #: how long the capture waits for a buffer before it hashes on without the feed (the
 #: main thread Puts a piece in a few ms; longer means the replication is behind)
 WAIT = 0.1
@@ -55,10 +60,13 @@ class Lease(Protocol):
 
 
 @dataclass
-class _Piece:
-    data: np.ndarray            # what is Put: the buffer's first bytes, or a mapped view
+class Piece:
+    """A piece the capture gave: Put `data`, hashing it into `running` if that is set."""
+    data: np.ndarray            # the buffer's first bytes, or a mapped view
     buffer: np.ndarray          # the feed's buffer it counts against
+    offset: int = 0
     lease: Lease | None = None  # a mapped view's: touch it only while held
+    running: RunningHash | None = None  # unhashed: the Put hashes it (in the file's order)
 
 
 class Feed:
@@ -69,8 +77,9 @@ class Feed:
         """`piece`: bytes per buffer (the slot); `wake`: ends the main loop's sleep."""
         self.piece, self.wait, self.wake = piece, wait, wake
         self._free = [np.empty(piece, dtype=np.uint8) for _ in range(count)]
-        self._ready: dict[tuple[int, int], _Piece] = {}
-        self._lent: dict[int, _Piece] = {}      # by id of the data served, until released
+        self._ready: dict[tuple[int, int], Piece] = {}
+        self._lent: dict[int, Piece] = {}       # by id of the data served, until released
+        self._progress = 0.0                    # when a piece was last Put
         self._ckpt: str | None = None
         self._feeding = False
         self._cond = threading.Condition()
@@ -99,13 +108,15 @@ class Feed:
         return buffer
 
     def give(self, file: int, offset: int, buffer: np.ndarray, length: int,
-             mapped: np.ndarray | None = None, lease: Lease | None = None) -> None:
+             mapped: np.ndarray | None = None, lease: Lease | None = None,
+             running: RunningHash | None = None) -> None:
         """`buffer[:length]` holds bytes [offset, offset+length) of file `file`, hashed;
-        or `mapped` does, a view under `lease` (`buffer` then only counts the piece)."""
+        or `mapped` does, a view under `lease` (`buffer` then only counts the piece),
+        hashed by its Put into `running` if given."""
         data = buffer[:length] if mapped is None else mapped
         with self._cond:
             if self._feeding:
-                self._ready[(file, offset)] = _Piece(data, buffer, lease)
+                self._ready[(file, offset)] = Piece(data, buffer, offset, lease, running)
             else:
                 self._free.append(buffer)
         self.wake()
@@ -116,20 +127,15 @@ class Feed:
             self._feeding = False
         self.wake()
 
-    def out(self, lease: Lease) -> bool:
-        """A piece given under `lease` is not Put yet (waiting, or being Put)."""
-        with self._cond:
-            return self._out(lease)
-
     def settle(self, lease: Lease, wait: float = 0.0) -> None:
         """No piece under `lease` is out once this returns (let go of the lease then):
-        they are waited for up to `wait` while the lease is held, then those not served
-        are taken back (the replication reads them from the file) and the one being Put
-        is waited for (the main thread's Put of one piece)."""
-        until = time.monotonic() + wait
+        they are waited for while the lease is held and a piece was Put within `wait`,
+        then those not served are taken back (the replication reads them from the file)
+        and the one being Put is waited for (the main thread's Put of one piece)."""
+        began = time.monotonic()
         with self._cond:
             while (self._out(lease) and lease.held()
-                   and (left := until - time.monotonic()) > 0):
+                   and (left := max(began, self._progress) + wait - time.monotonic()) > 0):
                 self._cond.wait(min(left, LOOK))
             for key in [k for k, p in self._ready.items() if p.lease is lease]:
                 self._free.append(self._ready.pop(key).buffer)
@@ -141,19 +147,18 @@ class Feed:
 
     # --------------------------------------------------------------- main thread
     def serve(self, ckpt: str, file: int, offset: int, length: int, pending: bool
-              ) -> np.ndarray | str:
-        """The fed bytes of that piece (Put them, then `release`), or READ (read it from
-        the file: never fed, the feed stopped, or a trainer waits to write the mapped
-        file) or WAIT_FOR_IT (`pending`: the capture is still hashing that file, and
-        feeding)."""
+              ) -> Piece | str:
+        """That piece (Put it, hashing it into its `running` if set, then `release`), or
+        READ (read it from the file: never fed, the feed stopped, or a trainer waits to
+        write the mapped file) or WAIT_FOR_IT (`pending`: the capture is still hashing
+        that file, and feeding)."""
         with self._cond:
             if ckpt == self._ckpt:
                 piece = self._ready.pop((file, offset), None)
-                if piece is not None and piece.data.nbytes == length and (
-                        piece.lease is None or piece.lease.held()):
+                if piece is not None and self._servable(piece, length):
                     self.served += 1
                     self._lent[id(piece.data)] = piece
-                    return piece.data
+                    return piece
                 if piece is not None:
                     self._free.append(piece.buffer)
                     self._cond.notify_all()
@@ -161,10 +166,17 @@ class Feed:
                     return WAIT_FOR_IT
         return READ
 
-    def release(self, data: np.ndarray) -> None:
+    @staticmethod
+    def _servable(piece: Piece, length: int) -> bool:
+        return (piece.data.nbytes == length
+                and (piece.lease is None or piece.lease.held())
+                and (piece.running is None or piece.running.end == piece.offset))
+
+    def release(self, piece: Piece) -> None:
         """A piece from `serve` was Put: its buffer may be filled again."""
         with self._cond:
-            self._free.append(self._lent.pop(id(data)).buffer)
+            self._free.append(self._lent.pop(id(piece.data)).buffer)
+            self._progress = time.monotonic()
             self._cond.notify_all()
 
     def drop(self, ckpt: str) -> None:

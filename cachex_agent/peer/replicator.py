@@ -41,7 +41,7 @@ import logging
 import os
 import socket
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -58,7 +58,7 @@ from ..layout import NodePaths
 from ..manifest import PENDING, FileEntry, LocalManifest
 from ..mapped import map_piece
 from ..messages import Ack, Begin, Credit, End, File, FileCaptured, Slot
-from .feed import READ, WAIT_FOR_IT, Feed
+from .feed import READ, WAIT_FOR_IT, Feed, Piece
 from .partners import incoming
 from .redundancy import replicated
 from .store import ReplicaStore
@@ -143,7 +143,8 @@ class Sender:
     turn: int = 0           # the cursor whose piece goes next
     announced: int = 0      # File messages sent (a stream)
     feed: Feed | None = None        # a stream's linked files, as the capture hashes them
-    fed: np.ndarray | None = None   # the fed piece last returned, until it was Put
+    fed: Piece | None = None        # the fed piece last returned, until it was Put
+    how: str = ""           # where the piece last returned came from: fed, mapped, read
     # queued | sending | ending | waiting (a stream abandoned, for the final manifest)
     # | done | failed
     state: str = "queued"
@@ -196,10 +197,12 @@ class Sender:
             data = self._fed(cursor, entry, length)
             if data is WAIT_FOR_IT:
                 return NOT_READY
+            self.how = "fed"
             if data is None:
                 if cursor.handle is None:
                     self._open(cursor, entry.size)
                 assert cursor.handle is not None
+                self.how = "mapped" if cursor.mapped else "read"
                 data = (map_piece(cursor.handle.fileno(), cursor.offset, length)
                         if cursor.mapped else self._read(cursor, buffer, length))
             chunk = (cursor.file, cursor.offset, data)
@@ -217,7 +220,7 @@ class Sender:
         if isinstance(got, str):
             return None if got == READ else got
         self.fed = got
-        return got
+        return got.data
 
     def release(self) -> None:
         """The piece last returned was Put: a fed buffer goes back to the capture."""
@@ -338,6 +341,8 @@ class Replicator:
         self.results: dict[str, dict[int, str | None]] = {}     # ckpt -> partner -> error
         self.handles: dict[str, ReplicateHandle] = {}           # not ended yet
         self.started: dict[str, float] = {}
+        # bytes Put per checkpoint by where they came from (Sender.how): the event says
+        self.sent_from: dict[str, Counter[str]] = {}
 
     # ----------------------------------------------------------------- owner side
     def replicate(self, manifest: LocalManifest, source: Path, mapped: bool = True
@@ -477,9 +482,12 @@ class Replicator:
                 if chunk is NOT_READY:
                     break           # the feed's give wakes the loop
                 index, offset, data = chunk
+                self.sent_from.setdefault(sender.manifest.ckpt, Counter())[sender.how] += (
+                    data.nbytes)
                 slot = sender.free.popleft()
                 try:
-                    self.window.put(data, sender.rank, sender.region, slot)
+                    self.window.put(data, sender.rank, sender.region, slot,
+                                    sender.fed.running if sender.fed is not None else None)
                 finally:
                     sender.release()    # a fed piece's lease may be waiting for it
                 self.send(sender.rank, Slot(sender.manifest.ckpt, slot, index, offset,
@@ -605,6 +613,7 @@ class Replicator:
             return
         errors = {str(p): e for p, e in results.items() if e}
         duration = time.monotonic() - self.started.pop(manifest.ckpt, time.monotonic())
+        sent_from = dict(self.sent_from.pop(manifest.ckpt, {}))
         del self.results[manifest.ckpt]
         handle = self.handles.pop(manifest.ckpt)
         if errors:
@@ -613,7 +622,7 @@ class Replicator:
             handle.set(state, error="; ".join(errors.values()), errors=errors)
         else:
             handle.set(State.DONE, bytes=manifest.bytes, partners=self.partners,
-                       duration=duration)
+                       duration=duration, sent_from=sent_from)
         self.post(replicated(manifest.ckpt, self.partners, errors, duration))
 
     # --------------------------------------------------------------- partner side

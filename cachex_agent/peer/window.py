@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 from mpi4py import MPI
 
+from ..checksum import COPY_CHUNK, RunningHash
 from ..collective import agree
 from ..errors import OperationError
 
@@ -36,12 +37,22 @@ class ReceiveWindow:
     def displacement(self, region: int, slot: int) -> int:
         return (region * self.slots + slot) * self.slot
 
-    def put(self, data: np.ndarray, target: int, region: int, slot: int) -> None:
-        """Copy `data` (<= one slot) into the target's slot; complete at the target on return."""
+    def put(self, data: np.ndarray, target: int, region: int, slot: int,
+            running: RunningHash | None = None) -> None:
+        """Copy `data` (<= one slot) into the target's slot; complete at the target on
+        return. `running`: also hash `data` into it, each COPY_CHUNK just before it is
+        Put, so that the Put reads it from the cache the hash brought it into (hash and
+        copy cost about one pass over memory, where a hash now and a Put later cost two)."""
         self._check()
-        count = data.nbytes
-        self.win.Put([data, count, MPI.BYTE], target,
-                     [self.displacement(region, slot), count, MPI.BYTE])
+        count, at = data.nbytes, self.displacement(region, slot)
+        if running is None:
+            self.win.Put([data, count, MPI.BYTE], target, [at, count, MPI.BYTE])
+        else:
+            for start in range(0, count, COPY_CHUNK):
+                chunk = data[start:start + COPY_CHUNK]
+                running.update(chunk)
+                self.win.Put([chunk, chunk.nbytes, MPI.BYTE], target,
+                             [at + start, chunk.nbytes, MPI.BYTE])
         self.win.Flush(target)
 
     def view(self, region: int, slot: int, length: int) -> memoryview:

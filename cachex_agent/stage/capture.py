@@ -32,17 +32,17 @@ import stat
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Protocol
+from typing import BinaryIO, Protocol
 
 import numpy as np
 
 from ..checksum import (
     COPY_CHUNK,
+    RunningHash,
     copy_buffer,
     copy_range_with_checksum,
     copy_with_checksum,
     file_checksum,
-    hasher,
     read_hashing,
 )
 from ..errors import OperationError
@@ -64,7 +64,8 @@ class PieceSink(Protocol):
     """Where a linked file's pieces go as they are hashed (peer/feed.py's `Feed`): the
     capture of a part calls `begin`, then `take`/`give` per piece, `stop` at its end;
     `waited`: the seconds `take` kept this part's capture waiting for a buffer. A piece
-    given `mapped` under a read lease is out until Put; `settle` before letting go."""
+    given `mapped` under a read lease is out until Put (which hashes it into `running`);
+    `settle` before letting go of the lease."""
     piece: int
     wait: float
     waited: float
@@ -76,9 +77,8 @@ class PieceSink(Protocol):
     def stop(self) -> None: ...
 
     def give(self, file: int, offset: int, buffer: np.ndarray, length: int,
-             mapped: np.ndarray | None = None, lease: ReadLease | None = None) -> None: ...
-
-    def out(self, lease: ReadLease) -> bool: ...
+             mapped: np.ndarray | None = None, lease: ReadLease | None = None,
+             running: RunningHash | None = None) -> None: ...
 
     def settle(self, lease: ReadLease, wait: float = 0.0) -> None: ...
 
@@ -217,24 +217,17 @@ def capture_copy(src: Path, dst: Path, relpaths: Iterable[str], chunk: int = COP
     remove_under(dst.parent, partial)
     makedirs(partial)
     buffer = copy_buffer(chunk)
-    leases = _Leases(sink) if sink is not None and plan.lease else None
     try:
         entries = []
-        try:
-            for i, rel in enumerate(relpaths):
-                source = sources.get(rel, src / rel)
-                announce = ((lambda e, i=i: on_file(i, e, partial)) if on_file and sink
-                            else None)
-                feeding = _Feeding(i, sink, announce, leases) if announce and sink else None
-                linked = (_link_one(source, partial, rel, plan, on_bytes, feeding)
-                          if rel in plan.link else None)
-                entries.append(linked or _copy_one(source, partial, rel, buffer, on_bytes,
-                                                   plan))
-                if on_file is not None:
-                    on_file(i, entries[-1], partial)
-        finally:
-            if leases is not None:
-                leases.close()
+        for i, rel in enumerate(relpaths):
+            source = sources.get(rel, src / rel)
+            announce = (lambda e, i=i: on_file(i, e, partial)) if on_file and sink else None
+            linked = (_link_one(source, partial, rel, plan, on_bytes,
+                                _Feeding(i, sink, announce) if announce and sink else None)
+                      if rel in plan.link else None)
+            entries.append(linked or _copy_one(source, partial, rel, buffer, on_bytes, plan))
+            if on_file is not None:
+                on_file(i, entries[-1], partial)
         fsync_tree(partial)
         remove_under(dst.parent, dst)
         os.rename(partial, dst)
@@ -281,46 +274,11 @@ def _copy(source: Path, target: Path, buffer: mmap.mmap,
     return copy_with_checksum(source, target, on_bytes=on_bytes, buffer=buffer)
 
 
-class _Leases:
-    """The read leases of one part's linked files (mapped.py). Each is let go as soon as
-    no piece under it is out (given and not yet Put), or once a trainer waits to write
-    its file; all of them, their pieces Put or taken back, at the part's end."""
-
-    def __init__(self, sink: PieceSink) -> None:
-        self.sink = sink
-        self.open: list[ReadLease] = []
-
-    def take(self, path: Path, inode: int, size: int) -> ReadLease | None:
-        lease = ReadLease.take(path, inode, size)
-        if lease is not None:
-            self.open.append(lease)
-        return lease
-
-    def sweep(self, current: ReadLease | None) -> None:
-        """Let go of the leases broken, and of those before `current` (the file being
-        hashed) that have no piece out."""
-        for lease in list(self.open):
-            if not lease.held() or lease is not current and not self.sink.out(lease):
-                self._let_go(lease, 0.0)
-
-    def close(self) -> None:
-        for lease in list(self.open):
-            self._let_go(lease, self.sink.wait)
-
-    def _let_go(self, lease: ReadLease, wait: float) -> None:
-        try:
-            self.sink.settle(lease, wait)
-        finally:
-            lease.release()
-            self.open.remove(lease)
-
-
 @dataclass
 class _Feeding:
     index: int
     sink: PieceSink
     announce: Callable[[FileEntry], None]
-    leases: _Leases | None = None
 
 
 def _link_one(source: Path, dst: Path, rel: str, plan: Plan,
@@ -360,39 +318,57 @@ def _link_one(source: Path, dst: Path, rel: str, plan: Plan,
 
 def _checksum_feeding(path: Path, before: tuple[int, int, int, int], feeding: _Feeding,
                       plan: Plan) -> str:
-    """The file's checksum, each piece given to the sink once hashed: a view of the file
-    mapped under a read lease while the lease is held (no copy: the hash and the Put read
-    the page cache in place), else read into one of the sink's buffers; without a buffer
-    (the sink stopped) the rest is read in a buffer of its own."""
-    digest, sink, offset, size = hasher(), feeding.sink, 0, before[1]
-    leases = feeding.leases
-    lease = leases.take(path, before[0], size) if leases is not None else None
+    """The file's checksum, each piece given to the sink: a view of the file mapped under
+    a read lease while the lease is held (no copy; the Put hashes it as it sends it, so
+    the owner goes over those bytes once), else read into one of the sink's buffers and
+    hashed there; without a buffer (the sink stopped) the rest is read and hashed alone."""
+    sink, size, running, offset = feeding.sink, before[1], RunningHash(), 0
+    lease = ReadLease.take(path, before[0], size) if plan.lease else None
     if lease is not None:
         plan.leased.append(path.name)
     with open(path, "rb", buffering=0) as handle:
-        while offset < size:
-            if leases is not None:
-                leases.sweep(lease)
-            if (buffer := sink.take()) is None:
-                break
-            length = min(sink.piece, size - offset)
-            if lease is not None and lease.held():
-                data = lease.piece(offset, length)
-                digest.update(data)
-                sink.give(feeding.index, offset, buffer, length, mapped=data, lease=lease)
-                n = length
-            else:   # positional: mapped pieces before this one moved no file offset
+        try:
+            while offset < size and (buffer := sink.take()) is not None:
+                length = min(sink.piece, size - offset)
+                if lease is not None and lease.held():
+                    sink.give(feeding.index, offset, buffer, length,
+                              mapped=lease.piece(offset, length), lease=lease,
+                              running=running)
+                    offset += length
+                    continue
+                if lease is not None:       # a writer waits: let go, read from here on
+                    _let_go(lease, sink, 0.0, running, handle, offset)
+                    lease = None
                 handle.seek(offset)
-                n = read_hashing(handle, memoryview(buffer)[:length], digest)
+                n = read_hashing(handle, memoryview(buffer)[:length], running)
                 sink.give(feeding.index, offset, buffer, n)
-            offset += n
-            if n < length:
-                break           # shorter than it was: _check_unchanged says so
-        handle.seek(offset)
+                offset += n
+                if n < length:
+                    break           # shorter than it was: _check_unchanged says so
+        finally:
+            if lease is not None:
+                _let_go(lease, sink, sink.wait, running, handle, offset)
+        handle.seek(running.end)
         with copy_buffer(COPY_CHUNK) as own, memoryview(own) as view:
-            while read_hashing(handle, view, digest):
+            while read_hashing(handle, view, running):
                 pass
-    return digest.hexdigest()
+    return running.hexdigest()
+
+
+def _let_go(lease: ReadLease, sink: PieceSink, wait: float, running: RunningHash,
+            handle: BinaryIO, until: int) -> None:
+    """Release `lease` once no piece under it is out (waited for while they are Put, up
+    to `wait` without progress), having hashed what the Puts did not, up to `until`, by
+    reading (a waiting trainer goes on only after)."""
+    try:
+        sink.settle(lease, wait)
+        handle.seek(running.end)
+        with copy_buffer(COPY_CHUNK) as own, memoryview(own) as view:
+            while running.end < until and read_hashing(
+                    handle, view[:min(len(view), until - running.end)], running):
+                pass
+    finally:
+        lease.release()
 
 
 def _special_bits(path: Path) -> bool:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from cachex_agent.manifest import PENDING
-from cachex_agent.peer.feed import READ, WAIT_FOR_IT, Feed
+from cachex_agent.peer.feed import READ, WAIT_FOR_IT, Feed, Piece
 from cachex_agent.stage.capture import Plan, capture_copy, list_files
 
 pytestmark = pytest.mark.timeout(60)
@@ -47,7 +47,8 @@ def test_pieces_come_in_the_captures_buffers_and_go_back_once_put():
     feed.give(0, 0, first, 10)
     assert wake.count == 1
     got = feed.serve("c1", 0, 0, 10, pending=True)
-    assert isinstance(got, np.ndarray) and got.nbytes == 10 and (got == 7).all()
+    assert isinstance(got, Piece) and got.data.nbytes == 10 and (got.data == 7).all()
+    assert got.running is None          # hashed by the capture already
     assert feed.serve("c1", 0, 10, 5, pending=True) == WAIT_FOR_IT     # not hashed yet
     assert feed.serve("c1", 0, 10, 5, pending=False) == READ            # hashed: read it
     assert feed.serve("c2", 0, 0, 10, pending=True) == READ             # another part
@@ -70,7 +71,7 @@ def test_a_capture_waits_for_a_buffer_at_most_wait_then_goes_on_without_the_feed
     assert feed.take() is None          # stopped for this part: no second wait
     assert feed.serve("c1", 0, PIECE, 5, pending=True) == READ
     # what was fed before it stopped is still served
-    assert isinstance(feed.serve("c1", 0, 0, PIECE, pending=True), np.ndarray)
+    assert isinstance(feed.serve("c1", 0, 0, PIECE, pending=True), Piece)
 
 
 def test_a_buffer_waited_for_is_handed_over_when_the_piece_is_put():
@@ -84,7 +85,7 @@ def test_a_buffer_waited_for_is_handed_over_when_the_piece_is_put():
     thread.start()
     time.sleep(0.05)
     piece = feed.serve("c1", 0, 0, PIECE, pending=True)
-    assert isinstance(piece, np.ndarray)
+    assert isinstance(piece, Piece)
     feed.release(piece)
     thread.join(5)
     assert taken and taken[0] is buffer
@@ -149,8 +150,8 @@ def test_a_fed_capture_announces_each_linked_file_before_and_after_its_hash(tmp_
                     if (index, offset) in pieces:
                         continue
                     got = feed.serve("step_1", index, offset, length, pending=True)
-                    if isinstance(got, np.ndarray):
-                        pieces[(index, offset)] = got.tobytes()
+                    if isinstance(got, Piece):
+                        pieces[(index, offset)] = got.data.tobytes()
                         feed.release(got)
             time.sleep(0.001)
     thread = threading.Thread(target=replicate)
