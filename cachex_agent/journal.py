@@ -98,6 +98,9 @@ class Journal:
         self._lock = threading.Lock()
         self._written = 0               # bytes this process wrote here (`written`)
         self._counted = threading.Lock()
+        # the local manifests this process saved or read (only it writes them): the
+        # node's every decision looks at one, so it is parsed once, not per event
+        self._manifests: dict[str, LocalManifest] = {}
         self.entries: dict[str, dict[str, Any]] = self._load(JOURNAL_STATE).get("ckpts", {})
         self._check(root / JOURNAL_STATE, places)
 
@@ -163,6 +166,7 @@ class Journal:
                 self.entries.pop(ckpt, None)
             self._save()
             for ckpt in ckpts:
+                self._manifests.pop(ckpt, None)
                 local_manifest_path(self.root, ckpt).unlink(missing_ok=True)
 
     def _save(self) -> None:
@@ -171,10 +175,17 @@ class Journal:
 
     def save_manifest(self, manifest: LocalManifest) -> None:
         self._add(manifest.save(local_manifest_path(self.root, manifest.ckpt)))
+        self._manifests[manifest.ckpt] = manifest
 
     def manifest(self, ckpt: str) -> LocalManifest | None:
+        """This node's manifest of `ckpt` (shared: callers do not change it)."""
+        if (known := self._manifests.get(ckpt)) is not None:
+            return known
         path = local_manifest_path(self.root, ckpt)
-        return LocalManifest.load(path, ckpt) if path.exists() else None
+        if not path.exists():
+            return None
+        manifest = self._manifests[ckpt] = LocalManifest.load(path, ckpt)
+        return manifest
 
     def digest(self, ckpt: str) -> ManifestDigest | None:
         """The global manifest's digest this node heard (checked when the journal loads)."""
