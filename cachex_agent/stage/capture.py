@@ -308,7 +308,7 @@ def _link_one(source: Path, dst: Path, rel: str, plan: Plan,
         checksum = file_checksum(target)
     else:
         feeding.announce(FileEntry(rel, before[1], before[3], PENDING))
-        checksum = _checksum_feeding(target, before, feeding, plan)
+        checksum = _checksum_feeding(target, rel, before, feeding, plan)
     _check_unchanged(source, before)    # the same inode: a write while hashing shows here
     plan.linked.append(rel)
     if on_bytes:
@@ -316,8 +316,8 @@ def _link_one(source: Path, dst: Path, rel: str, plan: Plan,
     return FileEntry(rel, before[1], before[3], checksum)
 
 
-def _checksum_feeding(path: Path, before: tuple[int, int, int, int], feeding: _Feeding,
-                      plan: Plan) -> str:
+def _checksum_feeding(path: Path, rel: str, before: tuple[int, int, int, int],
+                      feeding: _Feeding, plan: Plan) -> str:
     """The file's checksum, each piece given to the sink: a view of the file mapped under
     a read lease while the lease is held (no copy; the Put hashes it as it sends it, so
     the owner goes over those bytes once), else read into one of the sink's buffers and
@@ -325,7 +325,7 @@ def _checksum_feeding(path: Path, before: tuple[int, int, int, int], feeding: _F
     sink, size, running, offset = feeding.sink, before[1], RunningHash(), 0
     lease = ReadLease.take(path, before[0], size) if plan.lease else None
     if lease is not None:
-        plan.leased.append(path.name)
+        plan.leased.append(rel)
     with open(path, "rb", buffering=0) as handle:
         try:
             while offset < size and (buffer := sink.take()) is not None:
