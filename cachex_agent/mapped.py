@@ -52,16 +52,20 @@ def map_piece(fd: int, offset: int, length: int) -> np.ndarray:
     return np.frombuffer(mapping, dtype=np.uint8, count=length, offset=offset - start)
 
 
+def _sigio_ends_us() -> bool:
+    return signal.getsignal(signal.SIGIO) == signal.SIG_DFL
+
+
 def prepare() -> None:
     """Main thread, before any capture: a lease break's SIGIO is ignored (its default
     would end the agent), so that leases may be used. A handler already set is kept."""
-    if signal.getsignal(signal.SIGIO) == signal.SIG_DFL:
+    if _sigio_ends_us():
         signal.signal(signal.SIGIO, signal.SIG_IGN)
 
 
 def unusable() -> str:
     """Why no read lease is taken in this process ('' when they may be)."""
-    if signal.getsignal(signal.SIGIO) == signal.SIG_DFL:
+    if _sigio_ends_us():
         return "SIGIO would end the agent (mapped.prepare not called)"
     try:
         enabled = (_PROC / "leases-enable").read_text().strip()
@@ -88,7 +92,7 @@ class ReadLease:
         """A lease on `path` if it is still that inode of that size; None when refused
         (a writer has it open, another user's file, a file system without leases), and
         always while a break's SIGIO would end the process (`prepare`)."""
-        if signal.getsignal(signal.SIGIO) == signal.SIG_DFL:
+        if _sigio_ends_us():
             return None
         try:
             fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)

@@ -78,7 +78,7 @@ class Feed:
         self.piece, self.wait, self.wake = piece, wait, wake
         self._free = [np.empty(piece, dtype=np.uint8) for _ in range(count)]
         self._ready: dict[tuple[int, int], Piece] = {}
-        self._lent: dict[int, Piece] = {}       # by id of the data served, until released
+        self._lent: dict[int, Piece] = {}       # by id, served until released
         self._progress = 0.0                    # when a piece was last Put
         self._ckpt: str | None = None
         self._feeding = False
@@ -157,7 +157,7 @@ class Feed:
                 piece = self._ready.pop((file, offset), None)
                 if piece is not None and self._servable(piece, length):
                     self.served += 1
-                    self._lent[id(piece.data)] = piece
+                    self._lent[id(piece)] = piece
                     return piece
                 if piece is not None:
                     self._free.append(piece.buffer)
@@ -175,7 +175,7 @@ class Feed:
     def release(self, piece: Piece) -> None:
         """A piece from `serve` was Put: its buffer may be filled again."""
         with self._cond:
-            self._free.append(self._lent.pop(id(piece.data)).buffer)
+            self._free.append(self._lent.pop(id(piece)).buffer)
             self._progress = time.monotonic()
             self._cond.notify_all()
 

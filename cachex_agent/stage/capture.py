@@ -348,10 +348,7 @@ def _checksum_feeding(path: Path, rel: str, before: tuple[int, int, int, int],
         finally:
             if lease is not None:
                 _let_go(lease, sink, sink.wait, running, handle, offset)
-        handle.seek(running.end)
-        with copy_buffer(COPY_CHUNK) as own, memoryview(own) as view:
-            while read_hashing(handle, view, running):
-                pass
+        _hash_from(handle, running)
     return running.hexdigest()
 
 
@@ -362,13 +359,19 @@ def _let_go(lease: ReadLease, sink: PieceSink, wait: float, running: RunningHash
     reading (a waiting trainer goes on only after)."""
     try:
         sink.settle(lease, wait)
-        handle.seek(running.end)
-        with copy_buffer(COPY_CHUNK) as own, memoryview(own) as view:
-            while running.end < until and read_hashing(
-                    handle, view[:min(len(view), until - running.end)], running):
-                pass
+        _hash_from(handle, running, until)
     finally:
         lease.release()
+
+
+def _hash_from(handle: BinaryIO, running: RunningHash, until: int | None = None) -> None:
+    """Read and hash the file from where `running` got to, up to `until` (the end)."""
+    handle.seek(running.end)
+    with copy_buffer(COPY_CHUNK) as own, memoryview(own) as view:
+        while until is None or running.end < until:
+            left = len(view) if until is None else min(len(view), until - running.end)
+            if not read_hashing(handle, view[:left], running):
+                break
 
 
 def _special_bits(path: Path) -> bool:
