@@ -30,7 +30,7 @@ import time
 from dataclasses import replace
 from typing import Any, NoReturn
 
-from . import mapped
+from . import mapped, relay
 from . import node_policy as policy
 from . import node_setup as setup
 from .collective import agree
@@ -41,6 +41,7 @@ from .executor import Executor
 from .flush.flusher import Flusher
 from .inbox import Inbox, exit_watchdog
 from .layout import pfs_events_path
+from .liveness import OwnClock, Watch, beat_period
 from .messages import (
     PEER,
     TO_COORDINATOR,
@@ -99,18 +100,23 @@ class Agent:
         self._active = time.monotonic()     # when the main loop last had something to do
         self.ranks_by_node = ranks = setup.ranks_by_node(comm, self.node)
         self.node_of_rank = {r: n for n, r in enumerate(ranks)}
+        # silence is judged on this clock, net of this process's own stalls
+        self.clock = OwnClock()
+        self.watch = Watch(self.node, config.agent.timeout, self.clock.now)
+        self.watch.expect(relay.children(self.node, len(ranks), config.agent.fanout))
+        self._beat, self._sent_up = beat_period(config.agent.timeout), self.clock.now()
         self.uplink = Uplink(self.node, len(ranks), config.agent.fanout)
         self.pump = MessagePump(comm, ranks, self.node, self._dispatch, self.events,
-                                on_route=self.uplink.follow)
+                                on_route=self._follow)
         replicator = agree(comm, "peer set-up", lambda: setup.make_replicator(
             comm, config, place, paths, ranks, self.stages, self.pump.send_peer,
-            self.inbox.put, self.inbox.wake, len(self.cpus)))
+            self.inbox.put, self.inbox.wake, len(self.cpus), self.clock.now))
         self.protector: Protector | None = replicator or start_encoder(
             comm, config, groups, self.node, paths, self.stages, self.inbox.put)
         self.coordinator = agree(comm, "coordinator", lambda: Coordinator(
             config, ranks, self.journal, paths.pfs, self.events, self.pump.send,
             can_replicate=self.protector is not None, wake=self.inbox.wake,
-            events_copy=self.events_copy, forward=self.pump.forward,
+            events_copy=self.events_copy, forward=self.pump.forward, clock=self.clock.now,
             holders=setup.holders(config, place), generation=self.run_lock.generation)
             if self.rank == 0 else None)
         self.globals = GlobalFiles(comm, paths.journal, self.pump.send_peer,
@@ -143,6 +149,8 @@ class Agent:
         try:
             while not self.exit_now:
                 self.turns += 1
+                if stall := self.clock.tick():
+                    self._stalled(stall)
                 if self._step():
                     self._active = time.monotonic()
                 self.inbox.wait(self._tick())
@@ -193,6 +201,8 @@ class Agent:
             self.coordinator.tick()
         self.stops.check()
         if self.work.draining:
+            if self.protector is not None:
+                self.protector.give_up_on_suspects()
             self.work.drained(busy=not self.inbox.empty() or self._replicating())
             if time.monotonic() > self.work.drain_deadline + 2 * self.config.agent.timeout:
                 log.error("no exit from the coordinator after the drain; leaving")
@@ -200,6 +210,23 @@ class Agent:
         sending = self.pump.test()
         return (bool(moved) or sending or self.parts.capture.busy() or self.work.draining
                 or self._replicating())
+
+    def _stalled(self, seconds: float) -> None:
+        """This process stood still: its peers' silence meanwhile is not theirs (the
+        clock leaves the stall out); tell the parent at once that it is back."""
+        log.warning("node %d: this agent's main loop was stopped for %.1fs; that time is"
+                    " not counted against its peers", self.node, seconds)
+        self.events.emit("stalled", seconds=round(seconds, 3))
+        self._sent_up = float("-inf")
+
+    def _follow(self, route: relay.Route) -> None:
+        """Every relay frame's route: the uplink's parent and the watched children follow
+        the tree's changes (on node 0, the nodes left out report to it directly)."""
+        self.uplink.follow(route)
+        if route.kind == "tree":
+            nodes, fanout = len(self.ranks_by_node), self.config.agent.fanout
+            children = relay.children(self.node, nodes, fanout, route.skip)
+            self.watch.expect([*children, *(route.skip if self.node == 0 else ())])
 
     def _replicating(self) -> bool:
         return self.globals.busy() or (self.protector is not None and self.protector.busy())
@@ -214,19 +241,25 @@ class Agent:
             self.uplink.add(wire(report))
 
     def _send_up(self) -> None:
-        """The reports due (uplink.py): one batch to this node's parent; on node 0, to
-        the coordinator in this process."""
-        if not (reports := self.uplink.due()):
-            return
+        """The reports due (uplink.py): one batch to this node's parent, an empty one
+        every beat if nothing else went (so the parent can tell slow from silent,
+        liveness.py); on node 0, to the coordinator in this process."""
+        for silence in self.watch.silent():
+            self._report(silence)
+        reports = self.uplink.due()
         if self.coordinator:
             for report in reports:
                 self.coordinator.handle(report["node"], report)
-        else:
+            return
+        now = self.clock.now()
+        if reports or now - self._sent_up >= self._beat:
+            self._sent_up = now
             self.pump.send(self.ranks_by_node[self.uplink.parent],
                            {"type": "batch", "node": self.node, "reports": reports})
 
     def _dispatch(self, source: int, msg: Any) -> None:
         """One message from another agent to the part of this one that takes it."""
+        self._heard(self.node_of_rank[source])
         if isinstance(msg, dict) and msg["type"] == "batch":   # a child's, on its way up
             if not all([self.uplink.add(report) for report in msg["reports"]]):
                 self.events.emit("refused", error=f"report from rank {source} names"
@@ -247,6 +280,13 @@ class Agent:
             self.work.execute(policy.on_drain(msg))
         elif not isinstance(msg, Reroute):      # the frame's route was the news
             self.work.decide(msg)
+
+    def _heard(self, node: int) -> None:
+        """Anything from `node` itself shows it runs: a watched child's silence ended."""
+        if (back := self.watch.heard(node)) is not None:
+            self._report(back)
+        if self.coordinator:
+            self.coordinator.heard(node)
 
     def _drain_inbox(self) -> int:
         """Forward or handle the worker threads' messages; return how many."""

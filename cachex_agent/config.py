@@ -474,7 +474,17 @@ class Agent:
     poll: float = key(0.02, _duration(1e-3), "Main loop tick; 100ms after 2s with nothing to do.")
     timeout: float = key(60.0, _duration(1.0),
                          "Bound on every wait for another agent (credits, collectives, recovery"
-                         " transfers); a partner silent this long is taken for dead.")
+                         " transfers). A node silent this long, by the clock of whoever waited"
+                         " net of its own stalls, is suspect: routed around and named in"
+                         " status, taken back when it speaks (docs/levels.md, slow versus"
+                         " dead).")
+    dead_after: float = key(300.0, _duration(1.0),
+                            "A suspect node still silent this long is taken for dead: its"
+                            " partners stop waiting and send it nothing more in this run. At"
+                            " least `agent.timeout`. 5 min, as Slurm's default SlurmdTimeout"
+                            " before it marks a node DOWN: longer than a Lustre client's"
+                            " reconnect (obd_timeout 100 s) or a swap storm, so a stalled"
+                            " node is waited for and a lost one still let go.")
     log: str = key("info", _choice("debug", "info", "warning", "error"), "Log level.")
     fanout: int = key(16, _int(2, 1024),
                       "Children per agent in the tree that carries the coordinator's messages to"
@@ -745,6 +755,10 @@ def _build(flat: Mapping[str, Any], source: str, environ: Mapping[str, str]) -> 
     built = {name: cls(**sections[name]) for name, cls in _SECTIONS.items()}
     config = Config(run=run, source=source, **built)
     check_scheme(config.peer)
+    if config.agent.dead_after < config.agent.timeout:
+        raise ConfigError(f"agent.dead_after: {_format_duration(config.agent.dead_after)} is"
+                          f" shorter than agent.timeout"
+                          f" ({_format_duration(config.agent.timeout)})")
     check_paths(config.node_paths(0))   # the agent checks its own node's rendering too
     return config
 

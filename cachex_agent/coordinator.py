@@ -54,6 +54,7 @@ from .decisions import (
     Emit,
     Finalize,
     FinalizeDone,
+    Heard,
     Hold,
     Log,
     NodeRecord,
@@ -70,6 +71,7 @@ from .decisions import (
     decide,
     index_rows,
     notes,
+    silent_rows,
     state_text,
     status_rows,
 )
@@ -193,6 +195,11 @@ class Coordinator:
             self._report(report_of({**msg, "node": node}, f"report of node {node}", now))
         except UnsafeInput as exc:
             log.warning("coordinator: refused %s", exc)
+
+    def heard(self, node: int) -> None:
+        """Node 0's agent received a message from `node` itself: a suspect is back."""
+        if 0 <= node < self.nodes and self.state.nodes[node].skipped:
+            self._apply(Heard(self.clock(), node))
 
     def _report(self, report: Report) -> None:
         if not 0 <= report.node < self.nodes:
@@ -380,6 +387,7 @@ class Coordinator:
                               "period": HEARTBEAT}, **extra,
                 "redundancy": redundancy_of(self.config).status(self.nodes),
                 "notes": notes(self.state),
+                "silent": silent_rows(self.state, self.clock(), self.config.agent.fanout),
                 "checkpoints": self.forecasts.annotate(status_rows(self.state))}
 
     def write_status(self) -> None:

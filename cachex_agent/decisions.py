@@ -35,6 +35,8 @@ Protocol (agent <-> coordinator):
   coord  -> all    drain       finish pending work, then report `drained`
   coord  -> all    exit        every agent drained (or the drain timed out)
   agent  -> coord  unprotected committed checkpoints an agent found at start and left
+  agent  -> coord  silence     a node that reports to it (or a partner) is silent past
+                               agent.timeout: suspect (routed around), or speaks again
 
 A level is recorded only when every node's part holds it; the global manifest is
 written last, after every bundle is durable, and only then is the index updated.
@@ -46,7 +48,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from . import layout
+from . import layout, relay
 from .fsutil import compact_json
 from .index import Row, state_of_level
 from .manifest import GlobalManifest, LocalManifest, ManifestDigest
@@ -69,6 +71,7 @@ from .messages import (  # the agents' reports are this function's events as the
     Protected,
     Replicated,
     Reroute,
+    Silence,
     Stop,
     Unprotected,
 )
@@ -163,16 +166,21 @@ class CheckpointRecord:
 
 @dataclass(slots=True)
 class NodeRecord:
-    """One agent as the coordinator knows it."""
+    """One agent as the coordinator knows it. Slow is not dead (liveness.py): a node
+    silent past agent.timeout, by the clock of whoever waited on it, is `suspect` (since
+    that time on the coordinator's clock) and left out of the tree until it is heard
+    again; `dead` only when a partner waited agent.dead_after. Node 0 is neither: it is
+    the coordinator's own process."""
     rank: int
     drained: bool = False
-    dead: bool = False          # a partner found it unresponsive
-    silent: bool = False        # missed a capture deadline, nothing heard since
+    dead: bool = False          # a partner waited agent.dead_after for it
+    suspect: float | None = None    # since when (this clock) it is silent, as reported
+    holds: dict[str, int] = field(default_factory=dict)     # what waits on it: by whom
 
     @property
     def skipped(self) -> bool:
         """Left out of the broadcast tree (relay.py): its children would hear nothing."""
-        return self.dead or self.silent
+        return self.dead or self.suspect is not None
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,6 +219,13 @@ class CoordinatorState:
 class Tick:
     now: float
     wall: float | None = None   # the wall clock at `now`, for the times recorded
+
+
+@dataclass(frozen=True, slots=True)
+class Heard:
+    """Node 0's agent received a message from `node` itself (not relayed)."""
+    now: float
+    node: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -322,9 +337,6 @@ Effects = list[Any]
 # --------------------------------------------------------------------- decisions
 def decide(state: CoordinatorState, event: Any) -> tuple[CoordinatorState, Effects]:
     out: Effects = []
-    node = getattr(event, "node", None)
-    if node is not None and 0 <= node < len(state.nodes):
-        state.nodes[node].silent = False    # heard from: back in the broadcast tree
     _HANDLERS[type(event)](state, event, out)
     state.dirty = state.dirty or not isinstance(event, Tick)
     return state, out
@@ -419,9 +431,12 @@ def _on_captured(s: CoordinatorState, e: Captured, out: Effects) -> None:
 
 
 def _on_replicated(s: CoordinatorState, e: Replicated, out: Effects) -> None:
-    newly = [d for d in e.dead if 0 <= d < len(s.nodes) and not s.nodes[d].dead]
+    # never node 0: this process is alive, whatever a partner saw during its stall
+    newly = [d for d in e.dead if 0 < d < len(s.nodes) and not s.nodes[d].dead]
     for dead in newly:
         s.nodes[dead].dead = True
+        out.append(Log("error", f"node {dead} taken for dead: node {e.node}'s replication"
+                                f" waited agent.dead_after for it"))
     if newly:           # the reports that went to a dead parent come again by others
         out.append(Broadcast(Reroute()))
     record = s.ckpts.get(e.ckpt)
@@ -563,7 +578,7 @@ def _on_tick(s: CoordinatorState, e: Tick, out: Effects) -> None:
         if record.level == "written" and e.now > record.deadline:
             missing = sorted(set(range(nodes)) - {int(n) for n in record.captured})
             for node in missing:
-                s.nodes[node].silent = node != 0
+                _suspect(s, node, e.now, f"capture of {record.id}", 0, out)
             _fail(s, record, f"nodes {missing} did not capture within"
                              f" {s.settings.commit_timeout:.0f}s", out)
         elif record.level in ("captured", "replicated") and len(record.flushed) == nodes:
@@ -576,6 +591,55 @@ def _on_tick(s: CoordinatorState, e: Tick, out: Effects) -> None:
         out.append(WriteStatus())
         s.dirty = False
         s.last_status = e.now
+
+
+def _on_silence(s: CoordinatorState, e: Silence, out: Effects) -> None:
+    """Node `e.node` waited on `e.peer` for `e.seconds` (its clock, net of its own
+    stalls), or heard it again."""
+    if not 0 <= e.peer < len(s.nodes):
+        return
+    if e.ended:
+        _heard(s, e.peer, e.now, out)
+    else:
+        _suspect(s, e.peer, e.now - e.seconds, e.holds, e.node, out)
+
+
+def _on_heard(s: CoordinatorState, e: Heard, out: Effects) -> None:
+    if 0 <= e.node < len(s.nodes):
+        _heard(s, e.node, e.now, out)
+
+
+def _suspect(s: CoordinatorState, node: int, since: float, holds: str, by: int,
+             out: Effects) -> None:
+    """Silent past agent.timeout: left out of the tree (its children report through
+    others, it gets every frame directly) and named in status; not dead."""
+    if node == 0:       # the coordinator's own node: what its partner saw was its stall
+        return
+    record = s.nodes[node]
+    record.holds.setdefault(holds, by)
+    if record.suspect is not None or record.dead:
+        return
+    record.suspect = since
+    s.dirty = True
+    out.append(Log("warning", f"node {node} silent (by node {by}'s clock) past"
+                              f" agent.timeout: suspect, routed around; holds up {holds}"))
+    out.append(Emit("node_suspect", {"node": node, "by": by, "holds": holds}))
+    out.append(Broadcast(Reroute()))    # its subtree's reports go around it from now
+
+
+def _heard(s: CoordinatorState, node: int, now: float, out: Effects) -> None:
+    """A suspect (or dead) node speaks: taken back; the next frame's tree has it."""
+    record = s.nodes[node]
+    if record.suspect is None and not record.dead:
+        return
+    silent = now - record.suspect if record.suspect is not None else None
+    was = "dead" if record.dead else "suspect"
+    record.suspect, record.dead, record.holds = None, False, {}
+    s.dirty = True
+    out.append(Log("info", f"node {node} ({was}) speaks again"
+                           + (f" after {silent:.0f}s" if silent is not None else "")))
+    out.append(Emit("node_back", {"node": node, "was": was,
+                                  "seconds": round(silent, 3) if silent else None}))
 
 
 def _on_finalize_done(s: CoordinatorState, e: FinalizeDone, out: Effects) -> None:
@@ -689,7 +753,8 @@ def _exit(s: CoordinatorState, why: str, out: Effects) -> None:
     s.phase = "stopped"
     out.append(Emit("exit", {"reason": why}))
     out.append(Log("info", f"coordinator: {why}; agents exit"))
-    out.append(Broadcast(Exit([n for n, node in enumerate(s.nodes) if node.dead])))
+    # a suspect agent cannot join the window's collective free either
+    out.append(Broadcast(Exit([n for n, node in enumerate(s.nodes) if node.skipped])))
     out.append(WriteStatus())
 
 
@@ -708,7 +773,7 @@ _HANDLERS: dict[type, Callable[[CoordinatorState, Any, Effects], None]] = {
     Replicated: _on_replicated, Flushed: _on_flushed, FlushError: _on_flush_error,
     Progress: _on_progress, Evicted: _on_evicted, Unprotected: _on_unprotected,
     Stop: _on_stop, Drained: _on_drained, Tick: _on_tick, PathChosen: _on_path_chosen,
-    FinalizeDone: _on_finalize_done}
+    FinalizeDone: _on_finalize_done, Silence: _on_silence, Heard: _on_heard}
 
 
 # ----------------------------------------------------------- views of the state
@@ -739,6 +804,39 @@ def index_rows(s: CoordinatorState) -> list[Row]:
 def notes(s: CoordinatorState) -> list[str]:
     """What agents left unprotected, unless another node's marker committed it since."""
     return [u["note"] for u in s.unprotected if not all(c in s.ckpts for c in u["ckpts"])]
+
+
+def silent_rows(s: CoordinatorState, now: float, fanout: int) -> list[dict[str, Any]]:
+    """Every suspect or dead node: for how long (this clock), who found it, and what
+    waits on it: the next level of each checkpoint in flight it has not reported, the
+    reports of the subtree it relays (now sent around it), its partners' replication."""
+    skip = tuple(n for n, node in enumerate(s.nodes) if node.skipped)
+    rows = []
+    for n, node in enumerate(s.nodes):
+        if not node.skipped:
+            continue
+        others = tuple(x for x in skip if x != n)
+        rows.append({"node": n, "state": "dead" if node.dead else "suspect",
+                     "seconds": round(now - node.suspect, 1) if node.suspect is not None
+                     else None, "by": sorted(set(node.holds.values())),
+                     "holds": sorted(node.holds),
+                     "relays_for": relay.children(n, len(s.nodes), fanout, others),
+                     "subtree": relay.subtree(n, len(s.nodes), fanout, others) - 1,
+                     "waiting": [f"{r.id} {level}" for r in s.ckpts.values()
+                                 if (level := _held_level(r, n)) is not None]})
+    return rows
+
+
+def _held_level(r: CheckpointRecord, node: int) -> str | None:
+    """The level of an in-flight checkpoint that waits on `node`'s report, if any."""
+    if r.level not in IN_FLIGHT:
+        return None
+    for level in LEVELS[LEVELS.index(r.level) + 1:]:
+        if level == "flushed" and not r.flush:
+            return None
+        if level in NODE_MAPS and str(node) not in getattr(r, level):
+            return level
+    return None
 
 
 def status_rows(s: CoordinatorState) -> list[dict[str, Any]]:

@@ -324,6 +324,19 @@ class Drained(Report):
     unflushed: list[str] = field(default_factory=list)
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Silence(Report):
+    """Node `peer` has sent this node nothing for `seconds` (this node's clock, net of
+    its own stalls: liveness.py), past `agent.timeout`; `holds`: what of this node's
+    waits on it (`reports` of a relay's subtree, `replication` to a partner). `ended`:
+    it spoke again after such a report."""
+    TYPE: ClassVar[str] = "silence"
+    peer: int
+    seconds: float
+    ended: bool = False
+    holds: str = ""
+
+
 @dataclass(frozen=True, slots=True)
 class FileCaptured:
     """Inside one agent: the capture thread copied file `index` of a part into
@@ -350,7 +363,7 @@ PEER: dict[str, type] = {c.TYPE: c for c in (
     Begin, File, Slot, End, Credit, Ack, GlobalFile)}
 REPORTS: dict[str, type] = {c.TYPE: c for c in (
     Marker, Captured, CaptureFailed, Replicated, Flushed, FlushError, Progress, Evicted,
-    Unprotected, Stop, Drained)}
+    Unprotected, Stop, Drained, Silence)}
 TO_COORDINATOR = frozenset(REPORTS)
 MAX_BATCH = 1 << 20      # reports in one batch: every node of a 100,000-node job, ten times
 MAX_SAMPLES = 64         # durations in a reduced report (uplink.SAMPLES sends 8)
@@ -617,7 +630,8 @@ _REPORT_FIELDS: dict[str, Check] = {
                                                       "global file path"),
     "bundle": lambda v, _n, what: relative_path(v, what),
     "ckpts": _ckpts, "unflushed": _ckpts, "dead": _nodes, "partners": _nodes,
-    "ok": _flag, "adopted": _flag, "final": _flag,
+    "ok": _flag, "adopted": _flag, "final": _flag, "ended": _flag,
+    "peer": lambda v, _n, what: index(v, what), "seconds": _seconds, "holds": _text,
     "error": _text, "reason": _text, "note": _text, "mode": _text, "stage": _text,
     "rule": _text_or_none, "token": _text_or_none, "errors": _errors,
     "duration": _seconds, "fed_wait": _seconds, "retry_in": _seconds,

@@ -116,8 +116,8 @@ def clear_stale(paths: NodePaths, node: int, coordinator: bool, events: EventLog
 
 def make_replicator(comm: Any, config: Config, placement: Placement, paths: NodePaths,
                     ranks: list[int], stages: StageLog, send_peer: Callable[..., None],
-                    post: Callable[[Any], None], wake: Callable[[], None], cpus: int
-                    ) -> Replicator | None:
+                    post: Callable[[Any], None], wake: Callable[[], None], cpus: int,
+                    clock: Callable[[], float]) -> Replicator | None:
     """Collective (the window): every rank takes the same decision from the config."""
     pmap = replication_map(config, list(placement.hosts))
     if pmap is None or not redundancy_of(config).replicas:
@@ -128,7 +128,7 @@ def make_replicator(comm: Any, config: Config, placement: Placement, paths: Node
     feed = Feed(config.peer.slot, wake=wake) if len(pmap[placement.node]) == 1 else None
     return Replicator(comm, placement.node, pmap, ranks, config, paths, stages.events,
                       send_peer, post, stages, wake=wake, feed=feed,
-                      streams=streams(config.peer.streams, cpus))
+                      streams=streams(config.peer.streams, cpus), clock=clock)
 
 
 def committed_now(rule: CommitRule, spool: Path) -> set[str]:

@@ -154,6 +154,10 @@ class Encoder:
         """Checkpoints whose encoding has not ended (their staged files must stay)."""
         return set(self.handles)
 
+    def give_up_on_suspects(self) -> None:
+        """Nothing waits on a suspect here: every wait of a group's exchange has its own
+        deadline (agent.timeout), after which that encoding fails."""
+
     def busy(self) -> bool:
         return bool(self.handles)
 

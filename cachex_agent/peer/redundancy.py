@@ -136,5 +136,8 @@ class Protector(Protocol):
 
     def busy(self) -> bool: ...
 
+    def give_up_on_suspects(self) -> None:
+        """The drain: stop waiting for partners that are only suspect (liveness.py)."""
+
     def close(self, free: bool = True, timeout: float = 0.0) -> None:
         """`free`: no agent is known dead (a collective release would wait for it)."""

@@ -29,9 +29,15 @@ and an ack that names a file that differed makes the owner's error say why (for 
 linked file, the trainer rewrote it since the capture). The main thread calls `pump()`
 every tick: it never blocks on a partner. It polls MPI fast only while
 `waits_on_peer()` (a credit, an ack or a slot is due); the partner's writer and the
-capture (its feed too) wake it through the inbox for everything else. A partner that leaves
-slots unanswered for `agent.timeout` is declared dead: reported, never sent to again in
-this run; the owner's data goes on to the PFS.
+capture (its feed too) wake it through the inbox for everything else.
+
+A partner that leaves slots unanswered is judged on this agent's own clock net of its own
+stalls (liveness.OwnClock: a resumed owner does not blame the partner for its own stop):
+past `agent.timeout` it is suspect (a `Silence` report up, so status names it; the owner
+keeps waiting, with one partner there is no other copy to make), and taken back as soon
+as it answers; past `agent.dead_after` it is dead: reported, never sent to again in this
+run; the owner's data goes on to the PFS (the flush runs beside the replication). A
+drain gives up on a suspect partner at once (`give_up_on_suspects`).
 """
 
 from __future__ import annotations
@@ -57,7 +63,7 @@ from ..journal import JournalEntry
 from ..layout import NodePaths
 from ..manifest import PENDING, FileEntry, LocalManifest
 from ..mapped import map_piece
-from ..messages import Ack, Begin, Credit, End, File, FileCaptured, Slot
+from ..messages import Ack, Begin, Credit, End, File, FileCaptured, Silence, Slot
 from .feed import READ, WAIT_FOR_IT, Feed, Piece
 from .partners import incoming
 from .redundancy import replicated
@@ -148,7 +154,7 @@ class Sender:
     # queued | sending | ending | waiting (a stream abandoned, for the final manifest)
     # | done | failed
     state: str = "queued"
-    heard: float = field(default_factory=time.monotonic)
+    heard: float = 0.0      # the owner's net clock (liveness.py) when the partner last spoke
     error: str | None = None
     aborted: bool = False   # a stream ended without its final manifest
 
@@ -308,19 +314,21 @@ class Replicator:
                  config: Config, paths: NodePaths, events: EventLog, send: Send,
                  post: Post, log_: StageLog | None = None,
                  wake: Callable[[], None] = lambda: None, feed: Feed | None = None,
-                 streams: int = 1) -> None:
+                 streams: int = 1, clock: Callable[[], float] = time.monotonic) -> None:
         """`log_`: where stage states go (journal and events); events only if None.
         `wake`: ends the main loop's sleep (the agent's inbox), see `waits_on_peer`.
         `feed`: the capture's pieces of linked files (one partner only, peer/feed.py).
         `streams`: files of a part in flight to each partner, and the threads that write
-        what others send here (priority.streams sizes it)."""
+        what others send here (priority.streams sizes it). `clock`: what silence is
+        judged on (the agent's liveness.OwnClock, net of its own stalls)."""
         self.feed = feed
         self.streams = streams
         self.node = node
         self.partners = pmap[self.node]
         self.ranks = ranks_by_node
         self.regions = {p: incoming(p, pmap).index(self.node) for p in self.partners}
-        self.timeout = config.agent.timeout
+        self.timeout, self.dead_after = config.agent.timeout, config.agent.dead_after
+        self.clock = clock
         self.slots = config.peer.slots
         self.events, self.send, self.post = events, send, post
         self.log = log_ or StageLog(events)
@@ -338,6 +346,7 @@ class Replicator:
         self.buffer = np.empty(config.peer.slot, dtype=np.uint8)
         self.queues: dict[int, deque[Sender]] = {p: deque() for p in self.partners}
         self.dead: dict[int, str] = {}
+        self.suspect: set[int] = set()      # silent past agent.timeout, still waited for
         self.results: dict[str, dict[int, str | None]] = {}     # ckpt -> partner -> error
         self.handles: dict[str, ReplicateHandle] = {}           # not ended yet
         self.started: dict[str, float] = {}
@@ -433,7 +442,7 @@ class Replicator:
 
     def pump(self) -> None:
         """Move what can move now; detect partners that stopped answering."""
-        now = time.monotonic()
+        now = self.clock()
         for queue in self.queues.values():
             # an ack handled since the last pump ended the head: begin the next one now,
             # not a tick later (a queued head is no peer message the loop would poll for)
@@ -499,13 +508,40 @@ class Replicator:
             sender.error = f"reading {sender.source}: {exc}"
             self._end(sender)
         waiting = sender.state == "ending" or not sender.free
-        if waiting and now - sender.heard > self.timeout:
-            reason = f"did not answer for {self.timeout:.0f}s"
-            self.dead[sender.partner] = reason
-            log.error("partner node %d (rank %d) %s; its replicas go to the PFS instead",
-                      sender.partner, sender.rank, reason)
-            for queued in self.queues[sender.partner]:
-                self._fail(queued, f"partner node {sender.partner} (rank {sender.rank}) {reason}")
+        silent = self.clock() - sender.heard if waiting else 0.0
+        if silent > self.dead_after:
+            self._declare_dead(sender.partner, f"did not answer for {silent:.0f}s")
+        elif silent > self.timeout and sender.partner not in self.suspect:
+            self.suspect.add(sender.partner)
+            log.warning("partner node %d (rank %d) silent for %.0fs: suspect; waiting for it"
+                        " up to %.0fs", sender.partner, sender.rank, silent, self.dead_after)
+            self.post(Silence(peer=sender.partner, seconds=round(silent, 3),
+                              holds="replication"))
+
+    def _declare_dead(self, partner: int, reason: str) -> None:
+        self.dead[partner] = reason
+        self.suspect.discard(partner)
+        rank = self.ranks[partner]
+        log.error("partner node %d (rank %d) %s; its replicas go to the PFS instead",
+                  partner, rank, reason)
+        for queued in self.queues[partner]:
+            self._fail(queued, f"partner node {partner} (rank {rank}) {reason}")
+
+    def give_up_on_suspects(self) -> None:
+        """The drain: a suspect partner is not waited for (the data goes to the PFS);
+        not dead either, a later run sends to it again."""
+        for partner in sorted(self.suspect):
+            reason = "silent at the drain"
+            for queued in self.queues[partner]:
+                self._fail(queued, f"partner node {partner} (rank {self.ranks[partner]})"
+                                   f" {reason}")
+
+    def _heard(self, partner: int) -> None:
+        """The partner answered: a suspect one is taken back."""
+        if partner in self.suspect:
+            self.suspect.discard(partner)
+            log.info("partner node %d answers again", partner)
+            self.post(Silence(peer=partner, seconds=0.0, ended=True, holds="replication"))
 
     def _begin(self, sender: Sender, now: float) -> None:
         sender.state, sender.heard = "sending", now
@@ -564,12 +600,14 @@ class Replicator:
 
     def on_credit(self, partner: int, slot: int) -> None:
         sender = self._current(partner)
+        self._heard(partner)
         if sender is not None:
             sender.free.append(slot)
-            sender.heard = time.monotonic()
+            sender.heard = self.clock()
 
     def on_ack(self, partner: int, ckpt: str, ok: bool, error: str | None,
                mismatch: int | None = None) -> None:
+        self._heard(partner)
         sender = self._current(partner)
         if sender is None or sender.manifest.ckpt != ckpt or sender.state != "ending":
             return

@@ -104,7 +104,9 @@ def test_replica_disk_too_small_reports_and_goes_on_to_the_pfs(cluster, tmpfs):
 
 
 def test_dead_partner_is_detected_and_the_owner_flushes(cluster):
-    c = cluster(agent_timeout="4s")
+    """Silent past agent.timeout a partner is only suspect; past agent.dead_after the
+    owner gives up on it (tests/integration/test_stalls.py: one that comes back)."""
+    c = cluster(agent_timeout="4s", extra='dead_after = "8s"')
     c.start_agents()
     finish(c.trainer("--steps", "4", "--every", "4", *TRAIN))
     c.wait_level("step_00004", "flushed")

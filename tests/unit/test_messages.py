@@ -38,6 +38,7 @@ from cachex_agent.messages import (
     Marker,
     Progress,
     Replicated,
+    Silence,
     Slot,
     Stop,
     Tag,
@@ -126,6 +127,7 @@ REPORTED = [
     Unprotected(node=1, ckpts=["step-0"], note="older"),
     Stop(node=0, token="abc"),
     Drained(node=2, unflushed=["step-1"]),
+    Silence(node=1, peer=3, seconds=12.5, ended=False, holds="reports"),
 ]
 
 
