@@ -143,7 +143,9 @@ class Executor:
         if policy.drained(busy or self.w.capture.busy() or bool(self.w.flusher.pending()),
                           time.monotonic() >= self.drain_deadline, self._drained_sent):
             self._drained_sent = True
-            self.report(Drained(unflushed=self.w.flusher.pending()))
+            unflushed = self.w.flusher.pending()
+            self.events.emit("drained", unflushed=unflushed)
+            self.report(Drained(unflushed=unflushed))
 
     def retain(self) -> None:
         in_use = set(self.w.flusher.pending())

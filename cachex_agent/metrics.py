@@ -46,6 +46,8 @@ METRICS: dict[str, tuple[str, str]] = {
     "cachex_level_bytes": ("gauge", "Size of the newest checkpoint that reached `level`"),
     "cachex_flush_bandwidth_bytes_per_second": (
         "gauge", "Bytes over capture-to-flushed of the newest flushed checkpoint"),
+    "cachex_silent_nodes": (
+        "gauge", "Nodes silent past agent.timeout (suspect) or taken for dead, by state"),
     "cachex_lane_pending": (
         "gauge", "Writes queued on the coordinator's lanes (pfs, journal, model)"),
 }
@@ -108,6 +110,9 @@ def _samples(status: dict[str, Any], rows: list[dict[str, Any]], pending: dict[s
     flush = newest_flush(rows)
     yield "cachex_flush_bandwidth_bytes_per_second", (
         [({}, (flush[0].get("bytes") or 0) / flush[2])] if flush else [])
+    silent = [r.get("state") for r in status.get("silent") or []]
+    yield "cachex_silent_nodes", [({"state": state}, silent.count(state))
+                                  for state in ("suspect", "dead")]
     yield "cachex_lane_pending", [({"lane": lane}, n) for lane, n in sorted(pending.items())]
 
 

@@ -205,9 +205,30 @@ def format_status(status: dict[str, Any]) -> str:
     if meaning:
         lines.append(f"  {meaning}")
     lines.extend(f"  note: {note}" for note in status.get("notes") or [])
+    lines.extend(silent_lines(status.get("silent") or []))
     for row in status["checkpoints"]:
         lines.extend(_details(row, status.get("nodes")))
     return "\n".join(lines)
+
+
+def silent_lines(rows: list[dict[str, Any]]) -> list[str]:
+    """Each node the coordinator found silent (slow is not dead: docs/levels.md), for how
+    long by the coordinator's clock, who waited on it, and what waits on it."""
+    out = []
+    for row in rows:
+        since = f" for {row['seconds']:.0f} s" if row.get("seconds") is not None else ""
+        by = ", ".join(map(str, row.get("by") or []))
+        held = [f"its {', '.join(row['holds'])}" if row.get("holds") else ""]
+        if row.get("relays_for"):
+            held.append(f"the reports of the {row['subtree']} node(s) it relays for"
+                        f" (children {', '.join(map(str, row['relays_for']))}: sent around"
+                        f" it)")
+        held += row.get("waiting") or []
+        held = [h for h in held if h]
+        out.append(f"  silent: node {row['node']} {row['state']}{since}"
+                   + (f" (found by node {by})" if by else "")
+                   + (f"; holds up {'; '.join(held)}" if held else ""))
+    return out
 
 
 def _details(row: dict[str, Any], nodes: int | None) -> list[str]:

@@ -21,7 +21,7 @@ from .beats import Unchanged
 from .config import Config
 from .errors import CachexError
 from .risk import newest_flush, risk_lines
-from .status import human_size, load_status
+from .status import human_size, load_status, silent_lines
 
 CLEAR = "\x1b[H\x1b[2J"     # home, erase the screen: understood by any terminal over ssh
 WIDTH, HEIGHT = 80, 24      # when the output is not a terminal (or says 0x0)
@@ -39,7 +39,8 @@ def frame(status: dict[str, Any], width: int = WIDTH, height: int = HEIGHT) -> l
     checkpoints (newest last) with a bar per node, the flush bandwidth, errors; at most
     `height - 1` lines when that leaves room for 3 checkpoints, none wider than `width`."""
     rows = status.get("checkpoints") or []
-    top = [*_header(status), *_risk(status)]
+    top = [*_header(status), *_risk(status),
+           *(line.strip() for line in silent_lines(status.get("silent") or []))]
     bottom = [bandwidth_line(rows), *_problems(rows)]
     room = max(3, height - 2 - len(top) - len(bottom))     # the legend, the cursor's line
     shown = rows[-room:]
