@@ -18,6 +18,13 @@ write). What crossing MPI costs is paid, not counted once per distinct message:
   - a relay frame is pickled once (relay.frame) and its bytes counted on every hop.
 Each node's part: `--files` files (8: one DCP shard per GPU), a partner replica.
 
+With `--stalled F` (issue 43) a share F of the nodes (not node 0, not the observed agents)
+stalls in each checkpoint after its marker: it sends nothing until the checkpoint's other
+reports are in. Their parents report each one silent (`silence`), the coordinator makes
+them suspect and routes the tree around them (their children's reports go through other
+parents), status must name exactly them; then they speak again (`Heard`) and their
+reports come straight to node 0, and the checkpoint must be decided.
+
 Measured per checkpoint: the coordinator's CPU (time.process_time: decoding, deciding,
 carrying out the effects, the lanes' file writes) and bytes sent; per observed agent,
 bytes received and sent, CPU, and journal bytes written. Printed last, and written as
@@ -25,7 +32,7 @@ JSON (--json): the targets of issue 24 and whether they hold. With
 `--recovery`, benchmarks/scale_recovery.py's plan and message figures at the same N.
 
     python benchmarks/scale.py [--nodes 100,1000,10000] [--checkpoints 4] [--files 8]
-                               [--fanout 16] [--json FILE]
+                               [--fanout 16] [--stalled 0.01] [--json FILE]
 """
 
 from __future__ import annotations
@@ -116,8 +123,10 @@ class Observed:
 
 
 class Simulation:
-    def __init__(self, root: Path, nodes: int, files: int, fanout: int) -> None:
+    def __init__(self, root: Path, nodes: int, files: int, fanout: int,
+                 stalled: float = 0.0) -> None:
         self.root, self.nodes, self.files, self.fanout = root, nodes, files, fanout
+        self.stalled_share = stalled
         self.random = random.Random(7)
         config = load(write_config(root / "cfg.toml", "scale",
                                    paths={"spool": root / "spool", "pfs": root / "pfs"},
@@ -167,30 +176,46 @@ class Simulation:
         self.coord.handle(node, raw)
         self.coord_cpu += time.process_time() - cpu
 
-    def _level(self, make: Callable[[int], dict[str, Any]]) -> None:
-        """One report from every node, up the tree: leaves first, each node's batch
-        pickled once for its parent; the coordinator decodes its children's batches."""
+    def _skip(self) -> tuple[int, ...]:
+        """The nodes the coordinator's newest tree leaves out (suspect or dead)."""
+        return tuple(n for n, node in enumerate(self.coord.state.nodes) if node.skipped)
+
+    def _level(self, make: Callable[[int], dict[str, Any]],
+               withheld: frozenset[int] = frozenset()) -> None:
+        """One report from every node but the `withheld` (stalled), up the tree: leaves
+        first, each node's batch pickled once for its parent; the coordinator decodes
+        its children's batches, and those of the nodes the tree leaves out."""
+        skip = self._skip()
         up: dict[int, bytes] = {}
-        for node in range(self.nodes - 1, 0, -1):       # no skip: a child's number > its parent's
-            up[node] = self._batch(node, {**make(node), "node": node}, up)
+        for node in range(self.nodes - 1, 0, -1):   # a child's number > its parent's
+            if node not in withheld:
+                up[node] = self._batch(node, {**make(node), "node": node}, up, skip)
         cpu = time.process_time()
         self.coord.handle(0, {**make(0), "node": 0})    # node 0's own: in its process
-        for child in relay.children(0, self.nodes, self.fanout):
-            raw = decode(pickle.loads(up.pop(child)), f"message from rank {child}",
-                         Tag.COORDINATOR)
-            self.coord_messages += 1
-            for report in raw["reports"]:
-                self.coord.handle(report["node"], report)
+        for child in [*relay.children(0, self.nodes, self.fanout, skip),
+                      *(n for n in skip if n in up)]:
+            self._heard_batch(child, up.pop(child))
         self.coord_cpu += time.process_time() - cpu
 
-    def _batch(self, node: int, own: dict[str, Any], up: dict[int, bytes]) -> bytes:
+    def _heard_batch(self, child: int, data: bytes) -> None:
+        raw = decode(pickle.loads(data), f"message from rank {child}", Tag.COORDINATOR)
+        self.coord_messages += 1
+        self.coord.heard(child)
+        for report in raw["reports"]:
+            self.coord.handle(report["node"], report)
+
+    def _batch(self, node: int, own: dict[str, Any], up: dict[int, bytes],
+               skip: tuple[int, ...] = ()) -> bytes:
         """What `node` sends its parent: its own report and its children's batches,
         reduced by the real Uplink; CPU and bytes counted for the observed agents."""
         agent = self.observed.get(node)
         cpu = time.process_time()
         link = Uplink(node, self.nodes, self.fanout)
+        link.reroute(skip)
         link.add(own)
-        for kid in relay.children(node, self.nodes, self.fanout):
+        for kid in relay.children(node, self.nodes, self.fanout, skip):
+            if kid not in up:
+                continue            # stalled: its parent holds nothing of it
             data = up.pop(kid)
             if agent is not None:
                 agent.received += len(data)
@@ -227,27 +252,77 @@ class Simulation:
         self._level(lambda node: {"type": "marker", "ckpt": ckpt,
                                   "global_files": [".metadata"] if node == 0 else []})
         self._tick()
+        stalled = self._stall()
         for node in range(self.nodes):
-            self._hear(node, Captured(ckpt=ckpt, mode="copy",
-                                      manifest=self._manifest(ckpt, seq, node), duration=0.05,
-                                      global_files=[".metadata"] if node == 0 else []))
+            if node not in stalled:
+                self._captured(ckpt, seq, node)
         self._tick()
-        self._level(lambda node: {"type": "replicated", "ckpt": ckpt, "ok": True,
-                                  "partners": [(node + 1) % self.nodes], "errors": {},
-                                  "duration": 0.1, "dead": []})
+        self._level(self._replicated(ckpt), stalled)
         self._tick()
-        self._level(lambda node: {"type": "flushed", "ckpt": ckpt,
-                                  "bundle": f"node-{node:05d}.h5", "duration": 0.5})
+        self._level(self._flushed(ckpt), stalled)
+        self._tick()
+        named = {r["node"] for r in self.coord.status()["silent"]}
+        for node in sorted(stalled):        # back: straight to node 0 (left out of the tree)
+            self._captured(ckpt, seq, node)
+            self._heard_batch(node, pickle.dumps(
+                {"type": "batch", "node": node, "reports": [
+                    {**self._replicated(ckpt)(node), "node": node},
+                    {**self._flushed(ckpt)(node), "node": node}]}, PICKLE))
         self._tick()
         level = self.coord.ckpts[ckpt].level
         return {"seq": seq, "level": level, "coordinator_cpu": self.coord_cpu,
                 "coordinator_sent": self.coord_sent, "coordinator_heard": self.coord_messages,
+                "stalled": len(stalled), "named": named == stalled,
+                "silent_after": len(self.coord.status()["silent"]),
                 "agents": [a.take() for a in self.observed.values()]}
 
+    def _captured(self, ckpt: str, seq: int, node: int) -> None:
+        self._hear(node, Captured(ckpt=ckpt, mode="copy",
+                                  manifest=self._manifest(ckpt, seq, node), duration=0.05,
+                                  global_files=[".metadata"] if node == 0 else []))
 
-def run(nodes: int, checkpoints: int, files: int, fanout: int) -> dict[str, Any]:
+    def _replicated(self, ckpt: str) -> Callable[[int], dict[str, Any]]:
+        return lambda node: {"type": "replicated", "ckpt": ckpt, "ok": True,
+                             "partners": [(node + 1) % self.nodes], "errors": {},
+                             "duration": 0.1, "dead": []}
+
+    def _flushed(self, ckpt: str) -> Callable[[int], dict[str, Any]]:
+        return lambda node: {"type": "flushed", "ckpt": ckpt,
+                             "bundle": f"node-{node:05d}.h5", "duration": 0.5}
+
+    def _stall(self) -> frozenset[int]:
+        """This checkpoint's stalled nodes. Each one's parent finds it silent and says so
+        up the tree (one batch per parent), then one tick reroutes around them all; one
+        whose parent stalled too is found by its new parent after that reroute."""
+        count = round(self.stalled_share * self.nodes)
+        if not count:
+            return frozenset()
+        candidates = [n for n in range(1, self.nodes) if n not in self.observed]
+        stalled = frozenset(self.random.sample(candidates, count))
+        left = set(stalled)
+        while left:
+            skip = self._skip()
+            by_parent: dict[int, list[dict[str, Any]]] = {}
+            for node in sorted(left):
+                parent = relay.parent(node, self.nodes, self.fanout, skip)
+                if parent not in stalled:
+                    by_parent.setdefault(parent, []).append(
+                        {"type": "silence", "node": parent, "peer": node, "seconds": 3.0,
+                         "ended": False, "holds": "reports"})
+                    left.discard(node)
+            cpu = time.process_time()
+            for parent, reports in by_parent.items():
+                self._heard_batch(parent, pickle.dumps(
+                    {"type": "batch", "node": parent, "reports": reports}, PICKLE))
+            self.coord_cpu += time.process_time() - cpu
+            self._tick()
+        return stalled
+
+
+def run(nodes: int, checkpoints: int, files: int, fanout: int, stalled: float = 0.0
+        ) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="cachex-scale-") as tmp:
-        sim = Simulation(Path(tmp), nodes, files, fanout)
+        sim = Simulation(Path(tmp), nodes, files, fanout, stalled)
         rows = [sim.checkpoint(seq) for seq in range(1, checkpoints + 1)]
     steady = rows[1:] or rows          # the first pays imports and first-time set-up
     per_role: dict[str, dict[str, float]] = {}
@@ -259,6 +334,9 @@ def run(nodes: int, checkpoints: int, files: int, fanout: int) -> dict[str, Any]
     return {"nodes": nodes, "files_per_node": files, "fanout": fanout,
             "depth": relay.depth(nodes, fanout), "holders": sim.holders,
             "levels": Counter(r["level"] for r in rows),
+            "stalled_per_checkpoint": rows[-1]["stalled"],
+            "stalled_named": all(r["named"] for r in rows),
+            "silent_after_resume": max(r["silent_after"] for r in rows),
             "coordinator_cpu": sum(r["coordinator_cpu"] for r in steady) / len(steady),
             "coordinator_sent": sum(r["coordinator_sent"] for r in steady) / len(steady),
             # batches up the tree per checkpoint (marker, replicated, flushed); `captured`
@@ -304,14 +382,20 @@ def main() -> None:
     parser.add_argument("--files", type=int, default=8)
     parser.add_argument("--fanout", type=int, default=16)
     parser.add_argument("--recovery", action="store_true")
+    parser.add_argument("--stalled", type=float, default=0.0,
+                        help="share of the nodes stalled (not dead) in each checkpoint")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
     results = []
     speed = [machine_speed()]
     for nodes in (int(n) for n in args.nodes.split(",")):
-        result = run(nodes, args.checkpoints, args.files, args.fanout)
+        result = run(nodes, args.checkpoints, args.files, args.fanout, args.stalled)
         result["targets"] = targets(result)
         print(_line(result), flush=True)
+        if args.stalled:
+            print(f"{nodes:>6} stalled {result['stalled_per_checkpoint']} a checkpoint:"
+                  f" named {result['stalled_named']}, levels {dict(result['levels'])},"
+                  f" silent after they spoke {result['silent_after_resume']}", flush=True)
         results.append(result)
     if args.recovery:
         from scale_recovery import recovery_scale

@@ -48,6 +48,7 @@ from .messages import (
     Drain,
     Exit,
     FileCaptured,
+    Frames,
     GlobalFile,
     HoldManifest,
     Report,
@@ -105,6 +106,7 @@ class Agent:
         self.watch = Watch(self.node, config.agent.timeout, self.clock.now)
         self.watch.expect(relay.children(self.node, len(ranks), config.agent.fanout))
         self._beat, self._sent_up = beat_period(config.agent.timeout), self.clock.now()
+        self.frames = relay.Numbers()       # the coordinator's tree frames read
         self.uplink = Uplink(self.node, len(ranks), config.agent.fanout)
         self.pump = MessagePump(comm, ranks, self.node, self._dispatch, self.events,
                                 on_route=self._follow)
@@ -219,14 +221,27 @@ class Agent:
         self.events.emit("stalled", seconds=round(seconds, 3))
         self._sent_up = float("-inf")
 
-    def _follow(self, route: relay.Route) -> None:
+    def _follow(self, route: relay.Route) -> bool:
         """Every relay frame's route: the uplink's parent and the watched children follow
-        the tree's changes (on node 0, the nodes left out report to it directly)."""
+        the tree's changes (on node 0, the nodes left out report to it directly). False
+        for a tree frame read already; a gap before a new one is asked for again."""
+        if route.kind == "tree" and route.number:
+            new, missed = self.frames.see(route.number)
+            if not new:
+                return False        # a late copy: its route is an older tree's
+            if missed:
+                log.warning("node %d: relay frames %d-%d did not reach it (a stalled"
+                            " parent holds them); asking node 0", self.node, missed.start,
+                            missed.stop - 1)
+                self.events.emit("frames_missed", first=missed.start, last=missed.stop - 1)
+                self.pump.send(0, Frames(node=self.node, first=missed.start,
+                                         last=missed.stop - 1))
         self.uplink.follow(route)
         if route.kind == "tree":
             nodes, fanout = len(self.ranks_by_node), self.config.agent.fanout
             children = relay.children(self.node, nodes, fanout, route.skip)
             self.watch.expect([*children, *(route.skip if self.node == 0 else ())])
+        return True
 
     def _replicating(self) -> bool:
         return self.globals.busy() or (self.protector is not None and self.protector.busy())

@@ -25,7 +25,9 @@ least every HEARTBEAT seconds while the coordinator runs, `beat` one higher each
 readers tell live agents from a status file that dead ones left behind by watching
 `beat` move, never by comparing its time with their clock (status.py).
 
-`clock` (monotonic) drives every decision; `wall` is only recorded and shown.
+`clock` drives every decision: the agent's monotonic clock net of its own stalls
+(liveness.OwnClock), so a coordinator that was stopped neither expires its deadlines
+nor blames the agents for its own stall; `wall` is only recorded and shown.
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ from .decisions import (
     Observe,
     PathChosen,
     Purge,
+    Resend,
     SaveGlobal,
     SaveState,
     Send,
@@ -91,6 +94,7 @@ from .uplink import expand
 
 __all__ = ["HEARTBEAT", "HISTORY", "Coordinator"]
 log = logging.getLogger(__name__)
+FRAMES_KEPT = 256       # tree frames kept to send again to a node that missed them
 SendFn = Callable[[int, dict[str, Any]], None]
 #: (frame, the nodes to send it to, whether this node's own agent reads it too)
 ForwardFn = Callable[[bytes, list[int], bool], None]
@@ -135,6 +139,8 @@ class Coordinator:
         self._observed: deque[Observe] = deque(
             maxlen=config.model.window * len(ranks_by_node) * len(LEARNED))
         self.state = self._restored(can_replicate)
+        self._frames: deque[tuple[int, dict[str, Any]]] = deque(maxlen=FRAMES_KEPT)
+        self._number = 0        # the newest tree frame's
 
     def _restored(self, can_replicate: bool) -> CoordinatorState:
         saved = self.journal.read(layout.COORDINATOR_STATE)
@@ -250,8 +256,11 @@ class Coordinator:
             # the nodes left out of the tree (dead or silent) get it directly: one that
             # was only slow hears the message, and no subtree hangs below it
             skipped = self._skipped()
-            self._relay(relay.Route("tree", self.config.agent.fanout, skipped),
-                        wire(effect.msg), local=True, also=skipped)
+            self._number += 1
+            msg = wire(effect.msg)
+            self._frames.append((self._number, msg))
+            self._relay(relay.Route("tree", self.config.agent.fanout, skipped,
+                                    number=self._number), msg, local=True, also=skipped)
         elif kind is Hold:
             chain = tuple(n for n in self.holders if not self.state.nodes[n].skipped)
             if chain:
@@ -365,6 +374,16 @@ class Coordinator:
             o = self._observed.popleft()
             self.chooser.observe(o.stage, o.ckpt, o.node, o.nbytes, o.seconds)
 
+    def _resend(self, effect: Resend) -> None:
+        """The tree frames a node missed (a stalled parent held them), to it directly,
+        in order; one older than the FRAMES_KEPT newest is gone (logged)."""
+        kept = [msg for n, msg in self._frames if effect.first <= n <= effect.last]
+        if len(kept) < effect.last - effect.first + 1:
+            log.warning("coordinator: node %d missed frames %d-%d; only %d are kept",
+                        effect.node, effect.first, effect.last, len(kept))
+        for msg in kept:
+            self.send(self.ranks[effect.node], msg)
+
     def _offer(self, lane: str, key: Any, work: Callable[[], None]) -> None:
         if not self.lanes[lane].offer(key, work):
             log.warning("coordinator: %s lane full; %s not written", lane, key)
@@ -372,7 +391,7 @@ class Coordinator:
     _EFFECTS: dict[type, Callable[[Coordinator, Any], None]] = {
         Emit: _emit, Log: _log, SaveState: _save_state, WriteStatus: _write_status,
         WriteIndex: _write_index, SaveGlobal: _save_global, Finalize: _finalize,
-        Purge: _purge, Choose: _choose}
+        Purge: _purge, Choose: _choose, Resend: _resend}
 
     # ------------------------------------------------------------------- status
     def status(self) -> dict[str, Any]:

@@ -64,6 +64,7 @@ from .messages import (  # the agents' reports are this function's events as the
     Finalized,
     Flushed,
     FlushError,
+    Frames,
     HoldManifest,
     ManifestReady,
     Marker,
@@ -212,6 +213,7 @@ class CoordinatorState:
     finalizing: set[str] = field(default_factory=set)   # Finalize asked, no answer yet
     wall_offset: float = 0.0        # wall clock minus `now`, as of the last tick
     stop_ack: str | None = None     # the token of the last stop request taken (status)
+    reroute: bool = False           # a node became suspect: one Reroute at the next tick
 
 
 # ------------------------------------------------------------------------ events
@@ -311,6 +313,14 @@ class Finalize:
 class Purge:
     """Remove these checkpoints' PFS directories (the index already says purged)."""
     ckpts: list[str]
+
+
+@dataclass(frozen=True, slots=True)
+class Resend:
+    """Send tree frames `first`..`last` (those kept) to `node` directly, in order."""
+    node: int
+    first: int
+    last: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -573,6 +583,9 @@ def _exit_if_drained(s: CoordinatorState, out: Effects) -> None:
 def _on_tick(s: CoordinatorState, e: Tick, out: Effects) -> None:
     if e.wall is not None:
         s.wall_offset = e.wall - e.now
+    if s.reroute:       # one frame for every node found silent since the last tick
+        s.reroute = False
+        out.append(Broadcast(Reroute()))
     nodes = len(s.nodes)
     for record in list(s.ckpts.values()):
         if record.level == "written" and e.now > record.deadline:
@@ -604,6 +617,13 @@ def _on_silence(s: CoordinatorState, e: Silence, out: Effects) -> None:
         _suspect(s, e.peer, e.now - e.seconds, e.holds, e.node, out)
 
 
+def _on_frames(s: CoordinatorState, e: Frames, out: Effects) -> None:
+    """A node missed tree frames (its parent stalled holding them): it gets them again
+    (a drain, a commit, an exit that would never have reached it)."""
+    if e.first <= e.last:
+        out.append(Resend(e.node, e.first, e.last))
+
+
 def _on_heard(s: CoordinatorState, e: Heard, out: Effects) -> None:
     if 0 <= e.node < len(s.nodes):
         _heard(s, e.node, e.now, out)
@@ -624,7 +644,7 @@ def _suspect(s: CoordinatorState, node: int, since: float, holds: str, by: int,
     out.append(Log("warning", f"node {node} silent (by node {by}'s clock) past"
                               f" agent.timeout: suspect, routed around; holds up {holds}"))
     out.append(Emit("node_suspect", {"node": node, "by": by, "holds": holds}))
-    out.append(Broadcast(Reroute()))    # its subtree's reports go around it from now
+    s.reroute = True    # its subtree's reports go around it from the next tick's frame
 
 
 def _heard(s: CoordinatorState, node: int, now: float, out: Effects) -> None:
@@ -773,7 +793,8 @@ _HANDLERS: dict[type, Callable[[CoordinatorState, Any, Effects], None]] = {
     Replicated: _on_replicated, Flushed: _on_flushed, FlushError: _on_flush_error,
     Progress: _on_progress, Evicted: _on_evicted, Unprotected: _on_unprotected,
     Stop: _on_stop, Drained: _on_drained, Tick: _on_tick, PathChosen: _on_path_chosen,
-    FinalizeDone: _on_finalize_done, Silence: _on_silence, Heard: _on_heard}
+    FinalizeDone: _on_finalize_done, Silence: _on_silence, Heard: _on_heard,
+    Frames: _on_frames}
 
 
 # ----------------------------------------------------------- views of the state

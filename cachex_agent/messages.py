@@ -337,6 +337,15 @@ class Silence(Report):
     holds: str = ""
 
 
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Frames(Report):
+    """Relay frames `first`..`last` never reached this node (they went to a parent that
+    stalled holding them, relay.Numbers): the coordinator sends them again, directly."""
+    TYPE: ClassVar[str] = "frames"
+    first: int
+    last: int
+
+
 @dataclass(frozen=True, slots=True)
 class FileCaptured:
     """Inside one agent: the capture thread copied file `index` of a part into
@@ -363,7 +372,7 @@ PEER: dict[str, type] = {c.TYPE: c for c in (
     Begin, File, Slot, End, Credit, Ack, GlobalFile)}
 REPORTS: dict[str, type] = {c.TYPE: c for c in (
     Marker, Captured, CaptureFailed, Replicated, Flushed, FlushError, Progress, Evicted,
-    Unprotected, Stop, Drained, Silence)}
+    Unprotected, Stop, Drained, Silence, Frames)}
 TO_COORDINATOR = frozenset(REPORTS)
 MAX_BATCH = 1 << 20      # reports in one batch: every node of a 100,000-node job, ten times
 MAX_SAMPLES = 64         # durations in a reduced report (uplink.SAMPLES sends 8)
@@ -635,6 +644,6 @@ _REPORT_FIELDS: dict[str, Check] = {
     "error": _text, "reason": _text, "note": _text, "mode": _text, "stage": _text,
     "rule": _text_or_none, "token": _text_or_none, "errors": _errors,
     "duration": _seconds, "fed_wait": _seconds, "retry_in": _seconds,
-    "done": _count, "total": _count,
+    "done": _count, "total": _count, "first": _count, "last": _count,
     "manifest": _parsed_after,
 }

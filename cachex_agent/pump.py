@@ -35,11 +35,12 @@ Deliver = Callable[[int, Any], None]
 class MessagePump:
     """`ranks_by_node[n]` is node n's rank; `node` is this agent's. `tags`: the tags
     probed besides relay frames (the replication alone: PEER). `on_route(route)`: every
-    relay frame's route, before its message (the uplink follows the tree's changes)."""
+    relay frame's route, before its message (the uplink follows the tree's changes);
+    False: a frame read already, forwarded but not delivered again."""
 
     def __init__(self, comm: Any, ranks_by_node: list[int], node: int, deliver: Deliver,
                  events: Emitter, tags: Iterable[Tag] = (Tag.PEER, Tag.COORDINATOR),
-                 on_route: Callable[[relay.Route], None] | None = None) -> None:
+                 on_route: Callable[[relay.Route], bool] | None = None) -> None:
         self.comm, self.ranks_by_node, self.node = comm, ranks_by_node, node
         self.deliver, self.events, self.on_route = deliver, events, on_route
         self.tags = tuple(tags)
@@ -108,10 +109,11 @@ class MessagePump:
             where = f"relay frame from rank {source}"
             try:
                 route, body = relay.parse(frame, nodes, where)
-                if self.on_route is not None:
-                    self.on_route(route)
+                new = self.on_route is None or self.on_route(route)
                 if onward:      # before it is read: the nodes below hear it as soon
                     self.forward(frame, relay.next_hops(route, self.node, nodes))
+                if not new:
+                    continue
                 raw = relay.message(body)
             except UnsafeInput as exc:
                 self._refuse(exc)

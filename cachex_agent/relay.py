@@ -13,8 +13,12 @@ A frame is `<4-byte header length><pickled header><pickled message>`; the header
 route and is checked (`parse`) before anything is forwarded: it comes from another rank.
 
 The tree is over the nodes still alive: `skip` (the nodes the coordinator knows dead or
-silent) are left out and their children adopted by others, so one lost agent does not cut
-off its subtree from the next message. Pure functions, no MPI.
+suspect) are left out and their children adopted by others, so one lost agent does not
+cut off its subtree from the next message. A frame a relay took before it stalled does
+not reach its subtree until it runs again: tree frames are numbered (`number`), and an
+agent that sees a gap asks the coordinator for the frames it missed (`Frames`), which it
+sends that agent directly; a frame seen twice is read once (`Numbers`). Pure functions,
+no MPI.
 """
 
 from __future__ import annotations
@@ -37,11 +41,13 @@ class Route:
     fanout: int = 16
     skip: tuple[int, ...] = ()          # sorted: nodes the tree leaves out
     chain: tuple[int, ...] = ()         # the nodes of a chain, in order
+    number: int = 0                     # a tree frame's: 1, 2, ... in the coordinator's life
 
 
 def frame(route: Route, message: dict[str, Any]) -> bytes:
     header = pickle.dumps({"kind": route.kind, "fanout": route.fanout,
-                           "skip": list(route.skip), "chain": list(route.chain)},
+                           "skip": list(route.skip), "chain": list(route.chain),
+                           "number": route.number},
                           protocol=pickle.HIGHEST_PROTOCOL)
     body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     return b"".join((HEADER.pack(len(header)), header, body))
@@ -82,7 +88,28 @@ def _route(header: Any, nodes: int, source: str) -> Route:
     skip, chain = lists
     if 0 in skip or skip != sorted(set(skip)):
         raise UnsafeInput(f"{source}: relay skip list not sorted, or skips the root")
-    return Route(header["kind"], fanout, tuple(skip), tuple(chain))
+    number = header.get("number", 0)
+    if isinstance(number, bool) or not isinstance(number, int) or number < 0:
+        raise UnsafeInput(f"{source}: relay frame number {number!r:.40}")
+    return Route(header["kind"], fanout, tuple(skip), tuple(chain), number)
+
+
+class Numbers:
+    """The tree frames one agent has read, by number: which are new, and which it
+    missed (a gap: they went to a parent that stalled holding them)."""
+
+    def __init__(self) -> None:
+        self.upto = 0       # every number up to this one is read, or asked for
+
+    def see(self, number: int) -> tuple[bool, range]:
+        """Whether frame `number` is new, and the numbers missed before it. A missed
+        one counts as read from now: it is asked for once and comes directly, and its
+        copy through the tree, late, is read no more."""
+        if number <= self.upto:
+            return False, range(0)
+        missed = range(self.upto + 1, number)
+        self.upto = number
+        return True, missed
 
 
 def next_hops(route: Route, node: int, nodes: int) -> list[int]:

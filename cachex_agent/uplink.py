@@ -41,7 +41,7 @@ from .messages import Flushed, Marker, Replicated, Report
 HOLD = 0.25           # s: a level's reports wait this long at most for the rest of a subtree
 HELD = frozenset({"replicated", "flushed"})
 REDUCED = HELD | {"marker"}
-DIRECT = frozenset({"captured"})
+DIRECT = frozenset({"captured", "frames"})
 SAMPLES = 8           # durations a reduced report carries for the model
 # A flush reports its progress twice a second per node, for `cachex status`: through the
 # tree that is O(subtree) bytes a second on the agents near the root, and status lines

@@ -239,3 +239,39 @@ def test_stop_during_a_stall_drains_the_live_agents_and_the_stalled_one_on_resum
     assert c.agents.wait(60) == 0
     assert (c.pfs / "ckpt" / "step_00004" / "node-00002.h5").exists()
     assert c.status()["state"] == "stopped", c.status()
+
+
+def test_frames_a_stalled_relay_held_reach_its_subtree_around_it(cluster):
+    """Node 1 relays for 3, 4 and 7 and is stopped just before the coordinator's next
+    frame: the commit of step_00008, and later the drain, go to node 1 and wait there.
+    Once node 1 is suspect the next frame takes another route; its subtree finds the
+    gap in the frames' numbers, asks node 0 and gets them directly: they capture, and
+    drain, while node 1 is still stopped."""
+    c = cluster(nodes=8, agent_timeout=f"{TIMEOUT:g}s", extra="fanout = 2")
+    c.start_agents()
+    train = TRAIN
+    finish(c.trainer("--steps", "4", "--every", "4", *train, ranks=8, ranks_per_node=1))
+    c.wait_level("step_00004", "flushed")
+    with stopped(c, 1):
+        trainer = c.trainer("--steps", "8", "--every", "4", "--resume", *train, ranks=8,
+                            ranks_per_node=1)
+
+        def captured() -> int:
+            rows = {r["id"]: r for r in c.status()["checkpoints"]}
+            return rows.get("step_00008", {}).get("nodes_captured", 0)
+        wait_for(lambda: captured() == 7, 4 * TIMEOUT + 20, "7 nodes to capture step_00008")
+        asked = [e for n in (3, 4, 7) for e in c.events(n) if e["event"] == "frames_missed"]
+        assert asked, "the subtree did not ask for the frames it missed"
+    finish(trainer)
+    all_flushed_and_verified(c, "step_00008")
+    with stopped(c, 1):
+        stop = c.cachex("stop", "--no-wait")
+        assert stop.returncode == 0, stop.stderr
+
+        def drained(node: int) -> bool:
+            return any(e["event"] == "drained" for e in c.events(node))
+        wait_for(lambda: all(drained(n) for n in (0, 2, 3, 4, 5, 6, 7)), 4 * TIMEOUT + 20,
+                 "every live agent to drain")
+        assert c.agents.poll() is None
+    assert c.agents.wait(60) == 0
+    no_one_blamed(c, *range(8))

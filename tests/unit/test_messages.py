@@ -32,6 +32,7 @@ from cachex_agent.messages import (
     Finalized,
     Flushed,
     FlushError,
+    Frames,
     GlobalFile,
     HoldManifest,
     ManifestReady,
@@ -128,6 +129,7 @@ REPORTED = [
     Stop(node=0, token="abc"),
     Drained(node=2, unflushed=["step-1"]),
     Silence(node=1, peer=3, seconds=12.5, ended=False, holds="reports"),
+    Frames(node=2, first=4, last=6),
 ]
 
 

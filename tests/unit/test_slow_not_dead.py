@@ -7,7 +7,7 @@ from __future__ import annotations
 from cachex_agent import decisions as d
 from cachex_agent import relay
 from cachex_agent.liveness import OwnClock, Watch, beat_period
-from cachex_agent.messages import Replicated, Silence
+from cachex_agent.messages import Frames, Replicated, Silence
 
 
 class Clock:
@@ -92,8 +92,13 @@ def silence(by: int, peer: int, seconds: float, ended: bool = False, now: float 
 def test_a_silent_relay_is_suspect_routed_around_and_taken_back_when_it_speaks():
     s = state()
     s, out = d.decide(s, silence(0, 1, 12.0))
+    s, again = d.decide(s, silence(0, 2, 12.0))
     assert s.nodes[1].suspect == 38.0 and s.nodes[1].skipped and not s.nodes[1].dead
-    assert [type(e.msg).__name__ for e in out if isinstance(e, d.Broadcast)] == ["Reroute"]
+    s, tick = d.decide(s, d.Tick(now=51.0))
+    # one frame for both, at the next tick: the tree's new shape is the news
+    assert [type(e.msg).__name__ for e in out + again + tick
+            if isinstance(e, d.Broadcast)] == ["Reroute"]
+    s, _ = d.decide(s, d.Heard(now=51.0, node=2))
     skip = tuple(n for n, node in enumerate(s.nodes) if node.skipped)
     assert relay.parent(3, NODES, 2, skip) != 1     # node 1's children report elsewhere
     rows = d.silent_rows(s, now=60.0, fanout=2)
@@ -123,3 +128,20 @@ def test_a_silence_that_ended_clears_the_suspect_as_the_watcher_says():
     s, _ = d.decide(s, silence(1, 4, 11.0))
     s, _ = d.decide(s, silence(1, 4, 0.0, ended=True, now=80.0))
     assert s.nodes[4].suspect is None and s.nodes[4].holds == {}
+
+
+def test_frame_numbers_name_the_gap_once_and_drop_late_copies():
+    seen = relay.Numbers()
+    assert seen.see(1) == (True, range(0))
+    assert seen.see(4) == (True, range(2, 4))     # 2 and 3 went to a stalled parent
+    assert seen.see(3) == (False, range(0))       # its late copy: asked for already
+    assert seen.see(5) == (True, range(0))
+    assert seen.see(5) == (False, range(0))
+    route, _ = relay.parse(relay.frame(relay.Route("tree", 2, number=7), {}), NODES, "t")
+    assert route.number == 7
+
+
+def test_a_node_that_missed_frames_gets_them_again_from_the_coordinator():
+    s = state()
+    s, out = d.decide(s, Frames(node=3, first=2, last=4, now=1.0))
+    assert out == [d.Resend(3, 2, 4)]
