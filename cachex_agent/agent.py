@@ -178,6 +178,10 @@ class Agent:
             self.run_lock.release()
         watchdog.cancel()
 
+    def left_behind(self) -> bool:
+        """The coordinator's exit named agents dead or stopped: they cannot finalize."""
+        return bool(self._dead_agents)
+
     def _tick(self) -> float:
         """How long the main loop sleeps (a worker's message ends the sleep at once)."""
         now = time.monotonic()
@@ -216,8 +220,10 @@ class Agent:
     def _stalled(self, seconds: float) -> None:
         """This process stood still: its peers' silence meanwhile is not theirs (the
         clock leaves the stall out); tell the parent at once that it is back."""
-        log.warning("node %d: this agent's main loop was stopped for %.1fs; that time is"
-                    " not counted against its peers", self.node, seconds)
+        # a busy turn of a second or two is not news; a stop a peer could notice is
+        level = logging.WARNING if seconds >= self.config.agent.timeout / 4 else logging.DEBUG
+        log.log(level, "node %d: this agent's main loop was stopped for %.1fs; that time"
+                " is not counted against its peers", self.node, seconds)
         self.events.emit("stalled", seconds=round(seconds, 3))
         self._sent_up = float("-inf")
 

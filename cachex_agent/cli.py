@@ -200,6 +200,11 @@ def agent_command(cfg: configuration.Config, verbose: int, quiet: bool, check: b
         code = agent.run()
     except Exception as exc:
         agent.fatal("main thread", exc)     # never leave other agents waiting on a dead one
+    if agent.left_behind():
+        # MPI's finalize would wait on an agent that is gone or stopped, holding the GIL
+        # (no watchdog thread runs then): what this agent had to write is written
+        logging.shutdown()
+        os._exit(code)
     exit_watchdog(2 * cfg.agent.timeout)    # MPI finalize, at exit, waits on every agent
     sys.exit(code)
 
