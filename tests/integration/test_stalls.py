@@ -207,6 +207,9 @@ def test_a_stalled_node_is_suspect_only_past_the_timeout_and_the_run_completes(
     rows = {r["id"]: r for r in c.status()["checkpoints"]}
     assert rows["step_00004"]["nodes_replicated"] == 4, rows["step_00004"]
     no_one_blamed(c, 0, 1, 2, 3)
+    # the stalled agent found its own stop, and counted it against no one
+    stall = [e["seconds"] for e in c.events(2) if e["event"] == "stalled"]
+    assert stall and max(stall) >= 0.9 * length * TIMEOUT, stall
     assert c.stop(timeout=30) == 0
 
 
