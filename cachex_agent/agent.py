@@ -41,7 +41,7 @@ from .executor import Executor
 from .flush.flusher import Flusher
 from .inbox import Inbox, exit_watchdog
 from .layout import pfs_events_path
-from .liveness import OwnClock, Watch, beat_period
+from .liveness import NodeLiveness
 from .messages import (
     PEER,
     TO_COORDINATOR,
@@ -101,24 +101,21 @@ class Agent:
         self._active = time.monotonic()     # when the main loop last had something to do
         self.ranks_by_node = ranks = setup.ranks_by_node(comm, self.node)
         self.node_of_rank = {r: n for n, r in enumerate(ranks)}
-        # silence is judged on this clock, net of this process's own stalls
-        self.clock = OwnClock()
-        self.watch = Watch(self.node, config.agent.timeout, self.clock.now)
-        self.watch.expect(relay.children(self.node, len(ranks), config.agent.fanout))
-        self._beat, self._sent_up = beat_period(config.agent.timeout), self.clock.now()
-        self.frames = relay.Numbers()       # the coordinator's tree frames read
+        # silence is judged on its clock, net of this process's own stalls
+        self.live = NodeLiveness(self.node, len(ranks), config.agent.fanout,
+                                 config.agent.timeout)
         self.uplink = Uplink(self.node, len(ranks), config.agent.fanout)
         self.pump = MessagePump(comm, ranks, self.node, self._dispatch, self.events,
                                 on_route=self._follow)
         replicator = agree(comm, "peer set-up", lambda: setup.make_replicator(
             comm, config, place, paths, ranks, self.stages, self.pump.send_peer,
-            self.inbox.put, self.inbox.wake, len(self.cpus), self.clock.now))
+            self.inbox.put, self.inbox.wake, len(self.cpus), self.live.clock.now))
         self.protector: Protector | None = replicator or start_encoder(
             comm, config, groups, self.node, paths, self.stages, self.inbox.put)
         self.coordinator = agree(comm, "coordinator", lambda: Coordinator(
             config, ranks, self.journal, paths.pfs, self.events, self.pump.send,
             can_replicate=self.protector is not None, wake=self.inbox.wake,
-            events_copy=self.events_copy, forward=self.pump.forward, clock=self.clock.now,
+            events_copy=self.events_copy, forward=self.pump.forward, clock=self.live.clock.now,
             holders=setup.holders(config, place), generation=self.run_lock.generation)
             if self.rank == 0 else None)
         self.globals = GlobalFiles(comm, paths.journal, self.pump.send_peer,
@@ -151,7 +148,7 @@ class Agent:
         try:
             while not self.exit_now:
                 self.turns += 1
-                if stall := self.clock.tick():
+                if stall := self.live.tick():
                     self._stalled(stall)
                 if self._step():
                     self._active = time.monotonic()
@@ -225,29 +222,21 @@ class Agent:
         log.log(level, "node %d: this agent's main loop was stopped for %.1fs; that time"
                 " is not counted against its peers", self.node, seconds)
         self.events.emit("stalled", seconds=round(seconds, 3))
-        self._sent_up = float("-inf")
 
     def _follow(self, route: relay.Route) -> bool:
-        """Every relay frame's route: the uplink's parent and the watched children follow
-        the tree's changes (on node 0, the nodes left out report to it directly). False
-        for a tree frame read already; a gap before a new one is asked for again."""
-        if route.kind == "tree" and route.number:
-            new, missed = self.frames.see(route.number)
-            if not new:
-                return False        # a late copy: its route is an older tree's
-            if missed:
-                log.warning("node %d: relay frames %d-%d did not reach it (a stalled"
-                            " parent holds them); asking node 0", self.node, missed.start,
-                            missed.stop - 1)
-                self.events.emit("frames_missed", first=missed.start, last=missed.stop - 1)
-                self.pump.send(0, Frames(node=self.node, first=missed.start,
-                                         last=missed.stop - 1))
-        self.uplink.follow(route)
-        if route.kind == "tree":
-            nodes, fanout = len(self.ranks_by_node), self.config.agent.fanout
-            children = relay.children(self.node, nodes, fanout, route.skip)
-            self.watch.expect([*children, *(route.skip if self.node == 0 else ())])
-        return True
+        """Every relay frame's route: the uplink and the watched children follow the
+        tree's changes. False for a tree frame read already (a late copy: its route is
+        an older tree's); the frames missed before a new one are asked for again."""
+        new, missed = self.live.follow(route)
+        if missed:
+            first, last = missed.start, missed.stop - 1
+            log.warning("node %d: relay frames %d-%d did not reach it (a stalled parent"
+                        " holds them); asking node 0", self.node, first, last)
+            self.events.emit("frames_missed", first=first, last=last)
+            self.pump.send(0, Frames(node=self.node, first=first, last=last))
+        if new:
+            self.uplink.follow(route)
+        return new
 
     def _replicating(self) -> bool:
         return self.globals.busy() or (self.protector is not None and self.protector.busy())
@@ -265,16 +254,13 @@ class Agent:
         """The reports due (uplink.py): one batch to this node's parent, an empty one
         every beat if nothing else went (so the parent can tell slow from silent,
         liveness.py); on node 0, to the coordinator in this process."""
-        for silence in self.watch.silent():
+        for silence in self.live.watch.silent():
             self._report(silence)
         reports = self.uplink.due()
         if self.coordinator:
             for report in reports:
                 self.coordinator.handle(report["node"], report)
-            return
-        now = self.clock.now()
-        if reports or now - self._sent_up >= self._beat:
-            self._sent_up = now
+        elif self.live.send_up(reports):
             self.pump.send(self.ranks_by_node[self.uplink.parent],
                            {"type": "batch", "node": self.node, "reports": reports})
 
@@ -304,7 +290,7 @@ class Agent:
 
     def _heard(self, node: int) -> None:
         """Anything from `node` itself shows it runs: a watched child's silence ended."""
-        if (back := self.watch.heard(node)) is not None:
+        if (back := self.live.watch.heard(node)) is not None:
             self._report(back)
         if self.coordinator:
             self.coordinator.heard(node)

@@ -23,6 +23,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+from . import relay
 from .messages import Silence
 
 STALL_ALLOWANCE = 1.0   # s: a turn of the main loop longer than this is this process's stall
@@ -109,3 +110,45 @@ def beat_period(timeout: float) -> float:
     """How often an agent with nothing to report still sends its parent a batch: four
     beats per timeout, so one late beat is never taken for silence."""
     return max(0.05, timeout / 4)
+
+
+class NodeLiveness:
+    """One agent's side of it: its clock net of its own stalls, the children it watches,
+    when it owes its parent a beat, and the tree frames it has read (a gap is what a
+    stalled parent held: relay.Numbers)."""
+
+    def __init__(self, node: int, nodes: int, fanout: int, timeout: float) -> None:
+        self.node, self.nodes, self.fanout = node, nodes, fanout
+        self.clock = OwnClock()
+        self.watch = Watch(node, timeout, self.clock.now)
+        self.watch.expect(relay.children(node, nodes, fanout))
+        self.frames = relay.Numbers()
+        self._beat, self._sent = beat_period(timeout), self.clock.now()
+
+    def tick(self) -> float:
+        """A turn of the main loop: this process's stall since the last (0: none); after
+        one, the parent is told at once that this node is back."""
+        stall = self.clock.tick()
+        if stall:
+            self._sent = float("-inf")
+        return stall
+
+    def send_up(self, reports: list[object]) -> bool:
+        """Whether to send the parent a batch now: reports, or a beat due."""
+        now = self.clock.now()
+        if reports or now - self._sent >= self._beat:
+            self._sent = now
+            return True
+        return False
+
+    def follow(self, route: relay.Route) -> tuple[bool, range]:
+        """A relay frame's route: whether it is new (a tree frame read already is not),
+        and the tree frames missed before it. The watched children follow a new tree
+        (on node 0 also the nodes it leaves out: they report to node 0 directly)."""
+        if route.kind != "tree":
+            return True, range(0)
+        new, missed = self.frames.see(route.number) if route.number else (True, range(0))
+        if new:
+            children = relay.children(self.node, self.nodes, self.fanout, route.skip)
+            self.watch.expect([*children, *(route.skip if self.node == 0 else ())])
+        return new, missed

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from cachex_agent import decisions as d
 from cachex_agent import relay
-from cachex_agent.liveness import OwnClock, Watch, beat_period
+from cachex_agent.liveness import NodeLiveness, OwnClock, Watch, beat_period
 from cachex_agent.messages import Frames, Replicated, Silence
 
 
@@ -145,3 +145,15 @@ def test_a_node_that_missed_frames_gets_them_again_from_the_coordinator():
     s = state()
     s, out = d.decide(s, Frames(node=3, first=2, last=4, now=1.0))
     assert out == [d.Resend(3, 2, 4)]
+
+
+def test_an_agent_follows_a_new_tree_once_and_asks_for_what_it_missed():
+    live = NodeLiveness(node=3, nodes=NODES, fanout=2, timeout=10.0)
+    assert live.follow(relay.Route("tree", 2, number=1)) == (True, range(0))
+    assert set(live.watch._children) == {7}             # 3's child in the whole tree
+    new, missed = live.follow(relay.Route("tree", 2, skip=(1,), number=4))
+    assert new and list(missed) == [2, 3]              # held by a stalled parent
+    assert set(live.watch._children) == set(relay.children(3, NODES, 2, (1,)))
+    assert live.follow(relay.Route("tree", 2, number=2)) == (False, range(0))
+    assert live.follow(relay.Route("chain", chain=(3,))) == (True, range(0))
+    assert live.send_up([]) is False and live.send_up([{"type": "x"}]) is True
