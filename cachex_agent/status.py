@@ -17,8 +17,11 @@ again: about one period for live agents, STALE_PERIODS periods for dead ones.
 from __future__ import annotations
 
 import json
+import socket
 import time
 from typing import Any
+
+import psutil
 
 from .beats import Unchanged
 from .config import Config
@@ -198,7 +201,8 @@ def format_status(status: dict[str, Any]) -> str:
     state = status["state"]
     if state == "not running":
         state = (f"not running (heartbeat unchanged for {status['heartbeat']['age']:.0f} s;"
-                 f" the status said {status['recorded_state']})")
+                 f" the status said {status['recorded_state']}"
+                 f"{stopped_note(status['heartbeat'])})")
     lines = [f"run {status['run']}: agents {state}, {status.get('nodes', '?')} nodes,"
              f" updated {when}", *risk_lines(status), format_ls(status)]
     meaning = redundancy_line(status.get("redundancy"))
@@ -209,6 +213,25 @@ def format_status(status: dict[str, Any]) -> str:
     for row in status["checkpoints"]:
         lines.extend(_details(row, status.get("nodes")))
     return "\n".join(lines)
+
+
+def stopped_note(beat: dict[str, Any]) -> str:
+    """A heartbeat that stands still is a coordinator gone or stalled; on its own host
+    the two can be told apart: its process is there, stopped or in uninterruptible
+    sleep (a hung file system). Elsewhere nothing can tell, and nothing is said."""
+    if beat.get("host") != socket.gethostname() or type(beat.get("pid")) is not int:
+        return ""
+    try:
+        process = psutil.Process(beat["pid"])
+        state = process.status()
+        ours = any("cachex" in part for part in process.cmdline())
+    except (psutil.Error, OSError):
+        return ""
+    if ours and state in (psutil.STATUS_STOPPED, psutil.STATUS_TRACING_STOP,
+                          psutil.STATUS_DISK_SLEEP):
+        return (f"; the coordinator's process {beat['pid']} on this host is {state}:"
+                " stalled, not gone; it goes on when it runs again")
+    return ""
 
 
 def silent_lines(rows: list[dict[str, Any]]) -> list[str]:
