@@ -59,7 +59,8 @@ SHAPES: dict[str, Shape] = {
     "ls": _shape("schema run redundancy unknown checkpoints", checkpoints=_LS_ROW),
     "status": _shape(
         "schema format version run updated state recorded_state live heartbeat nodes"
-        " redundancy notes checkpoints at_risk", "stop_ack", checkpoints=_STATUS_ROW),
+        " redundancy notes checkpoints at_risk", "stop_ack silent", checkpoints=_STATUS_ROW,
+        silent=_shape("node state seconds by holds relays_for subtree waiting")),
     "verify": _shape("schema ckpt ok copies", "level", copies=_shape(
         "level node where checked ok problems note")),
     "export": _shape("schema ckpt dest files bytes seconds"),

@@ -171,7 +171,7 @@ def test_a_stalled_node_is_suspect_only_past_the_timeout_and_the_run_completes(
     """Node 2 stopped for `length` x agent.timeout: past the timeout status names it and
     what it holds up (found by the one who waited); under it nobody suspects it. After
     SIGCONT every checkpoint is flushed and verifies, no partner was given up on."""
-    flush = '\n[flush]\nbandwidth = "512KiB"' if phase == "flush" else ""
+    flush = '\n[flush]\nbandwidth = "128KiB"' if phase == "flush" else ""
     c = cluster(agent_timeout=f"{TIMEOUT:g}s", extra=flush)
     owner = {"capture": 2, "flush": None, "replication": 1}[phase]
     c.start_agents(env=paused(c, owner) if owner is not None else None)

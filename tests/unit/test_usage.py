@@ -23,11 +23,13 @@ def test_cpu_is_counted_by_thread_role_and_in_all():
     worker = threading.Thread(target=_spin, args=(0.3,), name="flush_7")
     worker.start()
     worker.join(30)
-    helper = threading.Thread(target=lambda: (_spin(0.2), time.sleep(1)),
+    spun, done = threading.Event(), threading.Event()
+    helper = threading.Thread(target=lambda: (_spin(0.2), spun.set(), done.wait(30)),
                               name="spool-watcher:/some/spool")
     helper.start()
-    time.sleep(0.5)                 # the helper has spun and now sleeps, still alive
+    assert spun.wait(30)            # the helper has spun and now waits, still alive
     after = usage()
+    done.set()
     helper.join(30)
     assert after["cpu"] - before["cpu"] >= 0.45         # the ended thread's 0.3 s too
     assert 0 <= after["cpu_sys"] <= after["cpu"]
