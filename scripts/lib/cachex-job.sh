@@ -48,6 +48,9 @@ CX_UNPACK='set -e; d=$1; rm -rf "$d.new"; mkdir -p "$d.new"; tar -xf "$d.tar" -C
 : "${CONFIG_EXTRA:=}"
 : "${RANKS_PER_NODE:=1}"
 : "${MODULE_USE:=}"
+: "${MODULE_PURGE:=0}"
+: "${CRAY_LD_FIRST:=0}"
+: "${MASTER_ADDR_FROM:=name}"   # name | address: MASTER_ADDR as the first node's name or IP
 : "${SPARES:=0}"
 : "${VNODES:=}"
 : "${RESUME_ARGS=--resume}"
@@ -159,7 +162,11 @@ cx_check() {
     [[ $POLL =~ ^[0-9]*\.?[0-9]+$ ]] || cx_die "POLL=$POLL: expected seconds" 2
     [[ -z $VNODES || $VNODES =~ ^[1-9][0-9]*$ ]] || cx_die "VNODES=$VNODES: expected a number > 0" 2
     [[ $RESUME =~ ^(auto|yes|no)$ ]] || cx_die "RESUME=$RESUME: expected auto, yes or no" 2
-    [[ $STAGE_VENV =~ ^[01]$ ]] || cx_die "STAGE_VENV=$STAGE_VENV: expected 0 or 1" 2
+    for var in STAGE_VENV MODULE_PURGE CRAY_LD_FIRST; do
+        [[ ${!var} =~ ^[01]$ ]] || cx_die "$var=${!var}: expected 0 or 1" 2
+    done
+    [[ $MASTER_ADDR_FROM =~ ^(name|address)$ ]] \
+        || cx_die "MASTER_ADDR_FROM=$MASTER_ADDR_FROM: expected name or address" 2
     if ((STAGE_VENV)); then
         [[ $CX_SCHEDULER == slurm ]] \
             || cx_die "STAGE_VENV=1: staging uses Slurm's sbcast, which $CX_SCHEDULER has not; set STAGE_VENV=0" 2
@@ -180,6 +187,9 @@ cx_load_modules() {     # MODULE_USE, MODULES: `module use` the directories, `mo
         || cx_die "MODULES=$MODULES but this shell has no \`module\` command (source the site's module init first, or set MODULES=)" 2
     local rc=0 dir
     set +eu     # module functions (Lmod, Environment Modules) are not written for -eu
+    # a purge first where the site's examples do (Neuron): the batch shell inherits the
+    # login node's modules, which may not be the ones the venv was built under
+    if ((MODULE_PURGE)); then module purge || rc=$?; fi
     for dir in "${dirs[@]}"; do
         module use "$dir" || rc=$?
     done
@@ -189,8 +199,13 @@ cx_load_modules() {     # MODULE_USE, MODULES: `module use` the directories, `mo
     fi
     set -eu
     ((rc == 0)) || cx_die "module use ${dirs[*]} / load ${mods[*]} failed with status $rc (MODULE_USE, MODULES)" 2
-    cx_log "modules: ${dirs[*]:+use ${dirs[*]}; }${mods[*]}"
+    if ((CRAY_LD_FIRST)); then     # a non-default Cray PE: its libraries before the defaults
+        export LD_LIBRARY_PATH=${CRAY_LD_LIBRARY_PATH:-}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+    fi
+    cx_log "modules: $( ((MODULE_PURGE)) && echo 'purge; ')${dirs[*]:+use ${dirs[*]}; }${mods[*]}"
 }
+
+cx_rundir() { mkdir -p "$CX_RUNDIR" && chmod 700 "$CX_RUNDIR"; }   # private: host lists, errors
 
 cx_job_id() { echo "${SLURM_JOB_ID:-${PBS_JOBID:-local}}"; }
 
@@ -200,12 +215,11 @@ cx_cachex() {       # the cachex of the venv; in a plan (CX_PLAN=1, no venv yet)
 
 cx_job() {          # ARGS...: `cachex job ARGS`; its lines into CX_JOB_OUT, its one-line
                     # error (without the prefix) into CX_JOB_ERR; returns its status
-    local err rc=0
-    err=$(mktemp)
+    local err=$CX_RUNDIR/job.err rc=0
+    cx_rundir
     CX_JOB_OUT=$("$(cx_cachex)" job "$@" 2>"$err") || rc=$?
     CX_JOB_ERR=$(tail -n 1 "$err")
     CX_JOB_ERR=${CX_JOB_ERR#cachex: error: }
-    rm -f "$err"
     return "$rc"
 }
 
@@ -234,8 +248,15 @@ cx_init_nodes() {   # CX_SET, CX_SPARE: the package chooses (cachex job nodes)
     fi
     local -a nodes=()
     [[ -z ${NODES:-} ]] || nodes=(--nodes "$NODES")
+    local exclude=$EXCLUDE_NODES
+    local -a bad
+    read -r -a bad <<<"$("cx_${CX_SCHEDULER}_bad_at_start")"
+    if ((${#bad[@]})); then
+        cx_log "the scheduler marks these nodes of the job down or offline at its start: ${bad[*]} (left out)"
+        exclude="$exclude${exclude:+,}$(cx_join , "${bad[@]}")"
+    fi
     cx_job nodes --hosts "$hosts" "${nodes[@]}" --spares "$SPARES" \
-        --exclude "$EXCLUDE_NODES" --min-nodes "$MIN_NODES" || cx_die "$CX_JOB_ERR" 2
+        --exclude "$exclude" --min-nodes "$MIN_NODES" || cx_die "$CX_JOB_ERR" 2
     cx_node_lines
 }
 
@@ -514,8 +535,9 @@ cx_agents_watch() {     # during training: an agent step that died is restarted
 cx_train() {        # [resume]: runs the training step; returns its status
     cx_step train "$RANKS_PER_NODE" "${1:-}"
     cx_log "training: ${CX_ARGV[*]}"
-    export MASTER_ADDR=${CX_SET[0]}
-    mkdir -p "$CX_RUNDIR"
+    MASTER_ADDR=$(cx_master_addr)
+    export MASTER_ADDR
+    cx_rundir
     : >"$CX_RUNDIR/train.err"
     # its errors also into a file, which names the nodes to blame if it fails
     "${CX_ARGV[@]}" </dev/null 2> >(tee -a "$CX_RUNDIR/train.err" >&2) &
@@ -532,6 +554,15 @@ cx_train() {        # [resume]: runs the training step; returns its status
     if ((CX_HALTED)); then rc=$CX_RC; else wait "$CX_TRAIN_PID" 2>/dev/null || rc=$?; fi
     CX_TRAIN_PID=
     return "$rc"
+}
+
+cx_master_addr() {  # the first training node (rank 0) by name, or by its address where
+                    # the site asks for one (Frontier: `hostname -i`, here resolved for
+                    # that node, which need not be the batch node)
+    local first=${CX_SET[0]} addr
+    [[ $MASTER_ADDR_FROM == address ]] || { echo "$first"; return; }
+    addr=$(getent hosts "$first" | awk '{print $1; exit}')
+    echo "${addr:-$first}"
 }
 
 cx_halt_training() {
@@ -701,6 +732,8 @@ cx_main() {
 # ================================================================= Slurm
 cx_slurm_hosts() { scontrol show hostnames "${SLURM_JOB_NODELIST:?not inside a Slurm job}"; }
 
+cx_slurm_bad_at_start() { :; }     # Slurm starts no job on a node it knows is down
+
 cx_slurm_alive() {  # HOST...: CX_JOB_OUT's `up` line: in the job and not down, drained
                     # or failing (cachex job up reads squeue and sinfo)
     local in_job
@@ -759,6 +792,17 @@ cx_slurm_left() {       # the job's seconds left (nothing when unlimited)
 # one line per rank: the package counts each host once
 cx_pbs_hosts() { cat "${PBS_NODEFILE:?not inside a PBS job}"; }
 
+# With tolerate_node_failures a job starts on nodes that already failed: ALCF's Aurora
+# guide says to run `pbsnodes -l | grep <jobid>` as the job starts and keep those nodes
+# out of mpiexec. Harmless without it (a node of the job is then never listed).
+cx_pbs_bad_at_start() {
+    local id=${PBS_JOBID%%.*}
+    [[ $id =~ ^[0-9]+$ ]] || return 0
+    pbsnodes -l 2>/dev/null | awk -v re="(^|[^0-9])$id([^0-9]|$)" '$0 ~ re {print $1}' \
+        | tr '\n' ' '
+    echo
+}
+
 cx_pbs_alive() {        # HOST...: CX_JOB_OUT's `up` line: not down or offline in
                         # pbsnodes (cachex job up reads each host's answer)
     cx_job up pbs --hosts "$*" \
@@ -768,7 +812,7 @@ cx_pbs_alive() {        # HOST...: CX_JOB_OUT's `up` line: not down or offline i
 cx_pbs_launcher() {     # NAME KIND PPN: CX_LAUNCH=(mpiexec ...)
     local name=$1 kind=$2 ppn=$3 n hostfile flags
     hostfile=$CX_RUNDIR/hosts
-    mkdir -p "$CX_RUNDIR"
+    cx_rundir
     printf '%s\n' "${CX_SET[@]}" >"$hostfile"
     n=$(($(cx_nodes) * ppn))
     if cx_virtual; then
@@ -797,4 +841,7 @@ cx_pbs_left() {         # the job's seconds left: its walltime less the walltime
     qstat -f "$PBS_JOBID" 2>/dev/null | "$(cx_cachex)" job left pbs
 }
 
-: "${CX_RUNDIR:=${TMPDIR:-/tmp}/cachex-job-${SLURM_JOB_ID:-${PBS_JOBID:-$$}}}"
+# The job's own files (host file, the trainer's errors, bad nodes) beside the job's output
+# in the directory it was submitted from (the PFS where sites ask for that, as Neuron's
+# /scratch), not in the batch node's /tmp
+: "${CX_RUNDIR:=$PWD/cachex-job-${SLURM_JOB_ID:-${PBS_JOBID:-$$}}}"

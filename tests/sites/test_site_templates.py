@@ -6,27 +6,20 @@ what each launch received."""
 from __future__ import annotations
 
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from stubs import TEMPLATES, FakeSite, default, directives, flag, hours
+from site_rules import NEURON_PARTITIONS
+from stubs import TEMPLATES, FakeSite, default, directives, flag
 
-# OLCF Frontier User Guide, Scheduling Policy: job size bins (max nodes -> max hours)
-FRONTIER_BINS = [(91, 2.0), (183, 6.0), (1881, 12.0), (5644, 12.0), (9472, 12.0)]
 FRONTIER_GCDS, FRONTIER_CORES = 8, 56              # low-noise mode: 56 of 64 cores
-# KISTI Neuron guide, Running jobs through the scheduler (SLURM) > Queue configuration:
-# partition -> (nodes, GPUs a node, cores a node, GPUs a user may hold)
-NEURON = {"cas_v100nv_8": (5, 8, 32, 40), "cas_v100nv_4": (2, 4, 40, 8),
-          "cas_v100_4": (11, 4, 40, 60), "cas_v100_2": (3, 2, 32, 6),
-          "amd_a100nv_8": (7, 8, 64, 56), "eme_h200nv_8": (5, 8, 96, 40)}
-# the same chapter's SBATCH option table, since 2026-08-12: field and application, both
-# from `showappl`; the template leaves the field for the user (sbatch refuses FIELD)
-NEURON_COMMENT = re.compile(r'^"field=[A-Za-z0-9_]+;appl=[A-Za-z0-9_.+-]+"$')
 # Programming environment: Open MPI for GPU jobs, with its compiler and CUDA
 NEURON_MODULES = "gcc/15.2.0 cuda/12.4.1 cudampi/openmpi-4.1.8"
+# the PyTorch page's module set (pytorch_frontier, 2026-07-07)
+FRONTIER_MODULES = ("PrgEnv-gnu/8.7.0 cpe/26.03 miniforge3/23.11.0-0 rocm/7.1.1"
+                    " rccl-net-plugin craype-accel-amd-gfx90a")
 
 
 def order(steps: list[tuple[str, list[str]]]) -> list[str]:
@@ -51,28 +44,23 @@ def checked_start(steps: list[tuple[str, list[str]]], staged: bool) -> None:
 def test_frontier_follows_the_olcf_guide(tmp_path):
     site = FakeSite(tmp_path, "slurm", hosts=34)
     found = directives("frontier")
-    nodes, walltime = int(found["--nodes"]), hours(found["--time"])
-    # mandatory: the project charged; a partition of the guide, within its limits
-    assert found["--account"] and found["--partition"] in ("batch", "extended")
-    if found["--partition"] == "extended":
-        assert nodes <= 64 and walltime <= 24
-    assert walltime <= next(limit for most, limit in FRONTIER_BINS if nodes <= most)
+    nodes = int(found["--nodes"])
+    # what the scheduler takes is test_site_rules.py's; here the job's own counts
     assert nodes == int(default("frontier", "NODES")) + int(default("frontier", "SPARES"))
+    assert found["--network"] == "disable_rdzv_get"     # rccl-net-plugin's alt_read
     assert found["--constraint"] == "nvme"                 # /mnt/bb/$USER exists
     assert found["--signal"] == f"B:USR1@{default('frontier', 'HALT_MARGIN')}"
 
     steps = site.plan("frontier", CX_BIN="")     # the template's own venv
     checked_start(steps, staged=True)
-    # OLCF's tested mpi4py build, versions and all, loaded for real in the batch shell
+    # the PyTorch page's modules, versions and all, loaded for real in the batch shell
     loads = [c for c in site.calls() if c.startswith("module load")]
-    assert [c.split(" | ")[0] for c in loads] == [
-        "module load PrgEnv-gnu/8.6.0 miniforge3/23.11.0-0"], loads
-    # the venv in Project Home (not purged), the trainer's interpreter by its path
-    venv = "/ccs/proj/abc123/u/envs/cachex"     # the fake site charges ABC123
-    # the venv is broadcast to the NVMe and every node step runs that copy
+    assert [c.split(" | ")[0] for c in loads] == [f"module load {FRONTIER_MODULES}"], loads
+    # the environment in Project Home (not purged), packed onto Orion (not into Project
+    # Home's 50 GB), broadcast to the NVMe; every node step runs that copy
     sbcast = step(steps, "stage")
     assert sbcast[0] == "sbcast" and sbcast[-1] == "/mnt/bb/u/cachex-venv.tar"
-    assert sbcast[-2] == f"{venv}.tar"
+    assert sbcast[-2] == "/lustre/orion/abc123/scratch/u/cachex-venv.tar"
     unpack = step(steps, "unpack")
     assert flag(unpack, "--nodelist").split(",") == site.hosts     # spares get it too
     for kind in ("check", "agents", "recover"):
@@ -88,8 +76,10 @@ def test_frontier_follows_the_olcf_guide(tmp_path):
     train = step(steps, "train")
     # no GPU-aware MPI by default: Cray MPICH exits at MPI_Init without the GTL library,
     # which OLCF's mpi4py recipe does not link
-    assert train[0] == "srun" and "MPICH_GPU_SUPPORT_ENABLED=1" not in train
-    assert f"{venv}/bin/python" in train                # not whatever `python` is first
+    assert train[:2] == ["env", "NCCL_SOCKET_IFNAME=hsn0,hsn1,hsn2,hsn3"], train
+    assert "srun" in train and "MPICH_GPU_SUPPORT_ENABLED=1" not in train
+    # torch imported from the NVMe copy ("NVMe > Orion >> NFS"), not from Project Home
+    assert "/mnt/bb/u/cachex-venv/bin/python" in train
     assert flag(train, "--ntasks-per-node") == str(FRONTIER_GCDS)
     assert flag(train, "--gpus-per-task") == "1" and flag(train, "--gpu-bind") == "closest"
     assert FRONTIER_GCDS * int(flag(train, "--cpus-per-task")) <= FRONTIER_CORES
@@ -102,22 +92,22 @@ def test_frontier_follows_the_olcf_guide(tmp_path):
     for kind in ("unpack", "check", "agents"):
         assert said[kind][0].endswith("MPICH_GPU_SUPPORT_ENABLED=unset"), said[kind]
     assert said["train"][0].endswith("MPICH_GPU_SUPPORT_ENABLED=1"), said["train"]   # the user's
+    # MASTER_ADDR the first training node's address, as the guide's `hostname -i`
+    run = subprocess.run(["bash", "-c", 'CX_SCHEDULER=slurm; MASTER_ADDR_FROM=address;'
+                          ' source "$CX_ROOT/scripts/lib/cachex-job.sh"; CX_SET=(localhost);'
+                          ' cx_master_addr'], capture_output=True, text=True, timeout=60,
+                         env=site.env)
+    assert run.stdout.strip() in ("127.0.0.1", "::1"), run.stdout + run.stderr
 
 
 def test_neuron_follows_the_kisti_guide(tmp_path):
     site = FakeSite(tmp_path, "slurm", hosts=5)
     found = directives("neuron")
-    partition = found["--partition"]
-    assert partition in NEURON, partition
-    part_nodes, gpus, cores, user_gpus = NEURON[partition]
+    part = NEURON_PARTITIONS[found["--partition"]]
+    gpus, cores = part.gpus, part.cores
     nodes = int(found["--nodes"])
     assert nodes == int(default("neuron", "NODES")) + int(default("neuron", "SPARES"))
-    assert nodes <= part_nodes                                  # the partition has them
-    assert found["--gres"] == f"gpu:{gpus}"                     # every GPU of a node, no more
-    assert nodes * gpus <= user_gpus
-    assert NEURON_COMMENT.match(found["--comment"]), found["--comment"]     # mandatory
-    assert found["--comment"].endswith(';appl=pytorch"')
-    assert hours(found["--time"]) <= 48
+    assert found["--gres"] == f"gpu:{gpus}"                     # every GPU of a node
     assert default("neuron", "PFS").startswith("/scratch/$USER")
     # no node-local disk in the guide: nothing of the job's on /tmp; the venv on /scratch
     assert not any(default("neuron", v).startswith("/tmp") for v in ("SPOOL", "STAGE",
@@ -125,9 +115,9 @@ def test_neuron_follows_the_kisti_guide(tmp_path):
 
     steps = site.plan("neuron", CX_BIN="")
     checked_start(steps, staged=False)          # the guide says nothing of sbcast
-    loads = [c.split(" | ")[0] for c in site.calls() if c.startswith("module load")]
-    assert loads == [f"module load {NEURON_MODULES}"], loads
-    assert "/scratch/u/cachex-venv/bin/cachex-agent" in step(steps, "agents")
+    loads = [c.split(" | ")[0] for c in site.calls() if c.startswith("module")]
+    assert loads == ["module purge", f"module load {NEURON_MODULES}"], loads   # as the guide
+    assert "/scratch/u/.conda/envs/cachex/bin/cachex-agent" in step(steps, "agents")
     train = step(steps, "train")
     ranks = int(flag(train, "--ntasks-per-node"))
     assert ranks == gpus and flag(train, "--gpus-per-task") == "1"
@@ -167,16 +157,8 @@ def test_pbs_template_through_mpiexec(tmp_path):
         "STAGE_VENV=1: staging uses Slurm's sbcast, which pbs has not; set STAGE_VENV=0")
 
 
-# ALCF, Running jobs: what qsub refuses a job without; per system, its file systems, its
-# queues (name -> fewest, most nodes), cores a node, the cores the OS keeps
-ALCF_REQUIRED = ("-A", "-l walltime", "-l filesystems")
-ALCF = {"polaris": ({"home", "eagle"}, {"debug": (1, 2), "debug-scaling": (1, 10),
-                                        "prod": (10, 496), "preemptable": (1, 10),
-                                        "capacity": (1, 4)}, 32, 0),
-        "aurora": ({"home", "flare", "daos_user_fs"}, {"debug": (1, 2),
-                                                       "debug-scaling": (2, 256),
-                                                       "prod": (256, 10624),
-                                                       "capacity": (1, 16)}, 104, 2)}
+# ALCF: cores a node and the cores the OS keeps (Aurora: 0 and 52 of each socket's 52)
+ALCF_CORES = {"polaris": (32, ()), "aurora": (104, (0, 52))}
 
 
 def pbs_directives(template: str) -> dict[str, str]:
@@ -193,14 +175,12 @@ def pbs_directives(template: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("system", ["polaris", "aurora"])
 def test_alcf_templates_follow_alcfs_guide(tmp_path, system):
-    filesystems, queues, cores, reserved = ALCF[system]
+    cores, reserved = ALCF_CORES[system]
     found = pbs_directives(system)
-    assert all(option in found for option in ALCF_REQUIRED), found
-    assert set(found["-l filesystems"].split(":")) <= filesystems
+    # what qsub takes is test_site_rules.py's; here the job's own counts
     nodes = int(found["-l select"].split(":")[0])
     assert nodes == int(default(system, "NODES")) + int(default(system, "SPARES"))
-    fewest, most = queues[found["-q"]]
-    assert fewest <= nodes <= most, (found["-q"], nodes)
+    assert TEMPLATES[system].read_text().startswith("#!/bin/bash -l\n")   # `module`
     if system == "polaris":
         assert found["-l select"].endswith(":system=polaris")
         assert "-W tolerate_node_failures" not in found     # the Polaris guide: silent
@@ -222,9 +202,21 @@ def test_alcf_templates_follow_alcfs_guide(tmp_path, system):
     assert check[0] == "mpiexec" and flag_after(check, "--ppn") == "1", check
     assert flag_after(check, "--cpu-bind") == "none" and f"{venv}/cachex-agent" in check
     train = step(steps, "train")
-    ranks, depth = int(flag_after(train, "--ppn")), int(flag_after(train, "--depth"))
-    assert flag_after(train, "--cpu-bind") == "depth"
-    assert ranks * depth <= cores - reserved and f"{venv}/python" in train
+    ranks = int(flag_after(train, "--ppn"))
+    assert f"{venv}/python" in train
+    if system == "polaris":
+        depth = int(flag_after(train, "--depth"))
+        assert flag_after(train, "--cpu-bind") == "depth" and ranks * depth <= cores
+        return
+    # Aurora: an explicit list, one set of cores a rank, none of the OS's, six ranks a
+    # socket (--depth 8 split rank 6 across the sockets)
+    bind = flag(train, "--cpu-bind")
+    assert bind and bind.startswith("list:"), train
+    sets = [range(int(a), int(b) + 1) for a, b in (r.split("-") for r in bind[5:].split(":"))]
+    taken = [c for cs in sets for c in cs]
+    assert len(sets) == ranks and len(taken) == len(set(taken)), bind
+    assert not set(taken) & set(reserved) and max(taken) < cores
+    assert [all(c < 52 for c in cs) for cs in sets] == [True] * 6 + [False] * 6, bind
 
 
 def flag_after(words: list[str], name: str) -> str | None:
@@ -267,11 +259,9 @@ def test_the_staged_copy_is_what_the_node_steps_run(tmp_path):
     stage_dir.parent.mkdir()
     steps = site.plan("frontier", CX_BIN=str(venv / "bin"), STAGE_DIR=str(stage_dir),
                       NODES="2", SPARES="1")
-    tar = Path(step(steps, "stage")[-2])
     subprocess.run(["tar", "-C", str(venv), "-cf", str(stage_dir) + ".tar", "."], check=True)
     site.execute(step(steps, "unpack"), CX_FAKE_EXEC="1")
     assert (stage_dir / ".cachex-staged").exists() and not Path(f"{stage_dir}.tar").exists()
-    assert tar == Path(f"{venv}.tar")
     check = step(steps, "check")
     command = check[check.index(str(stage_dir / "bin" / "python")):]
     out = subprocess.run(command[:2], capture_output=True, text=True, timeout=60,
@@ -434,7 +424,7 @@ def test_a_node_the_training_failed_on_is_left_out_of_the_relaunch(tmp_path):
     site = FakeSite(tmp_path, "slurm", hosts=5)
     lost_node_loop(site, set(), ["n005"])               # sinfo: every node allocated
     rundir = tmp_path / "run"
-    rundir.mkdir()
+    rundir.mkdir(exist_ok=True)
     (rundir / "train.err").write_text(
         "srun: error: n002: task 3: Exited with exit code 1\n"
         "srun: error: n001: tasks 0-1: Killed\nsrun: error: n003: tasks 4-5: Killed\n")
