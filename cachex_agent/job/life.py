@@ -25,6 +25,7 @@ class JobState:
     max_relaunches: int = 3
     max_agent_restarts: int = 3
     halt_margin: int = 600              # seconds before the end when the halt begins
+    run: str = ""                       # the run's name, for what the job says
     relaunches: int = 0
     agent_restarts: int = 0
     bad: frozenset[str] = frozenset()   # nodes the training failed on: never used again
@@ -91,7 +92,9 @@ class StopAgents:
 
 @dataclass(frozen=True)
 class StartAgents:
-    pass
+    """`wait`: until they run (a start, a relaunch); else in the background, so that a
+    restart beside running training never ends the job when its nodes are failing."""
+    wait: bool = True
 
 
 @dataclass(frozen=True)
@@ -200,7 +203,8 @@ def _train_exited(state: JobState, event: TrainExited) -> Decision:
     if event.captured:
         actions.append(Recover())
     else:
-        actions.append(Note("no checkpoint captured yet: relaunching from the start"))
+        actions.append(Note(f"no checkpoint of run {state.run} captured yet: relaunching"
+                            " from the start"))
     actions += [StartAgents(), Train(resume=event.captured)]
     return Decision(state, tuple(actions))
 
@@ -213,7 +217,7 @@ def _agents_exited(state: JobState, event: AgentsExited) -> Decision:
                                      f" (MAX_AGENT_RESTARTS={state.max_agent_restarts})"),))
     return Decision(replace(state, agent_restarts=state.agent_restarts + 1), (
         Note(f"the agent step exited ({event.status}) while training runs: restarting it"),
-        StartAgents()))
+        StartAgents(wait=False)))
 
 
 def _nodes_lost(state: JobState, event: NodesLost) -> Decision:

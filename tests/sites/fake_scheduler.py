@@ -77,20 +77,29 @@ def pbs_options(words: list[str], opts: dict[str, str]) -> list[str]:
     return rest
 
 
+def submission(command: str, args: list[str], parse, prefix: str
+               ) -> tuple[Path, dict[str, str]] | None:
+    """The job script and its options: its directives, then the command line's (which
+    win); None (after the scheduler's line) when there is no readable script."""
+    given: dict[str, str] = {}
+    rest = parse(args, given)
+    if len(rest) != 1:
+        print(f"{command}: error: usage: {command} [options] script", file=sys.stderr)
+        return None
+    script = Path(rest[0])
+    if not readable(script, command):
+        return None
+    opts: dict[str, str] = {}
+    parse(directives(script, prefix), opts)
+    return script, {**opts, **given}
+
+
 def qsub(args: list[str]) -> int:
     site = config()
-    opts: dict[str, str] = {}
-    rest = pbs_options(args, opts)
-    if len(rest) != 1:
-        print("qsub: usage: qsub [options] script", file=sys.stderr)
-        return 2
-    script = Path(rest[0])
-    if not readable(script, "qsub"):
+    submitted = submission("qsub", args, pbs_options, "#PBS")
+    if submitted is None:
         return 1
-    given = dict(opts)
-    opts.clear()
-    pbs_options(directives(script, "#PBS"), opts)
-    opts.update(given)                       # the command line wins
+    script, opts = submitted
     refused = site_rules.pbs_refusal(site["name"], opts)
     if refused:
         print(refused, file=sys.stderr)
@@ -174,15 +183,10 @@ def slurm_options(words: list[str], opts: dict[str, str]) -> list[str]:
 
 def sbatch(args: list[str]) -> int:
     site = config()
-    opts: dict[str, str] = {}
-    rest = slurm_options(args, opts)
-    script = Path(rest[0])
-    if not readable(script, "sbatch"):
+    submitted = submission("sbatch", args, slurm_options, "#SBATCH")
+    if submitted is None:
         return 1
-    given = dict(opts)
-    opts.clear()
-    slurm_options(directives(script, "#SBATCH"), opts)
-    opts.update(given)
+    script, opts = submitted
     refused = site_rules.slurm_refusal(site["name"], opts, os.getcwd(), site["user"])
     if refused:
         print(refused, file=sys.stderr)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -279,45 +278,13 @@ def test_the_staged_copy_is_what_the_node_steps_run(tmp_path):
     assert (other / "keep").read_text() == "x"
 
 
-def lost_node_loop(site: FakeSite, down: set[str], spares: list[str], **variables: str
-                   ) -> subprocess.CompletedProcess[str]:
-    """The job library's step after a failed training step, through the Slurm stubs:
-    hosts in `down` read as down in sinfo; then the recovery step it would launch."""
-    states = "".join(f"printf '%s\\n' '{h} {'down*' if h in down else 'allocated'}'\n"
-                     for h in site.hosts)
-    for name, text in (("squeue", f"echo 'n[001-{len(site.hosts):03d}]'\n"),
-                       ("sinfo", states)):
-        (site.bin / name).write_text(f"#!/bin/sh\n{text}")
-    nodes = [h for h in site.hosts if h not in spares]
-    script = (f'CX_SCHEDULER=slurm; source "$CX_ROOT/scripts/lib/cachex-job.sh";'
-              f' CX_SET=({" ".join(nodes)}); CX_SPARE=({" ".join(spares)});'
-              ' cx_replace_lost; cx_step recover 1; echo "recover: ${CX_ARGV[*]}"')
-    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
-                          env={**site.env, "CACHEX_CONFIG": str(site.tmp / "c.toml"),
-                               **variables}, stdin=subprocess.DEVNULL, cwd=site.tmp)
-
-
-def test_a_lost_node_without_a_spare_goes_on_with_fewer_down_to_min_nodes(tmp_path):
+def test_a_bad_exclude_list_ends_the_job_in_one_line(tmp_path):
+    """cx_die inside $(...) ended only the subshell: the job went on without the list."""
     site = FakeSite(tmp_path, "slurm", hosts=5)
-    # a spare left: it replaces the lost node, the count stays
-    replaced = lost_node_loop(site, {"n002"}, ["n005"])
-    assert "--nodes=4 " in replaced.stdout and "n001,n003,n004,n005" in replaced.stdout
-    # two lost, one spare, MIN_NODES=3: the recovery runs on the 3 nodes left
-    shrunk = lost_node_loop(site, {"n002", "n003"}, ["n005"], MIN_NODES="3")
-    assert shrunk.returncode == 0, shrunk.stderr
-    assert ("lost 2 nodes (n002 n003), only 1 spares left: going on with 3 of 4 nodes"
-            " (MIN_NODES=3)") in shrunk.stdout, shrunk.stdout
-    recover = next(line for line in shrunk.stdout.splitlines() if line.startswith("recover:"))
-    assert flag(recover.split(), "--nodes") == "3"
-    assert flag(recover.split(), "--nodelist") == "n001,n004,n005"
-    # below MIN_NODES, or MIN_NODES=0 (never fewer): the job ends with one line
-    for minimum, why in (("4", "3 nodes, below MIN_NODES=4"),
-                         ("0", "recovery needs 4 nodes (MIN_NODES=0; set MIN_NODES to go"
-                               " on with fewer)")):
-        failed = lost_node_loop(site, {"n002", "n003"}, ["n005"], MIN_NODES=minimum)
-        assert failed.returncode == 1 and "recover:" not in failed.stdout
-        errors = [line for line in failed.stderr.splitlines() if "error:" in line]
-        assert len(errors) == 1 and f"only 1 spares left: {why}" in errors[0], failed.stderr
+    result = site.run("neuron", EXCLUDE_NODES="n[001-")
+    assert result.returncode == 2, result.stdout
+    assert result.stderr.strip().splitlines()[-1].endswith(
+        "EXCLUDE_NODES: cannot expand 'n[001-'"), result.stderr
 
 
 def library(site: FakeSite, script: str, timeout: float = 60, scheduler: str = "slurm",
@@ -330,30 +297,17 @@ def library(site: FakeSite, script: str, timeout: float = 60, scheduler: str = "
         env={**site.env, "CACHEX_CONFIG": str(site.tmp / "c.toml"), **variables}, cwd=site.tmp)
 
 
-def test_when_sinfo_or_squeue_says_nothing_no_node_counts_as_lost(tmp_path):
-    """Every node read as lost had ended the job (the PBS twin takes all as up)."""
-    site = FakeSite(tmp_path, "slurm", hosts=5)
-    for silent in ("sinfo", "squeue"):
-        lost_node_loop(site, {"n002"}, ["n005"])        # writes both stubs
-        (site.bin / silent).write_text("#!/bin/sh\nexit 1\n")
-        run = library(site, "CX_SET=(n001 n002 n003 n004); CX_SPARE=(n005); cx_replace_lost;"
-                            ' echo "set: ${CX_SET[*]}"')
-        assert run.returncode == 0, run.stderr
-        assert "set: n001 n002 n003 n004" in run.stdout, (silent, run.stdout)
-        assert "said nothing of the job's nodes: every node taken as up" in run.stdout
-
-
 def stub(site: FakeSite, name: str, body: str) -> None:
     (site.bin / name).write_text(f"#!/bin/bash\n{body}")
     (site.bin / name).chmod(0o755)
 
 
-def halt_in(site: FakeSite, scheduler: str) -> int:
-    """Seconds from now to the halt the job library sets at its start."""
-    run = library(site, 'cx_init_halt; echo "halt-in $((CX_HALT_AT - $(cx_now)))"',
-                  scheduler=scheduler, HALT_MARGIN="600")
+def time_left(site: FakeSite, scheduler: str) -> int:
+    """The job's seconds left as the job library reads them at its start."""
+    run = library(site, 'cx_init_left; echo "left ${CX_LEFT}"', scheduler=scheduler,
+                  HALT_MARGIN="600")
     assert run.returncode == 0, run.stderr
-    return int(run.stdout.split("halt-in ")[1].split()[0])
+    return int(run.stdout.split("left ")[1].split()[0])
 
 
 def test_the_halt_comes_from_the_time_left_not_from_the_controllers_clock(tmp_path):
@@ -362,76 +316,17 @@ def test_the_halt_comes_from_the_time_left_not_from_the_controllers_clock(tmp_pa
     site = FakeSite(tmp_path, "slurm", hosts=2)
     ahead = "$(date -d '+2 hours' +%Y-%m-%dT%H:%M:%S)"       # ends in 1 h, clock 1 h ahead
     stub(site, "squeue", f'case "$*" in *%e*) echo "{ahead}" ;; *%L*) echo 1:00:00 ;; esac\n')
-    assert 2990 <= halt_in(site, "slurm") <= 3000
+    assert time_left(site, "slurm") == 3600
     stub(site, "squeue", "echo UNLIMITED\n")
-    run = library(site, 'cx_init_halt; echo "halt=${CX_HALT_AT}"')
-    assert "halt=\n" in run.stdout and "no job end time known" in run.stdout
+    run = library(site, 'cx_init_left; echo "left=${CX_LEFT}"')
+    assert "left=\n" in run.stdout and "no job end time known" in run.stdout
+    stub(site, "squeue", "echo 5:00\n")                    # less than HALT_MARGIN
+    short = library(site, "cx_init_left", HALT_MARGIN="600")
+    assert short.returncode == 2 and "leaves no time to train" in short.stderr
 
     (tmp_path / "pbs").mkdir()
     pbs = FakeSite(tmp_path / "pbs", "pbs", hosts=2)
     stub(pbs, "qstat", 'echo "Job Id: 42.pbs"; echo "    stime = $(date -d \'-3 hours\')";'
                        ' echo "    Resource_List.walltime = 01:00:00";'
                        ' echo "    resources_used.walltime = 00:20:00"\n')
-    assert 1790 <= halt_in(pbs, "pbs") <= 1800
-
-
-def test_pbs_nodes_down_or_offline_are_replaced_by_spares(tmp_path):
-    site = FakeSite(tmp_path, "pbs", hosts=5)
-    stub(site, "pbsnodes", 'h=${!#}; echo "$h"; echo "     Mom = $h";'
-                           ' case $h in n002) s=offline ;; n003) s=down ;; *) s=free ;; esac;'
-                           ' echo "     state = $s"\n')
-    run = library(site, "CX_SET=(n001 n002 n003); CX_SPARE=(n004 n005); cx_replace_lost;"
-                        ' echo "set: ${CX_SET[*]}"', scheduler="pbs")
-    assert run.returncode == 0, run.stderr
-    assert "set: n001 n004 n005" in run.stdout, run.stdout
-
-
-def test_a_bad_exclude_list_ends_the_job_in_one_line(tmp_path):
-    """cx_die inside $(...) ended only the subshell: the job went on without the list."""
-    site = FakeSite(tmp_path, "slurm", hosts=5)
-    result = site.run("neuron", EXCLUDE_NODES="n[001-")
-    assert result.returncode == 2, result.stdout
-    assert result.stderr.strip().splitlines()[-1].endswith(
-        "EXCLUDE_NODES: cannot expand 'n[001-'"), result.stderr
-
-
-def test_a_recovery_is_cut_to_the_halt_not_to_the_jobs_end(tmp_path):
-    """The final drain's window (HALT_MARGIN) is not the recovery's to use."""
-    site = FakeSite(tmp_path, "slurm", hosts=2)
-    run = library(site, 'now=$(cx_now); CX_JOB_END=$((now + 1000)); CX_HALT_AT=$((now + 100));'
-                        ' echo "$(cx_fit 1800 halt) $(cx_fit 1800) $(cx_fit 50 halt)"')
-    to_halt, to_end, short = (int(x) for x in run.stdout.split())
-    assert 95 <= to_halt <= 100 and 965 <= to_end <= 970 and short == 50, run.stdout
-
-
-def test_sigterm_lets_the_agents_drain_before_anything_is_killed(tmp_path):
-    """The batch shell's SIGTERM went straight to SIGKILL of the agents (cx_on_exit)."""
-    site = FakeSite(tmp_path, "slurm", hosts=2)
-    said = tmp_path / "agent-said"
-    ready = tmp_path / "agent-ready"
-    agent = (f"trap 'echo drained >{said}; exit 0' TERM; touch {ready}; sleep 30 & wait;"
-             f" echo killed >{said}")
-    script = (f'bash -c "{agent}" & CX_AGENTS_PID=$!; CX_STEP_AGENTS=none; cx_traps;'
-              f' until [[ -e {ready} ]]; do sleep 0.05; done; kill -TERM $$; sleep 30 & wait')
-    run = library(site, script, AGENT_STOP_TIMEOUT="20")
-    assert run.returncode == 143, (run.stdout, run.stderr)
-    assert said.read_text().strip() == "drained"
-    assert "SIGTERM: the job is ending; the agents drain first" in run.stdout
-
-
-def test_a_node_the_training_failed_on_is_left_out_of_the_relaunch(tmp_path):
-    """It still shows allocated, so it was reused until MAX_RELAUNCHES ran out."""
-    site = FakeSite(tmp_path, "slurm", hosts=5)
-    lost_node_loop(site, set(), ["n005"])               # sinfo: every node allocated
-    rundir = tmp_path / "run"
-    rundir.mkdir(exist_ok=True)
-    (rundir / "train.err").write_text(
-        "srun: error: n002: task 3: Exited with exit code 1\n"
-        "srun: error: n001: tasks 0-1: Killed\nsrun: error: n003: tasks 4-5: Killed\n")
-    run = library(site, "CX_SET=(n001 n002 n003 n004); CX_SPARE=(n005); cx_blame;"
-                        ' cx_replace_lost; echo "set: ${CX_SET[*]}"',
-                  CX_BIN=str(Path(sys.executable).parent))
-    assert run.returncode == 0, run.stderr
-    assert "set: n001 n003 n004 n005" in run.stdout, run.stdout
-    assert "training failed on n002: left out of this job from now on" in run.stdout
-    assert (rundir / "bad-nodes").read_text() == "n002\n"
+    assert time_left(pbs, "pbs") == 2400

@@ -40,10 +40,10 @@ def test_a_failure_with_every_node_up_stops_recovers_and_relaunches_resuming():
 
 
 def test_without_a_checkpoint_the_relaunch_starts_over_without_a_recovery():
-    d = j.decide(state(), j.TrainExited(1, captured=False, up=up()))
+    d = j.decide(state(run="r"), j.TrainExited(1, captured=False, up=up()))
     assert kinds(d) == ["AtRisk", "StopAgents", "StartAgents", "Train"]
     assert d.actions[-1] == j.Train(resume=False)
-    assert "no checkpoint captured yet: relaunching from the start" in notes(d)
+    assert "no checkpoint of run r captured yet: relaunching from the start" in notes(d)
 
 
 def test_a_lost_node_is_replaced_by_a_spare():
@@ -130,7 +130,7 @@ def test_nodes_lost_while_training_stop_the_step_and_only_then_the_loop_acts():
 def test_an_agent_step_that_dies_while_training_runs_is_restarted_a_few_times():
     s = state(max_agent_restarts=1)
     d = j.decide(s, j.AgentsExited(1))
-    assert kinds(d) == ["StartAgents"] and d.state.agent_restarts == 1
+    assert d.actions[-1] == j.StartAgents(wait=False) and d.state.agent_restarts == 1
     again = j.decide(d.state, j.AgentsExited(1))
     assert kinds(again) == [] and "not restarted (MAX_AGENT_RESTARTS=1)" in notes(again)[0]
     # a relaunch gives the agents their restarts back
