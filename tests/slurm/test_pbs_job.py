@@ -10,6 +10,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -63,7 +64,8 @@ def pbs_env(tmp_path: Path, train_cmd: str, **variables: str) -> dict[str, str]:
                PFS=f"{work}/pfs", FAILURE_DOMAIN="rank", COMMIT_RULE="dcp", NODE_DIRS="",
                CONFIG_OUT=str(work / "cachex.toml"), CONFIG_EXTRA='[agent]\ntimeout = "20s"',
                TRAIN_CMD=train_cmd, CX_RUNDIR=str(tmp_path / "run"), AGENT_STOP_TIMEOUT="30",
-               DRAIN_TIMEOUT="120", TRAIN_STOP_GRACE="10", POLL="1", **variables)
+               DRAIN_TIMEOUT="120", TRAIN_STOP_GRACE="10", POLL="1")
+    env.update(variables)
     return env
 
 
@@ -113,3 +115,64 @@ def test_a_trainer_that_keeps_failing_ends_the_job_after_max_relaunches(tmp_path
     errors = [line for line in result.stderr.splitlines() if "cachex-job: error:" in line]
     assert len(errors) == 1 and errors[0].endswith(
         "training failed 2 times (MAX_RELAUNCHES=1); newest checkpoint - at level -"), errors
+
+
+def launched_as(proc: psutil.Process, rank: int) -> bool:
+    try:
+        return proc.environ().get("PMI_RANK") == str(rank)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def test_a_node_pbsnodes_reports_down_is_replaced_by_a_spare(tmp_path, reference):
+    """The PBS adapter on named hosts (hydra's fork launcher runs them all here): PBS
+    marks pbsnode2 down and its ranks and agent die with their files; the supervisor
+    reads `pbsnodes`, takes the spare pbsnode3, recovers node 1 onto it and relaunches
+    on the new host file; the trainer ends in an uninterrupted run's state."""
+    work = tmp_path / "w"
+    config = work / "cachex.toml"
+    words = trainer_words("--spool", f"{work}/node{{node}}/spool", "--every", "10",
+                          "--step-time", "0.1", "--state-out", str(work / "state.json"))
+    env = pbs_env(tmp_path, shlex.join(words), VNODES="", NODES="2", SPARES="1",
+                  MPIEXEC_AGENT_FLAGS="-launcher fork", MPIEXEC_TRAIN_FLAGS="-launcher fork")
+    (tmp_path / "nodefile").write_text("".join(f"pbsnode{i}\n" for i in (1, 2, 3)))
+    down = tmp_path / "down"
+    down.write_text("")
+    fake = tmp_path / "pbsbin"
+    fake.mkdir()
+    (fake / "pbsnodes").write_text(     # `pbsnodes -v HOST`, as PBS answers it
+        f'#!/bin/bash\nh=${{!#}}; s=free; grep -qx "$h" {down} && s=down\n'
+        'printf "%s\\n     Mom = %s\\n     state = %s\\n" "$h" "$h" "$s"\n')
+    (fake / "pbsnodes").chmod(0o755)
+    env["PATH"] = f"{fake}:{env['PATH']}"
+    log = tmp_path / "job.out"
+    with log.open("wb") as out:
+        job = subprocess.Popen(["bash", str(PBS)], stdout=out, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    try:
+        wait_for(lambda: any(level in ("replicated", "flushed")
+                             for level in levels_of(config).values()), 180,
+                 "a replicated checkpoint", poll=0.3)
+        down.write_text("pbsnode2\n")
+        lost = [p for p in trainer_ranks(work) if launched_as(p, 2) or launched_as(p, 3)]
+        lost += [p for p in psutil.process_iter(["cmdline"])       # this job's only
+                 if any(w.endswith("cachex-agent") for w in p.info["cmdline"] or [])
+                 and str(config) in (p.info["cmdline"] or []) and launched_as(p, 1)]
+        assert len(lost) == 3, lost                     # two ranks and node 1's agent
+        for proc in lost:
+            proc.kill()
+        shutil.rmtree(work / "node1")                   # its spool, stage and NVMe are gone
+        (work / "node1" / "spool").mkdir(parents=True)  # the spare's empty disk
+        code = job.wait(240)
+    finally:
+        if job.poll() is None:
+            kill_job(job)
+    text = log.read_text()
+    assert code == 0, text[-4000:]
+    assert "lost pbsnode2; replaced by spares; node set now pbsnode1,pbsnode3" in text, text
+    assert (tmp_path / "run" / "hosts").read_text() == "pbsnode1\npbsnode3\n"
+    recovered = re.search(r"^recovered (step_\d+):", text, re.M)
+    assert recovered, text
+    assert f"resumed from {recovered.group(1)}" in text
+    assert json.loads((work / "state.json").read_text()) == reference
+    assert levels_of(config)["step_00060"] == "flushed"
