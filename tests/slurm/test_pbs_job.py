@@ -14,6 +14,7 @@ import shutil
 import signal
 import socket
 import subprocess
+import time
 from pathlib import Path
 
 import psutil
@@ -124,18 +125,14 @@ def launched_as(proc: psutil.Process, rank: int) -> bool:
         return False
 
 
-def test_a_node_pbsnodes_reports_down_is_replaced_by_a_spare(tmp_path, reference):
-    """The PBS adapter on named hosts (hydra's fork launcher runs them all here): PBS
-    marks pbsnode2 down and its ranks and agent die with their files; the supervisor
-    reads `pbsnodes`, takes the spare pbsnode3, recovers node 1 onto it and relaunches
-    on the new host file; the trainer ends in an uninterrupted run's state."""
-    work = tmp_path / "w"
-    config = work / "cachex.toml"
-    words = trainer_words("--spool", f"{work}/node{{node}}/spool", "--every", "10",
-                          "--step-time", "0.1", "--state-out", str(work / "state.json"))
-    env = pbs_env(tmp_path, shlex.join(words), VNODES="", NODES="2", SPARES="1",
-                  MPIEXEC_AGENT_FLAGS="-launcher fork", MPIEXEC_TRAIN_FLAGS="-launcher fork")
-    (tmp_path / "nodefile").write_text("".join(f"pbsnode{i}\n" for i in (1, 2, 3)))
+def named_hosts_job(tmp_path: Path, train_cmd: str, hosts: int = 3, **variables: str
+                    ) -> tuple[subprocess.Popen[bytes], Path]:
+    """cachex.pbs on pbsnode1..`hosts` (hydra's fork launcher runs them all on this host),
+    with a `pbsnodes` that reports down the hosts listed in tmp_path/down; the job, its
+    log."""
+    env = pbs_env(tmp_path, train_cmd, VNODES="", MPIEXEC_AGENT_FLAGS="-launcher fork",
+                  MPIEXEC_TRAIN_FLAGS="-launcher fork", **variables)
+    (tmp_path / "nodefile").write_text("".join(f"pbsnode{i}\n" for i in range(1, hosts + 1)))
     down = tmp_path / "down"
     down.write_text("")
     fake = tmp_path / "pbsbin"
@@ -149,6 +146,18 @@ def test_a_node_pbsnodes_reports_down_is_replaced_by_a_spare(tmp_path, reference
     with log.open("wb") as out:
         job = subprocess.Popen(["bash", str(PBS)], stdout=out, stderr=subprocess.STDOUT,
                                stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    return job, log
+
+
+def test_a_node_pbsnodes_reports_down_is_replaced_by_a_spare(tmp_path, reference):
+    """The PBS adapter on named hosts (hydra's fork launcher runs them all here): PBS
+    marks pbsnode2 down and its ranks and agent die with their files; the supervisor
+    reads `pbsnodes`, takes the spare pbsnode3, recovers node 1 onto it and relaunches
+    on the new host file; the trainer ends in an uninterrupted run's state."""
+    work, config, down = tmp_path / "w", tmp_path / "w" / "cachex.toml", tmp_path / "down"
+    words = trainer_words("--spool", f"{work}/node{{node}}/spool", "--every", "10",
+                          "--step-time", "0.1", "--state-out", str(work / "state.json"))
+    job, log = named_hosts_job(tmp_path, shlex.join(words), NODES="2", SPARES="1")
     try:
         wait_for(lambda: any(level in ("replicated", "flushed")
                              for level in levels_of(config).values()), 180,
@@ -176,3 +185,60 @@ def test_a_node_pbsnodes_reports_down_is_replaced_by_a_spare(tmp_path, reference
     assert f"resumed from {recovered.group(1)}" in text
     assert json.loads((work / "state.json").read_text()) == reference
     assert levels_of(config)["step_00060"] == "flushed"
+
+
+def test_pbs_shrinks_to_min_nodes_when_no_spare_is_left(tmp_path):
+    """pbsnode2 down and its ranks gone before the first checkpoint, no spare,
+    MIN_NODES=1: relaunched from the start on pbsnode1 alone."""
+    work, go = tmp_path / "w", tmp_path / "go"
+    words = trainer_words("--spool", f"{work}/node{{node}}/spool", "--every", "10",
+                          "--step-time", "0", "--state-out", str(work / "state.json"))
+    script = f'until [ -e {go} ]; do sleep 0.2; done; exec "$@"'
+    job, log = named_hosts_job(tmp_path, f"bash -c {shlex.quote(script)} _ {shlex.join(words)}",
+                               hosts=2, NODES="2", SPARES="0", MIN_NODES="1")
+    try:
+        wait_for(lambda: len(waiting(work, go)) == 4, 120, "the waiting trainer", poll=0.3)
+        (tmp_path / "down").write_text("pbsnode2\n")
+        for proc in waiting(work, go)[2:]:        # node 1's two ranks
+            proc.kill()
+        go.touch()
+        code = job.wait(240)
+    finally:
+        if job.poll() is None:
+            kill_job(job)
+    text = log.read_text()
+    assert code == 0, text[-4000:]
+    assert "going on with 1 of 2 nodes (MIN_NODES=1)" in text, text
+    assert "no checkpoint of run t captured yet: relaunching from the start" in text, text
+    assert (tmp_path / "run" / "hosts").read_text() == "pbsnode1\n"
+    assert json.loads((work / "state.json").read_text())["world_size"] == 2
+
+
+def waiting(work: Path, go: Path) -> list[psutil.Process]:
+    """This job's gated trainer ranks (`bash -c 'until [ -e go ]...'`), by launch rank."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if cmdline[:2] == ["bash", "-c"] and str(go) in cmdline[2] and \
+                any(str(work) in w for w in cmdline):
+            found.append(proc)
+    return sorted(found, key=lambda p: int(p.environ().get("PMI_RANK", "-1")))
+
+
+def test_pbs_halts_before_the_walltime_and_drains(tmp_path):
+    """The time left (JOB_END here, qstat's walltime on a site) less HALT_MARGIN: the
+    trainer gets SIGTERM, the agents drain, the job exits HALT_EXIT."""
+    work = tmp_path / "w"
+    config = work / "cachex.toml"
+    words = trainer_words("--spool", f"{work}/node{{node}}/spool", "--every", "10",
+                          "--step-time", "1", "--state-out", str(work / "state.json"))
+    env = pbs_env(tmp_path, shlex.join(words), HALT_MARGIN="60",
+                  JOB_END=str(int(time.time()) + 60 + 45))
+    result = subprocess.run(["bash", str(PBS)], capture_output=True, text=True, env=env,
+                            stdin=subprocess.DEVNULL, timeout=280)
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    assert "halt: the job ends in" in out and "halted before the walltime" in out, out
+    assert not (work / "state.json").exists(), "the trainer finished: nothing was halted"
+    levels = levels_of(config)
+    assert levels and levels[max(levels)] == "flushed", levels
