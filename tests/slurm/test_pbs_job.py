@@ -15,6 +15,7 @@ import signal
 import socket
 import subprocess
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -125,6 +126,18 @@ def launched_as(proc: psutil.Process, rank: int) -> bool:
         return False
 
 
+def outcome(job: subprocess.Popen[bytes], log: Path, act: Callable[[], None]
+            ) -> tuple[int, str]:
+    """`act` on the running job, then its exit status and output (killed if it hangs)."""
+    try:
+        act()
+        code = job.wait(240)
+    finally:
+        if job.poll() is None:
+            kill_job(job)
+    return code, log.read_text()
+
+
 def named_hosts_job(tmp_path: Path, train_cmd: str, hosts: int = 3, **variables: str
                     ) -> tuple[subprocess.Popen[bytes], Path]:
     """cachex.pbs on pbsnode1..`hosts` (hydra's fork launcher runs them all on this host),
@@ -158,7 +171,8 @@ def test_a_node_pbsnodes_reports_down_is_replaced_by_a_spare(tmp_path, reference
     words = trainer_words("--spool", f"{work}/node{{node}}/spool", "--every", "10",
                           "--step-time", "0.1", "--state-out", str(work / "state.json"))
     job, log = named_hosts_job(tmp_path, shlex.join(words), NODES="2", SPARES="1")
-    try:
+
+    def lose_node_1() -> None:
         wait_for(lambda: any(level in ("replicated", "flushed")
                              for level in levels_of(config).values()), 180,
                  "a replicated checkpoint", poll=0.3)
@@ -172,11 +186,8 @@ def test_a_node_pbsnodes_reports_down_is_replaced_by_a_spare(tmp_path, reference
             proc.kill()
         shutil.rmtree(work / "node1")                   # its spool, stage and NVMe are gone
         (work / "node1" / "spool").mkdir(parents=True)  # the spare's empty disk
-        code = job.wait(240)
-    finally:
-        if job.poll() is None:
-            kill_job(job)
-    text = log.read_text()
+
+    code, text = outcome(job, log, lose_node_1)
     assert code == 0, text[-4000:]
     assert "lost pbsnode2; replaced by spares; node set now pbsnode1,pbsnode3" in text, text
     assert (tmp_path / "run" / "hosts").read_text() == "pbsnode1\npbsnode3\n"
@@ -196,17 +207,15 @@ def test_pbs_shrinks_to_min_nodes_when_no_spare_is_left(tmp_path):
     script = f'until [ -e {go} ]; do sleep 0.2; done; exec "$@"'
     job, log = named_hosts_job(tmp_path, f"bash -c {shlex.quote(script)} _ {shlex.join(words)}",
                                hosts=2, NODES="2", SPARES="0", MIN_NODES="1")
-    try:
+
+    def lose_node_1() -> None:
         wait_for(lambda: len(waiting(work, go)) == 4, 120, "the waiting trainer", poll=0.3)
         (tmp_path / "down").write_text("pbsnode2\n")
         for proc in waiting(work, go)[2:]:        # node 1's two ranks
             proc.kill()
         go.touch()
-        code = job.wait(240)
-    finally:
-        if job.poll() is None:
-            kill_job(job)
-    text = log.read_text()
+
+    code, text = outcome(job, log, lose_node_1)
     assert code == 0, text[-4000:]
     assert "going on with 1 of 2 nodes (MIN_NODES=1)" in text, text
     assert "no checkpoint of run t captured yet: relaunching from the start" in text, text
