@@ -47,6 +47,23 @@ def lose_node(node: str) -> list[int]:
     return [p.pid for p in victims]
 
 
+def sweep(node: str, job_id: str) -> list[int]:
+    """SIGKILL what still runs of job `job_id` on `node`; the pids (none: it is empty)."""
+    found = []
+    for proc in psutil.process_iter():
+        try:
+            env = proc.environ()
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+        if env.get("SLURMD_NODENAME") == node and env.get("SLURM_JOB_ID") == str(job_id):
+            found.append(proc.pid)
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+    return found
+
+
 @pytest.fixture
 def restore_nodes():
     yield
@@ -109,6 +126,9 @@ def test_without_a_spare_the_job_shrinks_to_min_nodes(local_job, restore_nodes):
                SPARES="0", MIN_NODES="1")
     wait_for(lambda: "train" in job.steps(), 120, "the training step")
     assert len(lose_node("cxnode2")) >= 3        # slurmd, a step daemon, a task
+    # nothing of this job may run on the lost node once `go` is there: a waiting rank
+    # missed while it forked its `sleep` would train on, orphaned, for ever
+    wait_for(lambda: not sweep("cxnode2", job.id), 30, "cxnode2 emptied of this job")
     shutil.rmtree(job.workdir / "node1")
     go.touch()
 
