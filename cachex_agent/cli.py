@@ -24,6 +24,7 @@ from . import __version__, faults
 from . import config as configuration
 from .errors import CachexError, ConfigError, OperationError
 from .fsutil import makedirs, write_json
+from .job.run_cli import run_command as job_run_command
 from .layout import journal_stop_file, pfs_stop_file
 from .mpi_env import choose_netmod
 from .outputs import SCHEMA
@@ -857,6 +858,9 @@ def _hosts_option(name: str, help_text: str, required: bool = False) -> Any:
 def _echo_lines(lines: list[str]) -> None:
     for line in lines:
         click.echo(line)
+
+
+job_group.add_command(job_run_command)     # the supervisor (cachex_agent/job/supervisor.py)
 
 
 @job_group.command("nodes")

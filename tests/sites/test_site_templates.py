@@ -6,27 +6,19 @@ what each launch received."""
 from __future__ import annotations
 
 import os
-import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from stubs import TEMPLATES, FakeSite, default, directives, flag, hours
+from site_rules import NEURON_PARTITIONS
+from stubs import TEMPLATES, FakeSite, default, directives, flag
 
-# OLCF Frontier User Guide, Scheduling Policy: job size bins (max nodes -> max hours)
-FRONTIER_BINS = [(91, 2.0), (183, 6.0), (1881, 12.0), (5644, 12.0), (9472, 12.0)]
 FRONTIER_GCDS, FRONTIER_CORES = 8, 56              # low-noise mode: 56 of 64 cores
-# KISTI Neuron guide, Running jobs through the scheduler (SLURM) > Queue configuration:
-# partition -> (nodes, GPUs a node, cores a node, GPUs a user may hold)
-NEURON = {"cas_v100nv_8": (5, 8, 32, 40), "cas_v100nv_4": (2, 4, 40, 8),
-          "cas_v100_4": (11, 4, 40, 60), "cas_v100_2": (3, 2, 32, 6),
-          "amd_a100nv_8": (7, 8, 64, 56), "eme_h200nv_8": (5, 8, 96, 40)}
-# the same chapter's SBATCH option table, since 2026-08-12: field and application, both
-# from `showappl`; the template leaves the field for the user (sbatch refuses FIELD)
-NEURON_COMMENT = re.compile(r'^"field=[A-Za-z0-9_]+;appl=[A-Za-z0-9_.+-]+"$')
 # Programming environment: Open MPI for GPU jobs, with its compiler and CUDA
 NEURON_MODULES = "gcc/15.2.0 cuda/12.4.1 cudampi/openmpi-4.1.8"
+# the PyTorch page's module set (pytorch_frontier, 2026-07-07)
+FRONTIER_MODULES = ("PrgEnv-gnu/8.7.0 cpe/26.03 miniforge3/23.11.0-0 rocm/7.1.1"
+                    " rccl-net-plugin craype-accel-amd-gfx90a")
 
 
 def order(steps: list[tuple[str, list[str]]]) -> list[str]:
@@ -51,28 +43,23 @@ def checked_start(steps: list[tuple[str, list[str]]], staged: bool) -> None:
 def test_frontier_follows_the_olcf_guide(tmp_path):
     site = FakeSite(tmp_path, "slurm", hosts=34)
     found = directives("frontier")
-    nodes, walltime = int(found["--nodes"]), hours(found["--time"])
-    # mandatory: the project charged; a partition of the guide, within its limits
-    assert found["--account"] and found["--partition"] in ("batch", "extended")
-    if found["--partition"] == "extended":
-        assert nodes <= 64 and walltime <= 24
-    assert walltime <= next(limit for most, limit in FRONTIER_BINS if nodes <= most)
+    nodes = int(found["--nodes"])
+    # what the scheduler takes is test_site_rules.py's; here the job's own counts
     assert nodes == int(default("frontier", "NODES")) + int(default("frontier", "SPARES"))
+    assert found["--network"] == "disable_rdzv_get"     # rccl-net-plugin's alt_read
     assert found["--constraint"] == "nvme"                 # /mnt/bb/$USER exists
     assert found["--signal"] == f"B:USR1@{default('frontier', 'HALT_MARGIN')}"
 
     steps = site.plan("frontier", CX_BIN="")     # the template's own venv
     checked_start(steps, staged=True)
-    # OLCF's tested mpi4py build, versions and all, loaded for real in the batch shell
+    # the PyTorch page's modules, versions and all, loaded for real in the batch shell
     loads = [c for c in site.calls() if c.startswith("module load")]
-    assert [c.split(" | ")[0] for c in loads] == [
-        "module load PrgEnv-gnu/8.6.0 miniforge3/23.11.0-0"], loads
-    # the venv in Project Home (not purged), the trainer's interpreter by its path
-    venv = "/ccs/proj/abc123/u/envs/cachex"     # the fake site charges ABC123
-    # the venv is broadcast to the NVMe and every node step runs that copy
+    assert [c.split(" | ")[0] for c in loads] == [f"module load {FRONTIER_MODULES}"], loads
+    # the environment in Project Home (not purged), packed onto Orion (not into Project
+    # Home's 50 GB), broadcast to the NVMe; every node step runs that copy
     sbcast = step(steps, "stage")
     assert sbcast[0] == "sbcast" and sbcast[-1] == "/mnt/bb/u/cachex-venv.tar"
-    assert sbcast[-2] == f"{venv}.tar"
+    assert sbcast[-2] == "/lustre/orion/abc123/scratch/u/cachex-venv.tar"
     unpack = step(steps, "unpack")
     assert flag(unpack, "--nodelist").split(",") == site.hosts     # spares get it too
     for kind in ("check", "agents", "recover"):
@@ -88,8 +75,10 @@ def test_frontier_follows_the_olcf_guide(tmp_path):
     train = step(steps, "train")
     # no GPU-aware MPI by default: Cray MPICH exits at MPI_Init without the GTL library,
     # which OLCF's mpi4py recipe does not link
-    assert train[0] == "srun" and "MPICH_GPU_SUPPORT_ENABLED=1" not in train
-    assert f"{venv}/bin/python" in train                # not whatever `python` is first
+    assert train[:2] == ["env", "NCCL_SOCKET_IFNAME=hsn0,hsn1,hsn2,hsn3"], train
+    assert "srun" in train and "MPICH_GPU_SUPPORT_ENABLED=1" not in train
+    # torch imported from the NVMe copy ("NVMe > Orion >> NFS"), not from Project Home
+    assert "/mnt/bb/u/cachex-venv/bin/python" in train
     assert flag(train, "--ntasks-per-node") == str(FRONTIER_GCDS)
     assert flag(train, "--gpus-per-task") == "1" and flag(train, "--gpu-bind") == "closest"
     assert FRONTIER_GCDS * int(flag(train, "--cpus-per-task")) <= FRONTIER_CORES
@@ -102,22 +91,22 @@ def test_frontier_follows_the_olcf_guide(tmp_path):
     for kind in ("unpack", "check", "agents"):
         assert said[kind][0].endswith("MPICH_GPU_SUPPORT_ENABLED=unset"), said[kind]
     assert said["train"][0].endswith("MPICH_GPU_SUPPORT_ENABLED=1"), said["train"]   # the user's
+    # MASTER_ADDR the first training node's address, as the guide's `hostname -i`
+    run = subprocess.run(["bash", "-c", 'CX_SCHEDULER=slurm; MASTER_ADDR_FROM=address;'
+                          ' source "$CX_ROOT/scripts/lib/cachex-job.sh"; CX_SET=(localhost);'
+                          ' cx_master_addr'], capture_output=True, text=True, timeout=60,
+                         env=site.env)
+    assert run.stdout.strip() in ("127.0.0.1", "::1"), run.stdout + run.stderr
 
 
 def test_neuron_follows_the_kisti_guide(tmp_path):
     site = FakeSite(tmp_path, "slurm", hosts=5)
     found = directives("neuron")
-    partition = found["--partition"]
-    assert partition in NEURON, partition
-    part_nodes, gpus, cores, user_gpus = NEURON[partition]
+    part = NEURON_PARTITIONS[found["--partition"]]
+    gpus, cores = part.gpus, part.cores
     nodes = int(found["--nodes"])
     assert nodes == int(default("neuron", "NODES")) + int(default("neuron", "SPARES"))
-    assert nodes <= part_nodes                                  # the partition has them
-    assert found["--gres"] == f"gpu:{gpus}"                     # every GPU of a node, no more
-    assert nodes * gpus <= user_gpus
-    assert NEURON_COMMENT.match(found["--comment"]), found["--comment"]     # mandatory
-    assert found["--comment"].endswith(';appl=pytorch"')
-    assert hours(found["--time"]) <= 48
+    assert found["--gres"] == f"gpu:{gpus}"                     # every GPU of a node
     assert default("neuron", "PFS").startswith("/scratch/$USER")
     # no node-local disk in the guide: nothing of the job's on /tmp; the venv on /scratch
     assert not any(default("neuron", v).startswith("/tmp") for v in ("SPOOL", "STAGE",
@@ -125,9 +114,9 @@ def test_neuron_follows_the_kisti_guide(tmp_path):
 
     steps = site.plan("neuron", CX_BIN="")
     checked_start(steps, staged=False)          # the guide says nothing of sbcast
-    loads = [c.split(" | ")[0] for c in site.calls() if c.startswith("module load")]
-    assert loads == [f"module load {NEURON_MODULES}"], loads
-    assert "/scratch/u/cachex-venv/bin/cachex-agent" in step(steps, "agents")
+    loads = [c.split(" | ")[0] for c in site.calls() if c.startswith("module")]
+    assert loads == ["module purge", f"module load {NEURON_MODULES}"], loads   # as the guide
+    assert "/scratch/u/.conda/envs/cachex/bin/cachex-agent" in step(steps, "agents")
     train = step(steps, "train")
     ranks = int(flag(train, "--ntasks-per-node"))
     assert ranks == gpus and flag(train, "--gpus-per-task") == "1"
@@ -167,16 +156,8 @@ def test_pbs_template_through_mpiexec(tmp_path):
         "STAGE_VENV=1: staging uses Slurm's sbcast, which pbs has not; set STAGE_VENV=0")
 
 
-# ALCF, Running jobs: what qsub refuses a job without; per system, its file systems, its
-# queues (name -> fewest, most nodes), cores a node, the cores the OS keeps
-ALCF_REQUIRED = ("-A", "-l walltime", "-l filesystems")
-ALCF = {"polaris": ({"home", "eagle"}, {"debug": (1, 2), "debug-scaling": (1, 10),
-                                        "prod": (10, 496), "preemptable": (1, 10),
-                                        "capacity": (1, 4)}, 32, 0),
-        "aurora": ({"home", "flare", "daos_user_fs"}, {"debug": (1, 2),
-                                                       "debug-scaling": (2, 256),
-                                                       "prod": (256, 10624),
-                                                       "capacity": (1, 16)}, 104, 2)}
+# ALCF: cores a node and the cores the OS keeps (Aurora: 0 and 52 of each socket's 52)
+ALCF_CORES = {"polaris": (32, ()), "aurora": (104, (0, 52))}
 
 
 def pbs_directives(template: str) -> dict[str, str]:
@@ -193,14 +174,12 @@ def pbs_directives(template: str) -> dict[str, str]:
 
 @pytest.mark.parametrize("system", ["polaris", "aurora"])
 def test_alcf_templates_follow_alcfs_guide(tmp_path, system):
-    filesystems, queues, cores, reserved = ALCF[system]
+    cores, reserved = ALCF_CORES[system]
     found = pbs_directives(system)
-    assert all(option in found for option in ALCF_REQUIRED), found
-    assert set(found["-l filesystems"].split(":")) <= filesystems
+    # what qsub takes is test_site_rules.py's; here the job's own counts
     nodes = int(found["-l select"].split(":")[0])
     assert nodes == int(default(system, "NODES")) + int(default(system, "SPARES"))
-    fewest, most = queues[found["-q"]]
-    assert fewest <= nodes <= most, (found["-q"], nodes)
+    assert TEMPLATES[system].read_text().startswith("#!/bin/bash -l\n")   # `module`
     if system == "polaris":
         assert found["-l select"].endswith(":system=polaris")
         assert "-W tolerate_node_failures" not in found     # the Polaris guide: silent
@@ -222,9 +201,21 @@ def test_alcf_templates_follow_alcfs_guide(tmp_path, system):
     assert check[0] == "mpiexec" and flag_after(check, "--ppn") == "1", check
     assert flag_after(check, "--cpu-bind") == "none" and f"{venv}/cachex-agent" in check
     train = step(steps, "train")
-    ranks, depth = int(flag_after(train, "--ppn")), int(flag_after(train, "--depth"))
-    assert flag_after(train, "--cpu-bind") == "depth"
-    assert ranks * depth <= cores - reserved and f"{venv}/python" in train
+    ranks = int(flag_after(train, "--ppn"))
+    assert f"{venv}/python" in train
+    if system == "polaris":
+        depth = int(flag_after(train, "--depth"))
+        assert flag_after(train, "--cpu-bind") == "depth" and ranks * depth <= cores
+        return
+    # Aurora: an explicit list, one set of cores a rank, none of the OS's, six ranks a
+    # socket (--depth 8 split rank 6 across the sockets)
+    bind = flag(train, "--cpu-bind")
+    assert bind and bind.startswith("list:"), train
+    sets = [range(int(a), int(b) + 1) for a, b in (r.split("-") for r in bind[5:].split(":"))]
+    taken = [c for cs in sets for c in cs]
+    assert len(sets) == ranks and len(taken) == len(set(taken)), bind
+    assert not set(taken) & set(reserved) and max(taken) < cores
+    assert [all(c < 52 for c in cs) for cs in sets] == [True] * 6 + [False] * 6, bind
 
 
 def flag_after(words: list[str], name: str) -> str | None:
@@ -267,11 +258,9 @@ def test_the_staged_copy_is_what_the_node_steps_run(tmp_path):
     stage_dir.parent.mkdir()
     steps = site.plan("frontier", CX_BIN=str(venv / "bin"), STAGE_DIR=str(stage_dir),
                       NODES="2", SPARES="1")
-    tar = Path(step(steps, "stage")[-2])
     subprocess.run(["tar", "-C", str(venv), "-cf", str(stage_dir) + ".tar", "."], check=True)
     site.execute(step(steps, "unpack"), CX_FAKE_EXEC="1")
     assert (stage_dir / ".cachex-staged").exists() and not Path(f"{stage_dir}.tar").exists()
-    assert tar == Path(f"{venv}.tar")
     check = step(steps, "check")
     command = check[check.index(str(stage_dir / "bin" / "python")):]
     out = subprocess.run(command[:2], capture_output=True, text=True, timeout=60,
@@ -289,45 +278,13 @@ def test_the_staged_copy_is_what_the_node_steps_run(tmp_path):
     assert (other / "keep").read_text() == "x"
 
 
-def lost_node_loop(site: FakeSite, down: set[str], spares: list[str], **variables: str
-                   ) -> subprocess.CompletedProcess[str]:
-    """The job library's step after a failed training step, through the Slurm stubs:
-    hosts in `down` read as down in sinfo; then the recovery step it would launch."""
-    states = "".join(f"printf '%s\\n' '{h} {'down*' if h in down else 'allocated'}'\n"
-                     for h in site.hosts)
-    for name, text in (("squeue", f"echo 'n[001-{len(site.hosts):03d}]'\n"),
-                       ("sinfo", states)):
-        (site.bin / name).write_text(f"#!/bin/sh\n{text}")
-    nodes = [h for h in site.hosts if h not in spares]
-    script = (f'CX_SCHEDULER=slurm; source "$CX_ROOT/scripts/lib/cachex-job.sh";'
-              f' CX_SET=({" ".join(nodes)}); CX_SPARE=({" ".join(spares)});'
-              ' cx_replace_lost; cx_step recover 1; echo "recover: ${CX_ARGV[*]}"')
-    return subprocess.run(["bash", "-c", script], capture_output=True, text=True, timeout=60,
-                          env={**site.env, "CACHEX_CONFIG": str(site.tmp / "c.toml"),
-                               **variables}, stdin=subprocess.DEVNULL, cwd=site.tmp)
-
-
-def test_a_lost_node_without_a_spare_goes_on_with_fewer_down_to_min_nodes(tmp_path):
+def test_a_bad_exclude_list_ends_the_job_in_one_line(tmp_path):
+    """cx_die inside $(...) ended only the subshell: the job went on without the list."""
     site = FakeSite(tmp_path, "slurm", hosts=5)
-    # a spare left: it replaces the lost node, the count stays
-    replaced = lost_node_loop(site, {"n002"}, ["n005"])
-    assert "--nodes=4 " in replaced.stdout and "n001,n003,n004,n005" in replaced.stdout
-    # two lost, one spare, MIN_NODES=3: the recovery runs on the 3 nodes left
-    shrunk = lost_node_loop(site, {"n002", "n003"}, ["n005"], MIN_NODES="3")
-    assert shrunk.returncode == 0, shrunk.stderr
-    assert ("lost 2 nodes (n002 n003), only 1 spares left: going on with 3 of 4 nodes"
-            " (MIN_NODES=3)") in shrunk.stdout, shrunk.stdout
-    recover = next(line for line in shrunk.stdout.splitlines() if line.startswith("recover:"))
-    assert flag(recover.split(), "--nodes") == "3"
-    assert flag(recover.split(), "--nodelist") == "n001,n004,n005"
-    # below MIN_NODES, or MIN_NODES=0 (never fewer): the job ends with one line
-    for minimum, why in (("4", "3 nodes, below MIN_NODES=4"),
-                         ("0", "recovery needs 4 nodes (MIN_NODES=0; set MIN_NODES to go"
-                               " on with fewer)")):
-        failed = lost_node_loop(site, {"n002", "n003"}, ["n005"], MIN_NODES=minimum)
-        assert failed.returncode == 1 and "recover:" not in failed.stdout
-        errors = [line for line in failed.stderr.splitlines() if "error:" in line]
-        assert len(errors) == 1 and f"only 1 spares left: {why}" in errors[0], failed.stderr
+    result = site.run("neuron", EXCLUDE_NODES="n[001-")
+    assert result.returncode == 2, result.stdout
+    assert result.stderr.strip().splitlines()[-1].endswith(
+        "EXCLUDE_NODES: cannot expand 'n[001-'"), result.stderr
 
 
 def library(site: FakeSite, script: str, timeout: float = 60, scheduler: str = "slurm",
@@ -340,30 +297,17 @@ def library(site: FakeSite, script: str, timeout: float = 60, scheduler: str = "
         env={**site.env, "CACHEX_CONFIG": str(site.tmp / "c.toml"), **variables}, cwd=site.tmp)
 
 
-def test_when_sinfo_or_squeue_says_nothing_no_node_counts_as_lost(tmp_path):
-    """Every node read as lost had ended the job (the PBS twin takes all as up)."""
-    site = FakeSite(tmp_path, "slurm", hosts=5)
-    for silent in ("sinfo", "squeue"):
-        lost_node_loop(site, {"n002"}, ["n005"])        # writes both stubs
-        (site.bin / silent).write_text("#!/bin/sh\nexit 1\n")
-        run = library(site, "CX_SET=(n001 n002 n003 n004); CX_SPARE=(n005); cx_replace_lost;"
-                            ' echo "set: ${CX_SET[*]}"')
-        assert run.returncode == 0, run.stderr
-        assert "set: n001 n002 n003 n004" in run.stdout, (silent, run.stdout)
-        assert "said nothing of the job's nodes: every node taken as up" in run.stdout
-
-
 def stub(site: FakeSite, name: str, body: str) -> None:
     (site.bin / name).write_text(f"#!/bin/bash\n{body}")
     (site.bin / name).chmod(0o755)
 
 
-def halt_in(site: FakeSite, scheduler: str) -> int:
-    """Seconds from now to the halt the job library sets at its start."""
-    run = library(site, 'cx_init_halt; echo "halt-in $((CX_HALT_AT - $(cx_now)))"',
-                  scheduler=scheduler, HALT_MARGIN="600")
+def time_left(site: FakeSite, scheduler: str) -> int:
+    """The job's seconds left as the job library reads them at its start."""
+    run = library(site, 'cx_init_left; echo "left ${CX_LEFT}"', scheduler=scheduler,
+                  HALT_MARGIN="600")
     assert run.returncode == 0, run.stderr
-    return int(run.stdout.split("halt-in ")[1].split()[0])
+    return int(run.stdout.split("left ")[1].split()[0])
 
 
 def test_the_halt_comes_from_the_time_left_not_from_the_controllers_clock(tmp_path):
@@ -372,76 +316,17 @@ def test_the_halt_comes_from_the_time_left_not_from_the_controllers_clock(tmp_pa
     site = FakeSite(tmp_path, "slurm", hosts=2)
     ahead = "$(date -d '+2 hours' +%Y-%m-%dT%H:%M:%S)"       # ends in 1 h, clock 1 h ahead
     stub(site, "squeue", f'case "$*" in *%e*) echo "{ahead}" ;; *%L*) echo 1:00:00 ;; esac\n')
-    assert 2990 <= halt_in(site, "slurm") <= 3000
+    assert time_left(site, "slurm") == 3600
     stub(site, "squeue", "echo UNLIMITED\n")
-    run = library(site, 'cx_init_halt; echo "halt=${CX_HALT_AT}"')
-    assert "halt=\n" in run.stdout and "no job end time known" in run.stdout
+    run = library(site, 'cx_init_left; echo "left=${CX_LEFT}"')
+    assert "left=\n" in run.stdout and "no job end time known" in run.stdout
+    stub(site, "squeue", "echo 5:00\n")                    # less than HALT_MARGIN
+    short = library(site, "cx_init_left", HALT_MARGIN="600")
+    assert short.returncode == 2 and "leaves no time to train" in short.stderr
 
     (tmp_path / "pbs").mkdir()
     pbs = FakeSite(tmp_path / "pbs", "pbs", hosts=2)
     stub(pbs, "qstat", 'echo "Job Id: 42.pbs"; echo "    stime = $(date -d \'-3 hours\')";'
                        ' echo "    Resource_List.walltime = 01:00:00";'
                        ' echo "    resources_used.walltime = 00:20:00"\n')
-    assert 1790 <= halt_in(pbs, "pbs") <= 1800
-
-
-def test_pbs_nodes_down_or_offline_are_replaced_by_spares(tmp_path):
-    site = FakeSite(tmp_path, "pbs", hosts=5)
-    stub(site, "pbsnodes", 'h=${!#}; echo "$h"; echo "     Mom = $h";'
-                           ' case $h in n002) s=offline ;; n003) s=down ;; *) s=free ;; esac;'
-                           ' echo "     state = $s"\n')
-    run = library(site, "CX_SET=(n001 n002 n003); CX_SPARE=(n004 n005); cx_replace_lost;"
-                        ' echo "set: ${CX_SET[*]}"', scheduler="pbs")
-    assert run.returncode == 0, run.stderr
-    assert "set: n001 n004 n005" in run.stdout, run.stdout
-
-
-def test_a_bad_exclude_list_ends_the_job_in_one_line(tmp_path):
-    """cx_die inside $(...) ended only the subshell: the job went on without the list."""
-    site = FakeSite(tmp_path, "slurm", hosts=5)
-    result = site.run("neuron", EXCLUDE_NODES="n[001-")
-    assert result.returncode == 2, result.stdout
-    assert result.stderr.strip().splitlines()[-1].endswith(
-        "EXCLUDE_NODES: cannot expand 'n[001-'"), result.stderr
-
-
-def test_a_recovery_is_cut_to_the_halt_not_to_the_jobs_end(tmp_path):
-    """The final drain's window (HALT_MARGIN) is not the recovery's to use."""
-    site = FakeSite(tmp_path, "slurm", hosts=2)
-    run = library(site, 'now=$(cx_now); CX_JOB_END=$((now + 1000)); CX_HALT_AT=$((now + 100));'
-                        ' echo "$(cx_fit 1800 halt) $(cx_fit 1800) $(cx_fit 50 halt)"')
-    to_halt, to_end, short = (int(x) for x in run.stdout.split())
-    assert 95 <= to_halt <= 100 and 965 <= to_end <= 970 and short == 50, run.stdout
-
-
-def test_sigterm_lets_the_agents_drain_before_anything_is_killed(tmp_path):
-    """The batch shell's SIGTERM went straight to SIGKILL of the agents (cx_on_exit)."""
-    site = FakeSite(tmp_path, "slurm", hosts=2)
-    said = tmp_path / "agent-said"
-    ready = tmp_path / "agent-ready"
-    agent = (f"trap 'echo drained >{said}; exit 0' TERM; touch {ready}; sleep 30 & wait;"
-             f" echo killed >{said}")
-    script = (f'bash -c "{agent}" & CX_AGENTS_PID=$!; CX_STEP_AGENTS=none; cx_traps;'
-              f' until [[ -e {ready} ]]; do sleep 0.05; done; kill -TERM $$; sleep 30 & wait')
-    run = library(site, script, AGENT_STOP_TIMEOUT="20")
-    assert run.returncode == 143, (run.stdout, run.stderr)
-    assert said.read_text().strip() == "drained"
-    assert "SIGTERM: the job is ending; the agents drain first" in run.stdout
-
-
-def test_a_node_the_training_failed_on_is_left_out_of_the_relaunch(tmp_path):
-    """It still shows allocated, so it was reused until MAX_RELAUNCHES ran out."""
-    site = FakeSite(tmp_path, "slurm", hosts=5)
-    lost_node_loop(site, set(), ["n005"])               # sinfo: every node allocated
-    rundir = tmp_path / "run"
-    rundir.mkdir()
-    (rundir / "train.err").write_text(
-        "srun: error: n002: task 3: Exited with exit code 1\n"
-        "srun: error: n001: tasks 0-1: Killed\nsrun: error: n003: tasks 4-5: Killed\n")
-    run = library(site, "CX_SET=(n001 n002 n003 n004); CX_SPARE=(n005); cx_blame;"
-                        ' cx_replace_lost; echo "set: ${CX_SET[*]}"',
-                  CX_BIN=str(Path(sys.executable).parent))
-    assert run.returncode == 0, run.stderr
-    assert "set: n001 n003 n004 n005" in run.stdout, run.stdout
-    assert "training failed on n002: left out of this job from now on" in run.stdout
-    assert (rundir / "bad-nodes").read_text() == "n002\n"
+    assert time_left(pbs, "pbs") == 2400

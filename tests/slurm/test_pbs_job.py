@@ -10,9 +10,12 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -63,7 +66,8 @@ def pbs_env(tmp_path: Path, train_cmd: str, **variables: str) -> dict[str, str]:
                PFS=f"{work}/pfs", FAILURE_DOMAIN="rank", COMMIT_RULE="dcp", NODE_DIRS="",
                CONFIG_OUT=str(work / "cachex.toml"), CONFIG_EXTRA='[agent]\ntimeout = "20s"',
                TRAIN_CMD=train_cmd, CX_RUNDIR=str(tmp_path / "run"), AGENT_STOP_TIMEOUT="30",
-               DRAIN_TIMEOUT="120", TRAIN_STOP_GRACE="10", POLL="1", **variables)
+               DRAIN_TIMEOUT="120", TRAIN_STOP_GRACE="10", POLL="1")
+    env.update(variables)
     return env
 
 
@@ -113,3 +117,137 @@ def test_a_trainer_that_keeps_failing_ends_the_job_after_max_relaunches(tmp_path
     errors = [line for line in result.stderr.splitlines() if "cachex-job: error:" in line]
     assert len(errors) == 1 and errors[0].endswith(
         "training failed 2 times (MAX_RELAUNCHES=1); newest checkpoint - at level -"), errors
+
+
+def launched_as(proc: psutil.Process, rank: int) -> bool:
+    try:
+        return proc.environ().get("PMI_RANK") == str(rank)
+    except (psutil.NoSuchProcess, psutil.AccessDenied):
+        return False
+
+
+def outcome(job: subprocess.Popen[bytes], log: Path, act: Callable[[], None]
+            ) -> tuple[int, str]:
+    """`act` on the running job, then its exit status and output (killed if it hangs)."""
+    try:
+        act()
+        code = job.wait(240)
+    finally:
+        if job.poll() is None:
+            kill_job(job)
+    return code, log.read_text()
+
+
+def named_hosts_job(tmp_path: Path, train_cmd: str, hosts: int = 3, **variables: str
+                    ) -> tuple[subprocess.Popen[bytes], Path]:
+    """cachex.pbs on pbsnode1..`hosts` (hydra's fork launcher runs them all on this host),
+    with a `pbsnodes` that reports down the hosts listed in tmp_path/down; the job, its
+    log."""
+    env = pbs_env(tmp_path, train_cmd, VNODES="", MPIEXEC_AGENT_FLAGS="-launcher fork",
+                  MPIEXEC_TRAIN_FLAGS="-launcher fork", **variables)
+    (tmp_path / "nodefile").write_text("".join(f"pbsnode{i}\n" for i in range(1, hosts + 1)))
+    down = tmp_path / "down"
+    down.write_text("")
+    fake = tmp_path / "pbsbin"
+    fake.mkdir()
+    (fake / "pbsnodes").write_text(     # `pbsnodes -v HOST`, as PBS answers it
+        f'#!/bin/bash\nh=${{!#}}; s=free; grep -qx "$h" {down} && s=down\n'
+        'printf "%s\\n     Mom = %s\\n     state = %s\\n" "$h" "$h" "$s"\n')
+    (fake / "pbsnodes").chmod(0o755)
+    env["PATH"] = f"{fake}:{env['PATH']}"
+    log = tmp_path / "job.out"
+    with log.open("wb") as out:
+        job = subprocess.Popen(["bash", str(PBS)], stdout=out, stderr=subprocess.STDOUT,
+                               stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+    return job, log
+
+
+def test_a_node_pbsnodes_reports_down_is_replaced_by_a_spare(tmp_path, reference):
+    """The PBS adapter on named hosts (hydra's fork launcher runs them all here): PBS
+    marks pbsnode2 down and its ranks and agent die with their files; the supervisor
+    reads `pbsnodes`, takes the spare pbsnode3, recovers node 1 onto it and relaunches
+    on the new host file; the trainer ends in an uninterrupted run's state."""
+    work, config, down = tmp_path / "w", tmp_path / "w" / "cachex.toml", tmp_path / "down"
+    words = trainer_words("--spool", f"{work}/node{{node}}/spool", "--every", "10",
+                          "--step-time", "0.1", "--state-out", str(work / "state.json"))
+    job, log = named_hosts_job(tmp_path, shlex.join(words), NODES="2", SPARES="1")
+
+    def lose_node_1() -> None:
+        wait_for(lambda: any(level in ("replicated", "flushed")
+                             for level in levels_of(config).values()), 180,
+                 "a replicated checkpoint", poll=0.3)
+        down.write_text("pbsnode2\n")
+        lost = [p for p in trainer_ranks(work) if launched_as(p, 2) or launched_as(p, 3)]
+        lost += [p for p in psutil.process_iter(["cmdline"])       # this job's only
+                 if any(w.endswith("cachex-agent") for w in p.info["cmdline"] or [])
+                 and str(config) in (p.info["cmdline"] or []) and launched_as(p, 1)]
+        assert len(lost) == 3, lost                     # two ranks and node 1's agent
+        for proc in lost:
+            proc.kill()
+        shutil.rmtree(work / "node1")                   # its spool, stage and NVMe are gone
+        (work / "node1" / "spool").mkdir(parents=True)  # the spare's empty disk
+
+    code, text = outcome(job, log, lose_node_1)
+    assert code == 0, text[-4000:]
+    assert "lost pbsnode2; replaced by spares; node set now pbsnode1,pbsnode3" in text, text
+    assert (tmp_path / "run" / "hosts").read_text() == "pbsnode1\npbsnode3\n"
+    recovered = re.search(r"^recovered (step_\d+):", text, re.M)
+    assert recovered, text
+    assert f"resumed from {recovered.group(1)}" in text
+    assert json.loads((work / "state.json").read_text()) == reference
+    assert levels_of(config)["step_00060"] == "flushed"
+
+
+def test_pbs_shrinks_to_min_nodes_when_no_spare_is_left(tmp_path):
+    """pbsnode2 down and its ranks gone before the first checkpoint, no spare,
+    MIN_NODES=1: relaunched from the start on pbsnode1 alone."""
+    work, go = tmp_path / "w", tmp_path / "go"
+    words = trainer_words("--spool", f"{work}/node{{node}}/spool", "--every", "10",
+                          "--step-time", "0", "--state-out", str(work / "state.json"))
+    script = f'until [ -e {go} ]; do sleep 0.2; done; exec "$@"'
+    job, log = named_hosts_job(tmp_path, f"bash -c {shlex.quote(script)} _ {shlex.join(words)}",
+                               hosts=2, NODES="2", SPARES="0", MIN_NODES="1")
+
+    def lose_node_1() -> None:
+        wait_for(lambda: len(waiting(work, go)) == 4, 120, "the waiting trainer", poll=0.3)
+        (tmp_path / "down").write_text("pbsnode2\n")
+        for proc in waiting(work, go)[2:]:        # node 1's two ranks
+            proc.kill()
+        go.touch()
+
+    code, text = outcome(job, log, lose_node_1)
+    assert code == 0, text[-4000:]
+    assert "going on with 1 of 2 nodes (MIN_NODES=1)" in text, text
+    assert "no checkpoint of run t captured yet: relaunching from the start" in text, text
+    assert (tmp_path / "run" / "hosts").read_text() == "pbsnode1\n"
+    assert json.loads((work / "state.json").read_text())["world_size"] == 2
+
+
+def waiting(work: Path, go: Path) -> list[psutil.Process]:
+    """This job's gated trainer ranks (`bash -c 'until [ -e go ]...'`), by launch rank."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        cmdline = proc.info["cmdline"] or []
+        if cmdline[:2] == ["bash", "-c"] and str(go) in cmdline[2] and \
+                any(str(work) in w for w in cmdline):
+            found.append(proc)
+    return sorted(found, key=lambda p: int(p.environ().get("PMI_RANK", "-1")))
+
+
+def test_pbs_halts_before_the_walltime_and_drains(tmp_path):
+    """The time left (JOB_END here, qstat's walltime on a site) less HALT_MARGIN: the
+    trainer gets SIGTERM, the agents drain, the job exits HALT_EXIT."""
+    work = tmp_path / "w"
+    config = work / "cachex.toml"
+    words = trainer_words("--spool", f"{work}/node{{node}}/spool", "--every", "10",
+                          "--step-time", "1", "--state-out", str(work / "state.json"))
+    env = pbs_env(tmp_path, shlex.join(words), HALT_MARGIN="60",
+                  JOB_END=str(int(time.time()) + 60 + 45))
+    result = subprocess.run(["bash", str(PBS)], capture_output=True, text=True, env=env,
+                            stdin=subprocess.DEVNULL, timeout=280)
+    out = result.stdout
+    assert result.returncode == 0, out + result.stderr
+    assert "halt: the job ends in" in out and "halted before the walltime" in out, out
+    assert not (work / "state.json").exists(), "the trainer finished: nothing was halted"
+    levels = levels_of(config)
+    assert levels and levels[max(levels)] == "flushed", levels
