@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .fsutil import derived_name, partial_path
+from .versions import trainer_name
 
 INDEX = "index.json"
 STATUS = "status.json"
@@ -77,7 +78,8 @@ class NodePaths:
         return self.cache / "parity"
 
     def spool_dir(self, ckpt: str) -> Path:
-        return ckpt_dir(self.spool, ckpt)
+        """Every version of a name is saved under the trainer's name (versions.py)."""
+        return ckpt_dir(self.spool, trainer_name(ckpt))
 
     def stage_dir(self, ckpt: str) -> Path:
         return ckpt_dir(self.stage, ckpt)
@@ -105,10 +107,11 @@ def spool_root_name(relpath: str) -> str | None:
 
 
 def spool_file(spool: Path, ckpt: str, relpath: str) -> Path:
-    """Where a captured path of `ckpt` lives in the trainer's spool: a spool-root file
-    (a single-file checkpoint, a tracker) at the root, every other one in its directory."""
+    """Where a captured path of `ckpt` (any version) lives in the trainer's spool: a
+    spool-root file (a single-file checkpoint, a tracker) at the root, every other one in
+    its directory."""
     name = spool_root_name(relpath)
-    return spool / name if name is not None else ckpt_dir(spool, ckpt) / relpath
+    return spool / name if name is not None else ckpt_dir(spool, trainer_name(ckpt)) / relpath
 
 
 def journal_dir(cache_run: Path) -> Path:

@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..checksum import file_checksum, file_problem
+from ..checksum import file_problem
 from ..fsutil import fsync_dir, makedirs
 from ..layout import set_aside_dir
 from ..manifest import FileEntry
@@ -29,16 +29,6 @@ def differs(path: Path, entry: FileEntry) -> bool:
     if path.is_dir() or path.is_symlink():
         return True
     return file_problem(path, entry.size, entry.checksum) is not None
-
-
-def same_file(path: Path, other: Path) -> bool:
-    """`path` is a regular file with the bytes of `other` (read whole, both)."""
-    try:
-        return (path.is_file() and not path.is_symlink()
-                and path.stat().st_size == other.stat().st_size
-                and file_checksum(path) == file_checksum(other))
-    except OSError:
-        return False
 
 
 def names_the_same(tracker: Path, text: str) -> bool:

@@ -55,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..checksum import same_bytes
 from ..collective import agree, arrive
 from ..config import Config
 from ..errors import ConfigError, OperationError, describe
@@ -86,8 +87,9 @@ from ..progress import Done, Progress, quiet
 from ..rules import checkpoint_names, natural_key, tracker_text
 from ..status import human_size
 from ..topology import Placement, place_checked
+from ..versions import trainer_name
 from . import discover, holdings, slices, transfer
-from .aside import Aside, differs, names_the_same, same_file, tree_matches
+from .aside import Aside, differs, names_the_same, tree_matches
 from .erasure_recover import rebuild_lost
 from .plan import (
     Copy,
@@ -395,10 +397,11 @@ class _Restore:
         self.work = share.work
         self.entries = share.work.entries()
         self.spool = config.node_paths(node).spool if share.to is None else Path(share.to)
-        self.final = ckpt_dir(self.spool, share.ckpt)
+        self.name = trainer_name(share.ckpt)       # every version goes back under it
+        self.final = ckpt_dir(self.spool, self.name)
         self.in_place = any(m.target == node and share.kept(m) for m in share.work.moves)
         self.directory = self.final if self.in_place else recover_partial_dir(self.spool,
-                                                                              share.ckpt)
+                                                                              self.name)
         self.aside = Aside(self.spool, node)    # what the restore would replace, kept
         self.used: list[Copy] = []
         self.bad: set[Copy] = set()     # held here, failed a file (told by rank 0)
@@ -538,7 +541,7 @@ class _Restore:
         (a copy found bad, a global file) go aside first unless they hold those bytes."""
         for entry in files:
             if differs(self.directory / entry.path, entry):
-                self.aside.inside(self.plan.ckpt, entry.path,
+                self.aside.inside(self.name, entry.path,
                                   "differs from the restored file")
 
     def _retries(self, found: list[Problem]) -> list[Work]:
@@ -573,7 +576,7 @@ class _Restore:
         spool, so the name only ever shows a whole checkpoint."""
         if self.in_place:
             fsync_tree(self.final)
-            _hoist_root_files(self.spool, self.final, self.plan.ckpt, self.aside)
+            _hoist_root_files(self.spool, self.final, self.name, self.aside)
             return
         if self.plan.to is not None and self.lead is None:
             return                              # rank 0 renames the shared directory
@@ -651,7 +654,7 @@ def _hoist_root_files(spool: Path, tree: Path, ckpt: str, aside: Aside) -> bool:
             with atomic_open(path, mode=path.stat().st_mode) as handle:
                 handle.write(f"{text}\n".encode())
         target = spool / path.name
-        if os.path.lexists(target) and not (same_file(target, path) if text is None
+        if os.path.lexists(target) and not (same_bytes(target, path) if text is None
                                             else names_the_same(target, text)):
             aside.entry(path.name, "differs from what was restored")
         os.replace(path, target)
@@ -745,8 +748,14 @@ def _set_aside(aside: Aside, ckpt: str, seq: int, seqs: dict[str, int]) -> None:
     """Checkpoint directories newer than the recovered one (by sequence, or by name for
     those no manifest knows) would be taken by the trainer's resume: move them aside
     (an earlier recovery's set-aside copy stays). `seqs`: every known checkpoint's
-    sequence."""
-    newer_seq = {c for c, s in seqs.items() if s > seq}
+    sequence; a name's newest version counts for the directory of that name, except
+    the recovered one's own name, which the restore just filled."""
+    newest: dict[str, int] = {}
+    for other, other_seq in seqs.items():
+        name = trainer_name(other)
+        newest[name] = max(newest.get(name, other_seq), other_seq)
+    restored = trainer_name(ckpt)
     for name in sorted(checkpoint_names(aside.spool), key=natural_key):
-        if name in newer_seq or (name not in seqs and natural_key(name) > natural_key(ckpt)):
+        if name != restored and (newest.get(name, -1) > seq or (
+                name not in newest and natural_key(name) > natural_key(restored))):
             aside.entry(name, "newer than the recovered checkpoint, not recoverable")

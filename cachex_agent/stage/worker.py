@@ -34,14 +34,16 @@ from ..errors import CachexError, describe
 from ..fsutil import remove_under
 from ..handles import Handle, Point, Stage, StageLog, State
 from ..journal import Journal
-from ..layout import NodePaths, ckpt_dir, root_entry
+from ..layout import NodePaths, ckpt_dir, root_entry, spool_file
 from ..manifest import PENDING, FileEntry, LocalManifest
 from ..mapped import unusable
 from ..messages import CaptureFailed, FileCaptured
+from ..peer.mirror import mirrored_before
 from ..rules import CommitRule
 from ..rules.base import holds_match
 from ..rules.quiescence import FileState, snapshot, wait_for_directory, wait_settled
 from ..topology import Placement
+from ..versions import trainer_name
 from .capture import (
     CaptureError,
     OnFile,
@@ -134,11 +136,11 @@ class CaptureWorker:
         source = self.paths.spool_dir(ckpt)
         start = time.monotonic()
         deadline = time.monotonic() + self.config.commit.timeout
-        single = self.rule.is_file_checkpoint(self.paths.spool, ckpt)
+        single = self.rule.is_file_checkpoint(self.paths.spool, trainer_name(ckpt))
         # a single file is written by one rank: a node without it holds an empty part
         late = not single and (self._wait_for_part(handle, source, deadline)
                                or self._wait_for_own_marker(handle, source, deadline))
-        self._wait_for_tracker(handle, ckpt)
+        self._wait_for_tracker(handle, trainer_name(ckpt))
         # A marker vouches at most for files written before it: a directory that
         # appeared after the commit gets this node's own check.
         vouched = self.rule.vouches_for(source) and not late
@@ -157,14 +159,15 @@ class CaptureWorker:
         # This node's own candidates, from its finished part: the marker's list is the
         # view of whichever node committed first (HF: node 1's trainer_state.json may
         # come before node 0 wrote the weights that it alone holds).
-        candidates = sorted({*task["global_files"],
-                             *global_candidates(self.rule, self.paths.spool, ckpt)})
+        candidates = sorted({*task["global_files"], *global_candidates(
+            self.rule, self.paths.spool, trainer_name(ckpt))})
         if not handle.set(State.DONE, persist={
                 "source": str(target), "mode": mode, "mode_reason": reason,
                 "linked": linked, "bytes": manifest.bytes, "global_files": candidates},
                 bytes=manifest.bytes, files=len(entries), linked=linked, leased=leased, mode=mode,
                 reason=reason, duration=duration, fed_wait=fed_wait,
-                write_start=self.first_seen(ckpt), committed_at=task.get("received")):
+                write_start=self.first_seen(trainer_name(ckpt)),
+                committed_at=task.get("received")):
             return
         self.post(messages.Captured(ckpt=ckpt, manifest=manifest.to_json(), duration=duration,
                                     fed_wait=fed_wait, mode=mode, reason=reason,
@@ -175,7 +178,7 @@ class CaptureWorker:
         it was not there yet."""
         if source.is_dir():
             return False
-        if self.removed(handle.ckpt):
+        if self.removed(trainer_name(handle.ckpt)):
             # a trainer that keeps its newest few deleted it before this node's turn
             raise CaptureError(f"{source}: removed from the spool before its capture")
         handle.note("capture_waiting", reason=f"{source}: directory not there yet",
@@ -267,10 +270,12 @@ class CaptureWorker:
                       on_file: OnFile, feed: PieceSink | None = None) -> Captured:
         """(where the captured bytes are, entries, mode, why that mode, files linked, files
         leased) of one capture."""
+        mirrored = self._mirrored(ckpt, source)
         relpaths = sorted(rel for rel in (p.relative_to(source).as_posix() for p in listed)
-                          if not self.rule.ignore(rel))
+                          if not self.rule.ignore(rel) and rel not in mirrored)
         roots = {root_entry(n): self.paths.spool / n
-                 for n in self.rule.root_entries(self.paths.spool, ckpt)}
+                 for n in self.rule.root_entries(self.paths.spool, trainer_name(ckpt))
+                 if root_entry(n) not in mirrored}
         sizes = {rel: listed[source / rel][0] for rel in relpaths} | {
             rel: p.stat().st_size for rel, p in roots.items()}
         plan = self._plan(ckpt, relpaths, roots)
@@ -304,17 +309,27 @@ class CaptureWorker:
         log.warning("capture of %s by reference: %s", ckpt, reason)
         return source, capture_reference(source, relpaths), "reference", reason, 0, 0
 
+    def _mirrored(self, ckpt: str, source: Path) -> set[str]:
+        """The global files of a later version that this node's spool holds only as the
+        mirror's copy of an earlier one (another node saved them): not this node's part."""
+        name = trainer_name(ckpt)
+        if name == ckpt:
+            return set()
+        return {path for path in global_candidates(self.rule, self.paths.spool, name)
+                if mirrored_before(self.journal, self.placement.node, ckpt, path,
+                                   spool_file(self.paths.spool, name, path))}
+
     def _plan(self, ckpt: str, relpaths: list[str], roots: dict[str, Path]) -> Plan:
         """The files to hard-link (stage.capture, the rule, the file systems): those of
         the checkpoint directory, or the single-file checkpoint itself; never a tracker
         (every save rewrites it in place)."""
         spool, stage, setting = self.paths.spool, self.paths.stage, self.config.stage.capture
-        method, why = capture_method(setting, self.rule.writes_new_files(spool, ckpt), spool,
-                                     stage)
+        method, why = capture_method(setting, self.rule.writes_new_files(
+            spool, trainer_name(ckpt)), spool, stage)
         ranged = copies_in_kernel(spool, stage)
         if method != "link":    # said when a link was asked for (the captured event)
             return Plan(ranged=ranged, refused=why if setting == "link" else "")
-        single = self.rule.is_file_checkpoint(spool, ckpt)
+        single = self.rule.is_file_checkpoint(spool, trainer_name(ckpt))
         return Plan(frozenset(roots if single else relpaths), ranged=ranged,
                     lease=self.config.stage.lease and not unusable())
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from cachex_agent.checksum import file_checksum
+from cachex_agent.checksum import same_bytes as same_file
 from cachex_agent.manifest import FileEntry
-from cachex_agent.recovery.aside import Aside, differs, same_file, tree_matches
+from cachex_agent.recovery.aside import Aside, differs, tree_matches
 
 
 def entry_of(path, relpath: str) -> FileEntry:
