@@ -140,20 +140,26 @@ class Executor:
             self.post(Marker(ckpt=ckpt, rule=self.rule.kind(ckpt),
                              global_files=global_candidates(self.rule, self.paths.spool, ckpt)))
 
-    def on_saved_again(self, name: str) -> None:
+    def on_saved_again(self, name: str) -> bool:
         """The watcher saw `name` committed by a new save (its thread): the next version
         of it goes to the coordinator as a checkpoint of its own (versions.py). The
         versions are counted from the journal, which outlives the agent, and from those
-        this thread named since (their commit may not have come yet)."""
+        this thread named since (their commit may not have come yet). False: ask again
+        once the capture of a version of it ends (it may be taking this save)."""
+        if self.w.capture.capturing(name):
+            return False
+        if self.w.capture.captured(name):
+            return True     # a version another node's save committed holds this one
         known = [e.ckpt for e in self.journal.typed()]
         ckpt = next_version(name, [*known, *self._named])
         candidates = global_candidates(self.rule, self.paths.spool, name)
         if candidates and all(mirrored_before(self.journal, self.node, ckpt, path, spool_file(
                 self.paths.spool, name, path)) for path in candidates):
-            return      # the mirror put another node's newer save here: no save of ours
+            return True     # the mirror put another node's newer save here: none of ours
         self._named.add(ckpt)
         self.events.emit("saved_again", ckpt=ckpt, name=name)
         self.post(Marker(ckpt=ckpt, rule=self.rule.kind(name), global_files=candidates))
+        return True
 
     def drained(self, busy: bool) -> None:
         """Draining: `drained` to the coordinator once nothing is left (or time is up)."""

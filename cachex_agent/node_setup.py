@@ -84,7 +84,7 @@ def open_state(comm: Any, config: Config, place: Placement, paths: NodePaths
 
 def workers(config: Config, place: Placement, paths: NodePaths, journal: Journal,
             stages: StageLog, rule: CommitRule, inbox: Inbox, on_marker: Callable[[str], None],
-            on_again: Callable[[str], None],
+            on_again: Callable[[str], bool],
             flusher: Flusher, protector: Protector | None, globals_: GlobalFiles,
             uplink: Uplink) -> Workers:
     """The threads and parts that work on checkpoints (the executor's `Workers`)."""

@@ -46,12 +46,13 @@ class SpoolWatcher:
     watcher's lock held, in oldest-first order: keep it short (enqueue work). It may call
     `forget` and `rescan`. An exception from it is logged; the id still counts as reported.
     `on_again(name)`, likewise, when a reported name is committed again by a new save
-    (the rule's `generation` of it changed: versions.py).
+    (the rule's `generation` of it changed: versions.py); False asks again at the next
+    evaluation (the save is not accounted for yet).
     """
 
     def __init__(self, spool: Path, rule: CommitRule, on_commit: Callable[[str], None],
                  scan: float = 5.0, use_inotify: bool = True,
-                 on_again: Callable[[str], None] | None = None) -> None:
+                 on_again: Callable[[str], bool] | None = None) -> None:
         if scan <= 0:
             raise ValueError(f"scan period must be > 0, got {scan!r}")
         self.spool = Path(spool)
@@ -176,27 +177,22 @@ class SpoolWatcher:
                     self._saved_again(ckpt_id)
                     continue
                 self._reported.add(ckpt_id)
-                self._note_generation(ckpt_id)
+                self._saved_again(ckpt_id)      # its first save: noted
                 new.append(ckpt_id)
                 self.on_commit(ckpt_id)     # its error is a bug: it ends the agent
             return new
 
-    def _note_generation(self, ckpt_id: str) -> object | None:
-        """The rule's token of the save now committed under `ckpt_id`; the one before."""
+    def _saved_again(self, ckpt_id: str) -> None:
+        """A reported name the rule says is committed: a new save when the rule's token
+        of it moved (the first one is only noted)."""
         if self.on_again is None:
-            return None
+            return
         before = self._generations.get(ckpt_id)
         now = self.rule.generation(self.spool, ckpt_id)
-        if now is not None:
+        if now is None or now == before:
+            return
+        if before is None or self.on_again(ckpt_id) is not False:
             self._generations[ckpt_id] = now
-        return before
-
-    def _saved_again(self, ckpt_id: str) -> None:
-        """A reported name the rule says is committed: a new save when its token moved."""
-        before = self._note_generation(ckpt_id)
-        if before is not None and self._generations.get(ckpt_id) != before:
-            assert self.on_again is not None
-            self.on_again(ckpt_id)
 
     def _period(self) -> float:
         if self.rule.needs_polling:

@@ -89,6 +89,9 @@ class CaptureWorker:
         self.removed = removed
         self.queue: queue.Queue[CaptureHandle | None] = queue.Queue()
         self.handles: dict[str, CaptureHandle] = {}     # not ended yet
+        #: name -> the rule's generation of the save its newest version captured here
+        #: (this process's captures; versions.py)
+        self.generations: dict[str, object] = {}
         self._thread = threading.Thread(target=self._loop, name="capture", daemon=True)
 
     def start(self) -> None:
@@ -105,6 +108,15 @@ class CaptureWorker:
         handle = self.handles.get(ckpt)
         if handle is not None:
             handle.cancel()
+
+    def capturing(self, name: str) -> bool:
+        """A capture of a version of `name` has not ended here."""
+        return any(trainer_name(c) == name for c, h in list(self.handles.items())
+                   if not h.test())
+
+    def captured(self, name: str) -> bool:
+        """The save now under `name` is the one its newest version captured here."""
+        return self.generations.get(name) == self.rule.generation(self.paths.spool, name)
 
     def busy(self, ckpt: str | None = None) -> bool:
         """A capture not ended (of `ckpt`, or of any checkpoint)."""
@@ -141,6 +153,7 @@ class CaptureWorker:
         late = not single and (self._wait_for_part(handle, source, deadline)
                                or self._wait_for_own_marker(handle, source, deadline))
         self._wait_for_tracker(handle, trainer_name(ckpt))
+        self._wait_for_own_save(handle, deadline)
         # A marker vouches at most for files written before it: a directory that
         # appeared after the commit gets this node's own check.
         vouched = self.rule.vouches_for(source) and not late
@@ -148,8 +161,13 @@ class CaptureWorker:
                                node=self.placement.node, host=self.placement.host,
                                rank=self.placement.rank, files=[])
         feed = self.feed if task.get("path", "peer") == "peer" else None
+        # taken before: a save landing during the capture makes one version more, never one
+        # taken for captured that was not
+        save = self.rule.generation(self.paths.spool, trainer_name(ckpt))
         target, entries, mode, reason, linked, leased = self._capture_whole(
             handle, source, vouched, deadline, self._streamer(handle, header), feed)
+        if save is not None:
+            self.generations[trainer_name(ckpt)] = save
         handle.hold(self.placement.node)
         manifest = dataclasses.replace(header, files=entries, captured_at=time.time())
         self.journal.save_manifest(manifest)
@@ -270,7 +288,7 @@ class CaptureWorker:
                       on_file: OnFile, feed: PieceSink | None = None) -> Captured:
         """(where the captured bytes are, entries, mode, why that mode, files linked, files
         leased) of one capture."""
-        mirrored = self._mirrored(ckpt, source)
+        mirrored = self._mirrored(ckpt)
         relpaths = sorted(rel for rel in (p.relative_to(source).as_posix() for p in listed)
                           if not self.rule.ignore(rel) and rel not in mirrored)
         roots = {root_entry(n): self.paths.spool / n
@@ -309,7 +327,26 @@ class CaptureWorker:
         log.warning("capture of %s by reference: %s", ckpt, reason)
         return source, capture_reference(source, relpaths), "reference", reason, 0, 0
 
-    def _mirrored(self, ckpt: str, source: Path) -> set[str]:
+    def _wait_for_own_save(self, handle: CaptureHandle, deadline: float) -> None:
+        """A later version of a single file this node saves itself, committed by another
+        node's save: wait for this node's own save (a version is one save of every node,
+        never this node's previous one beside another's newer)."""
+        ckpt, spool = handle.ckpt, self.paths.spool
+        name = trainer_name(ckpt)
+        before = self.generations.get(name)
+        if name == ckpt or before is None or not self.rule.is_file_checkpoint(spool, name) \
+                or root_entry(name) in self._mirrored(ckpt):
+            return
+        settled, seen = time.monotonic(), before
+        while (now := self.rule.generation(spool, name)) == before or \
+                time.monotonic() - settled < self.config.commit.settle:
+            if now != seen:
+                settled, seen = time.monotonic(), now
+            if time.monotonic() > deadline or handle.cancelled.wait(0.05):
+                raise CaptureError(f"{spool / name}: not saved again on this node within"
+                                   f" commit.timeout of {ckpt}'s commit")
+
+    def _mirrored(self, ckpt: str) -> set[str]:
         """The global files of a later version that this node's spool holds only as the
         mirror's copy of an earlier one (another node saved them): not this node's part."""
         name = trainer_name(ckpt)

@@ -443,3 +443,23 @@ def test_a_name_committed_again_by_a_new_save_is_reported_again(tmp_path, make_r
         watcher.rescan()                    # nothing new: reported once per save
         assert first.snapshot() == [name]
         assert again.snapshot() == [name] * save
+
+
+def test_a_new_save_not_accounted_for_is_offered_again(tmp_path):
+    """`on_again` answering False (a capture of the name is still running) hears of the
+    same save at the next evaluation, and no more once it answers True."""
+    answers = [False, False, True]
+    asked: list[str] = []
+
+    def on_again(name: str) -> bool:
+        asked.append(name)
+        return answers[len(asked) - 1]
+    watcher = SpoolWatcher(tmp_path, MarkerRule("*/COMMITTED"), Recorder(),
+                           scan=SLOW_SCAN, use_inotify=False, on_again=on_again)
+    (tmp_path / "latest").mkdir()
+    (tmp_path / "latest" / "COMMITTED").write_bytes(b"1")
+    watcher.rescan()
+    (tmp_path / "latest" / "COMMITTED").write_bytes(b"22")
+    for _ in range(5):
+        watcher.rescan()
+    assert asked == ["latest"] * 3
