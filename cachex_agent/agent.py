@@ -121,7 +121,8 @@ class Agent:
         self.globals = GlobalFiles(comm, paths.journal, self.pump.send_peer,
                                    config.agent.timeout)
         self.parts = setup.workers(config, place, paths, self.journal, self.stages, self.rule,
-                                   self.inbox, lambda c: self.work.on_marker(c), self.flusher,
+                                   self.inbox, lambda c: self.work.on_marker(c),
+                                   lambda name: self.work.on_saved_again(name), self.flusher,
                                    self.protector, self.globals, self.uplink)
         self.work = Executor(config, self.node, paths, self.journal, self.stages, self.rule,
                              self.parts, self.inbox.put, self._report,

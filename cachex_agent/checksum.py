@@ -76,6 +76,17 @@ def read_hashing(handle: BinaryIO, view: memoryview, digest: Any,
     return done
 
 
+def same_bytes(path: str | os.PathLike[str], other: str | os.PathLike[str]) -> bool:
+    """`path` is a regular file with the bytes of `other` (read whole, both)."""
+    try:
+        if not os.path.isfile(path) or os.path.islink(path) or \
+                os.stat(path).st_size != os.stat(other).st_size:
+            return False
+        return file_checksum(path) == file_checksum(other)
+    except OSError:
+        return False
+
+
 def file_problem(path: str | os.PathLike[str], size: int, checksum: str) -> str | None:
     """Why the file at `path` is not the one of `size` bytes and `checksum`; None when it
     is (checked in place: the size first, then one read for the checksum)."""

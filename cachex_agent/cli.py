@@ -591,8 +591,7 @@ def _recovery_summary(outcome: Any) -> str:
              f" planned in {outcome.plan_seconds:.2f}s; re-replicated"
              f" {human_size(outcome.replicated_bytes)}; {outcome.seconds:.2f}s in all"]
     lines += [f"taken from another copy: {note}" for note in outcome.fallbacks]
-    if outcome.moved_aside:
-        lines.append(f"moved aside newer, unrecoverable: {', '.join(outcome.moved_aside)}")
+    lines += [f"set aside: {line}" for line in outcome.moved_aside]
     return "\n".join(lines)
 
 

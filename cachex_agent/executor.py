@@ -22,7 +22,7 @@ from .events import EventLog
 from .flush.flusher import Flusher, flushed_report
 from .handles import Stage, StageLog, State
 from .journal import Journal, JournalEntry
-from .layout import NodePaths, bundle_path
+from .layout import NodePaths, bundle_path, spool_file
 from .messages import (
     Captured,
     CaptureFailed,
@@ -34,7 +34,7 @@ from .messages import (
     Unprotected,
 )
 from .peer.globals import GlobalFiles
-from .peer.mirror import Mirror
+from .peer.mirror import Mirror, mirrored_before
 from .peer.redundancy import Protector, replicated
 from .rules import CommitRule
 from .stage.remover import Remover
@@ -42,6 +42,7 @@ from .stage.retention import forget_ended, retain_stage
 from .stage.watch import SpoolWatcher
 from .stage.worker import CaptureWorker, global_candidates
 from .uplink import Uplink
+from .versions import next_version
 
 log = logging.getLogger(__name__)
 # after this node's watcher saw a checkpoint committed, the coordinator's commit follows
@@ -81,6 +82,7 @@ class Executor:
         self.draining, self.drain_deadline, self._drained_sent = False, 0.0, False
         self.preexisting = preexisting
         self._commit_due: dict[str, float] = {}     # ckpt -> polling for its commit until
+        self._named: set[str] = set()       # versions on_saved_again named (its thread)
 
     def state(self, ckpt: str) -> policy.CkptState:
         entry = self.journal.entry(ckpt)
@@ -137,6 +139,27 @@ class Executor:
         if policy.marker_wanted(self.journal.entry(ckpt), ckpt in self.preexisting, force):
             self.post(Marker(ckpt=ckpt, rule=self.rule.kind(ckpt),
                              global_files=global_candidates(self.rule, self.paths.spool, ckpt)))
+
+    def on_saved_again(self, name: str) -> bool:
+        """The watcher saw `name` committed by a new save (its thread): the next version
+        of it goes to the coordinator as a checkpoint of its own (versions.py). The
+        versions are counted from the journal, which outlives the agent, and from those
+        this thread named since (their commit may not have come yet). False: ask again
+        once the capture of a version of it ends (it may be taking this save)."""
+        if self.w.capture.capturing(name):
+            return False
+        if self.w.capture.captured(name):
+            return True     # a version another node's save committed holds this one
+        known = [e.ckpt for e in self.journal.typed()]
+        ckpt = next_version(name, [*known, *self._named])
+        candidates = global_candidates(self.rule, self.paths.spool, name)
+        if candidates and all(mirrored_before(self.journal, self.node, ckpt, path, spool_file(
+                self.paths.spool, name, path)) for path in candidates):
+            return True     # the mirror put another node's newer save here: none of ours
+        self._named.add(ckpt)
+        self.events.emit("saved_again", ckpt=ckpt, name=name)
+        self.post(Marker(ckpt=ckpt, rule=self.rule.kind(name), global_files=candidates))
+        return True
 
     def drained(self, busy: bool) -> None:
         """Draining: `drained` to the coordinator once nothing is left (or time is up)."""

@@ -33,6 +33,7 @@ from .layout import (
 )
 from .manifest import GlobalManifest, LocalManifest, ManifestDigest
 from .safepath import UnsafeInput, checkpoint_id, relative_paths
+from .versions import trainer_name
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +114,8 @@ class Journal:
                 ManifestDigest.from_json(entry["global"], where, ckpt)
             source = entry.get("source")
             if places and source is not None and source not in {
-                    str(ckpt_dir(place, ckpt)) for place in places}:
+                    str(ckpt_dir(place, name)) for place in places
+                    for name in (ckpt, trainer_name(ckpt))}:
                 raise UnsafeInput(f"{where}: unsafe source {source!r} of {ckpt} (not in"
                                   f" {' or '.join(map(str, places))})")
 

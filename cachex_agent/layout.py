@@ -2,7 +2,8 @@
 
     <spool>/<ckpt>/                          the trainer's checkpoint (the trainer owns it)
     <spool>/.<ckpt>.tmp-cachex-partial/      a recovery assembling <ckpt> (fsutil.partial_path)
-    <spool>/.cachex-unrecoverable-<ckpt>/    newer than what a recovery restored: set aside
+    <spool>/.cachex-unrecoverable-<name>[.N] what a recovery would have replaced or hidden:
+                                             a newer checkpoint, a file that differs
     <stage>/<run>/<ckpt>/                    the captured copy
     <cache>/<run>/journal/                   the agent's durable state (journal.py):
         state.json  coordinator.json  status.json  events.jsonl  stop
@@ -28,6 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .fsutil import derived_name, partial_path
+from .versions import trainer_name
 
 INDEX = "index.json"
 STATUS = "status.json"
@@ -76,7 +78,8 @@ class NodePaths:
         return self.cache / "parity"
 
     def spool_dir(self, ckpt: str) -> Path:
-        return ckpt_dir(self.spool, ckpt)
+        """Every version of a name is saved under the trainer's name (versions.py)."""
+        return ckpt_dir(self.spool, trainer_name(ckpt))
 
     def stage_dir(self, ckpt: str) -> Path:
         return ckpt_dir(self.stage, ckpt)
@@ -103,6 +106,14 @@ def spool_root_name(relpath: str) -> str | None:
     return name if head == SPOOL_ROOT and name and "/" not in name else None
 
 
+def spool_file(spool: Path, ckpt: str, relpath: str) -> Path:
+    """Where a captured path of `ckpt` (any version) lives in the trainer's spool: a
+    spool-root file (a single-file checkpoint, a tracker) at the root, every other one in
+    its directory."""
+    name = spool_root_name(relpath)
+    return spool / name if name is not None else ckpt_dir(spool, trainer_name(ckpt)) / relpath
+
+
 def journal_dir(cache_run: Path) -> Path:
     return cache_run / "journal"
 
@@ -119,8 +130,11 @@ def recover_partial_dir(spool: Path, ckpt: str) -> Path:
     return partial_path(ckpt_dir(spool, ckpt))
 
 
-def set_aside_dir(spool: Path, ckpt: str) -> Path:
-    return spool / derived_name(ckpt, prefix=SET_ASIDE_PREFIX)
+def set_aside_dir(spool: Path, ckpt: str, attempt: int = 1) -> Path:
+    """Where a recovery sets `ckpt` (a spool entry) aside; `attempt` > 1 when an earlier
+    recovery's is still there (`.cachex-unrecoverable-<ckpt>.2`)."""
+    suffix = f".{attempt}" if attempt > 1 else ""
+    return spool / derived_name(ckpt, suffix=suffix, prefix=SET_ASIDE_PREFIX)
 
 
 # ---------------------------------------------------------------------- journal

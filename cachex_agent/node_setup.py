@@ -84,10 +84,12 @@ def open_state(comm: Any, config: Config, place: Placement, paths: NodePaths
 
 def workers(config: Config, place: Placement, paths: NodePaths, journal: Journal,
             stages: StageLog, rule: CommitRule, inbox: Inbox, on_marker: Callable[[str], None],
+            on_again: Callable[[str], bool],
             flusher: Flusher, protector: Protector | None, globals_: GlobalFiles,
             uplink: Uplink) -> Workers:
     """The threads and parts that work on checkpoints (the executor's `Workers`)."""
-    watcher = SpoolWatcher(paths.spool, rule, on_marker, scan=config.commit.scan)
+    watcher = SpoolWatcher(paths.spool, rule, on_marker, scan=config.commit.scan,
+                           on_again=on_again)
     capture = CaptureWorker(config, paths, place, rule, journal, stages, inbox.put,
                             watcher.first_seen, watcher.removed,
                             protector.feed if protector else None)

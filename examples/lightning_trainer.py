@@ -16,6 +16,7 @@ import argparse
 import hashlib
 import os
 import sys
+import time
 import warnings
 
 import lightning as L
@@ -34,6 +35,8 @@ def parse() -> argparse.Namespace:
     p.add_argument("--save-last", default="true", choices=["true", "link"])
     p.add_argument("--stop-at", type=int, default=0, help="end after this epoch's save")
     p.add_argument("--resume", action="store_true")
+    p.add_argument("--pause", type=float, default=0.0,
+                   help="seconds of each epoch's start spent waiting (time between saves)")
     p.add_argument("--ckpt", default="last.ckpt", help="file of the spool to resume from")
     return p.parse_args()
 
@@ -69,6 +72,17 @@ class StopAt(Callback):
             trainer.should_stop = True
 
 
+class Pace(Callback):
+    """Time between saves, as real epochs take: each save under one name (`last.ckpt`)
+    settles before the next replaces it."""
+
+    def __init__(self, seconds: float) -> None:
+        self.seconds = seconds
+
+    def on_train_epoch_start(self, *_args):  # type: ignore[no-untyped-def]
+        time.sleep(self.seconds)
+
+
 def main() -> None:
     args = parse()
     rank, world = int(os.environ["PMI_RANK"]), int(os.environ["PMI_SIZE"])
@@ -86,7 +100,7 @@ def main() -> None:
         accelerator="cpu", devices=1, num_nodes=world, max_epochs=args.epochs,
         strategy=DDPStrategy(process_group_backend="gloo",
                              cluster_environment=LightningEnvironment()),
-        callbacks=[checkpoint, StopAt(args.stop_at)], logger=False,
+        callbacks=[checkpoint, StopAt(args.stop_at), Pace(args.pause)], logger=False,
         enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False)
     model = Tiny()
     ckpt_path = os.path.join(spool, args.ckpt) if args.resume else None

@@ -41,7 +41,8 @@ fsynced. A crash midway leaves nothing under the real name, and the next recover
 removes the hidden directory. A node whose own spool copy is intact keeps it in place
 and only gains the global files, each atomically. Newer checkpoint directories that
 could not be recovered are moved aside (`.cachex-unrecoverable-<ckpt>`) so that
-unchanged resume code picks the recovered one.
+unchanged resume code picks the recovered one. Nothing the restore would replace is
+removed or overwritten unless it holds the restored bytes: it is set aside too (aside.py).
 """
 
 from __future__ import annotations
@@ -54,6 +55,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..checksum import same_bytes
 from ..collective import agree, arrive
 from ..config import Config
 from ..errors import ConfigError, OperationError, describe
@@ -74,7 +76,8 @@ from ..layout import (
     ckpt_dir,
     recover_partial_dir,
     replica_dir,
-    set_aside_dir,
+    spool_file,
+    spool_root_name,
 )
 from ..manifest import FileEntry, GlobalManifest, LocalManifest
 from ..peer.partners import replication_map
@@ -84,7 +87,9 @@ from ..progress import Done, Progress, quiet
 from ..rules import checkpoint_names, natural_key, tracker_text
 from ..status import human_size
 from ..topology import Placement, place_checked
+from ..versions import trainer_name
 from . import discover, holdings, slices, transfer
+from .aside import Aside, differs, names_the_same, tree_matches
 from .erasure_recover import rebuild_lost
 from .plan import (
     Copy,
@@ -166,8 +171,9 @@ def recover(config: Config, comm: Any, want: str | None = None,
                                                     if m.target == node}))
     outcome.fallbacks = restore.notes()
     outcome.move_seconds = time.monotonic() - start - outcome.plan_seconds
-    outcome.moved_aside = agree(comm, "set aside", lambda: _set_aside(
-        paths.spool, share.ckpt, share.seq, known.seqs), config.agent.timeout)
+    agree(comm, "set aside", lambda: _set_aside(
+        restore.aside, share.ckpt, share.seq, known.seqs), config.agent.timeout)
+    outcome.moved_aside = _every_rank(comm, config, restore.aside.moved)
     replicated = 0
     if share.resized:
         progress.step(f"not copying the parts to partners: they were {share.parts}"
@@ -177,6 +183,12 @@ def recover(config: Config, comm: Any, want: str | None = None,
         replicated = _rereplicate(comm, config, placement, share, lead, copies,
                                   restore.verified())
     return _totals(comm, config, moved, outcome, start, replicated)
+
+
+def _every_rank(comm: Any, config: Config, lines: list[str]) -> list[str]:
+    """Every rank's lines, in rank order, on every rank (what each node set aside)."""
+    _arrive(comm, config, "set aside")
+    return [line for part in comm.allgather(lines) for line in part]
 
 
 def _totals(comm: Any, config: Config, moved: dict[str, int], outcome: Outcome,
@@ -203,6 +215,7 @@ def _gather(comm: Any, config: Config, node: int, share: Share, lead: _Lead | No
     moved = restore.run()
     outcome.fallbacks = restore.notes()
     outcome.move_seconds = time.monotonic() - start - outcome.plan_seconds
+    outcome.moved_aside = _every_rank(comm, config, restore.aside.moved)
     return _totals(comm, config, moved, outcome, start)
 
 
@@ -384,10 +397,12 @@ class _Restore:
         self.work = share.work
         self.entries = share.work.entries()
         self.spool = config.node_paths(node).spool if share.to is None else Path(share.to)
-        self.final = ckpt_dir(self.spool, share.ckpt)
+        self.name = trainer_name(share.ckpt)       # every version goes back under it
+        self.final = ckpt_dir(self.spool, self.name)
         self.in_place = any(m.target == node and share.kept(m) for m in share.work.moves)
         self.directory = self.final if self.in_place else recover_partial_dir(self.spool,
-                                                                              share.ckpt)
+                                                                              self.name)
+        self.aside = Aside(self.spool, node)    # what the restore would replace, kept
         self.used: list[Copy] = []
         self.bad: set[Copy] = set()     # held here, failed a file (told by rank 0)
         self.failed: dict[tuple[int, int, str], dict[Copy, str]] = {}     # rank 0's
@@ -508,6 +523,8 @@ class _Restore:
         done = self._checked(self.progress.advance) if move.local else self.progress.advance
         if self.plan.kept(move):
             return transfer.check_in_place(self.directory, files, done)
+        if self.in_place:       # the trainer's own directory: nothing of it overwritten
+            self._keep_differing(files)
         if source.kind == "pfs":
             return _extract(bundle_path(self.config.node_paths(0).pfs, source.ckpt,
                                         source.owner), self.directory, files, done)
@@ -518,6 +535,14 @@ class _Restore:
                                       self.work.ranks[source.holder], timeout,
                                       f"node {source.holder}", done=done,
                                       stop=self._stopping)
+
+    def _keep_differing(self, files: list[FileEntry]) -> None:
+        """Files of the checkpoint directory kept in place that are about to be written
+        (a copy found bad, a global file) go aside first unless they hold those bytes."""
+        for entry in files:
+            if differs(self.directory / entry.path, entry):
+                self.aside.inside(self.name, entry.path,
+                                  "differs from the restored file")
 
     def _retries(self, found: list[Problem]) -> list[Work]:
         """Rank 0: the next copy of each file that failed (every rank's problems, in
@@ -551,7 +576,7 @@ class _Restore:
         spool, so the name only ever shows a whole checkpoint."""
         if self.in_place:
             fsync_tree(self.final)
-            _hoist_root_files(self.spool, self.final, self.plan.ckpt)
+            _hoist_root_files(self.spool, self.final, self.name, self.aside)
             return
         if self.plan.to is not None and self.lead is None:
             return                              # rank 0 renames the shared directory
@@ -561,7 +586,7 @@ class _Restore:
         else:
             expected = [self.entries[(m.owner, p)] for m in self.work.moves
                         if m.target == self.node for p in m.paths]
-        _put_in_place(self.spool, self.directory, self.final, expected)
+        _put_in_place(self.spool, self.directory, self.final, expected, self.aside)
 
     def notes(self) -> list[str]:
         """Each file taken from another copy than planned, and why."""
@@ -585,31 +610,39 @@ def _extract(bundle: Path, directory: Path, files: list[FileEntry],
     return failed
 
 
-def _put_in_place(spool: Path, partial: Path, final: Path, expected: list[FileEntry]) -> None:
+def _put_in_place(spool: Path, partial: Path, final: Path, expected: list[FileEntry],
+                  aside: Aside) -> None:
     """Every file arrived, checksummed on the way: make the tree durable, then rename
-    it to the checkpoint's name (replacing a copy that was not intact) and fsync the
-    spool, so the name only ever shows a whole checkpoint."""
+    it to the checkpoint's name and fsync the spool, so the name only ever shows a whole
+    checkpoint. What stood under the name goes aside unless it held exactly these files
+    (a copy not taken in place, e.g. `--exclude spool`, may still be the user's newest)."""
     missing = [e.path for e in expected if not (partial / e.path).is_file()
                or (partial / e.path).stat().st_size != e.size]
     if missing:
         raise OperationError(f"{partial}: {len(missing)} files missing or short after the"
                              f" restore (first: {missing[0]})")
     fsync_tree(partial)
-    single = _hoist_root_files(spool, partial, final.name)
+    single = _hoist_root_files(spool, partial, final.name, aside)
     if single:          # the checkpoint was that one file: no directory of its name
         remove_under(spool, partial)
         return
-    if final.exists() or final.is_symlink():
-        remove_under(spool, final)
+    if os.path.lexists(final):
+        own = [e for e in expected if spool_root_name(e.path) is None]
+        if final.is_dir() and not final.is_symlink() and tree_matches(final, own):
+            remove_under(spool, final)
+        else:
+            aside.entry(final.name, "differs from the restored checkpoint")
     os.rename(partial, final)
     fsync_dir(spool)
 
 
-def _hoist_root_files(spool: Path, tree: Path, ckpt: str) -> bool:
+def _hoist_root_files(spool: Path, tree: Path, ckpt: str, aside: Aside) -> bool:
     """The spool-root files captured with the checkpoint (layout.SPOOL_ROOT) go back to
     the spool root: a single-file checkpoint under its name, a tracker rewritten to name
     the recovered checkpoint (its captured text named it, or a newer save the trainer
-    made meanwhile). True when `ckpt` itself was such a file."""
+    made meanwhile). What stands there with other bytes goes aside first (a newer save
+    under the same name, a tracker naming another checkpoint). True when `ckpt` itself
+    was such a file."""
     held = tree / SPOOL_ROOT
     if not held.is_dir():
         return False
@@ -618,13 +651,13 @@ def _hoist_root_files(spool: Path, tree: Path, ckpt: str) -> bool:
         text = tracker_text(path.name, ckpt)
         if text is not None:
             # rewritten with the mode the trainer gave it (restored on the captured copy)
-            with atomic_open(spool / path.name, mode=path.stat().st_mode) as handle:
+            with atomic_open(path, mode=path.stat().st_mode) as handle:
                 handle.write(f"{text}\n".encode())
-            path.unlink()
-        else:
-            if (spool / path.name).is_dir():
-                remove_under(spool, spool / path.name)
-            os.replace(path, spool / path.name)
+        target = spool / path.name
+        if os.path.lexists(target) and not (same_bytes(target, path) if text is None
+                                            else names_the_same(target, text)):
+            aside.entry(path.name, "differs from what was restored")
+        os.replace(path, target)
         single = single or path.name == ckpt
     held.rmdir()
     fsync_dir(spool)
@@ -669,11 +702,15 @@ def _intact_replicas(config: Config, node: int, share: Share, copies: list[Copy]
 def _send_parts(comm: Any, config: Config, node: int, share: Share,
                 jobs: list[slices.Job]) -> int:
     moved = 0
+    spool = config.node_paths(node).spool
+
+    def restored(path: str) -> Path:        # a spool-root file is at the root
+        return spool_file(spool, share.ckpt, path)
     for job in jobs:
         if node == job.owner:
-            problems = transfer.send_files(
-                comm, ckpt_dir(config.node_paths(node).spool, share.ckpt), job.files,
-                job.peer, config.agent.timeout, f"node {job.partner}")
+            problems = transfer.send_files(comm, spool, job.files, job.peer,
+                                           config.agent.timeout, f"node {job.partner}",
+                                           locate=restored)
             _fail_on(problems, f"node {job.owner}'s restored part")
         else:
             root = config.node_paths(node).replicas
@@ -707,17 +744,18 @@ def _receive_replica(comm: Any, config: Config, root: Path, share: Share,
     return manifest.bytes
 
 
-def _set_aside(spool: Path, ckpt: str, seq: int, seqs: dict[str, int]) -> list[str]:
+def _set_aside(aside: Aside, ckpt: str, seq: int, seqs: dict[str, int]) -> None:
     """Checkpoint directories newer than the recovered one (by sequence, or by name for
-    those no manifest knows) would be taken by the trainer's resume: move them aside.
-    `seqs`: every known checkpoint's sequence."""
-    newer_seq = {c for c, s in seqs.items() if s > seq}
-    newer = [name for name in checkpoint_names(spool) if name in newer_seq or (
-        name not in seqs and natural_key(name) > natural_key(ckpt))]
-    for name in newer:
-        aside = set_aside_dir(spool, name)
-        remove_under(spool, aside)
-        os.rename(ckpt_dir(spool, name), aside)
-    if newer:
-        fsync_dir(spool)
-    return newer
+    those no manifest knows) would be taken by the trainer's resume: move them aside
+    (an earlier recovery's set-aside copy stays). `seqs`: every known checkpoint's
+    sequence; a name's newest version counts for the directory of that name, except
+    the recovered one's own name, which the restore just filled."""
+    newest: dict[str, int] = {}
+    for other, other_seq in seqs.items():
+        name = trainer_name(other)
+        newest[name] = max(newest.get(name, other_seq), other_seq)
+    restored = trainer_name(ckpt)
+    for name in sorted(checkpoint_names(aside.spool), key=natural_key):
+        if name != restored and (newest.get(name, -1) > seq or (
+                name not in newest and natural_key(name) > natural_key(restored))):
+            aside.entry(name, "newer than the recovered checkpoint, not recoverable")

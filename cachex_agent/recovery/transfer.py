@@ -98,11 +98,14 @@ def _finish(temp: Path, target: Path, entry: FileEntry, size: int, checksum: str
 # -------------------------------------------------------------------------- MPI
 def send_files(comm: Any, directory: Path, files: list[FileEntry], dest: int,
                timeout: float, name: str, stop: Stop | None = None,
-               handle: Handle | None = None) -> Problems:
+               handle: Handle | None = None,
+               locate: Callable[[str], Path] | None = None) -> Problems:
     """`stop`: before each file, both ends say whether they stop (`_Ends`); the
     receiver must be given one too. `handle`: the work this transfer is part of (the
     restore), asked between two files (a test's fault hook may slow it there, so that
-    a signal lands midway)."""
+    a signal lands midway). `locate`: where a file is, when not `directory / path` (a
+    restored spool, whose spool-root files are at its root)."""
+    locate = locate or (lambda path: directory / path)
     problems: Problems = {}
     stream = _Sender(comm, dest, timeout, name)
     ends = _Ends(comm, dest, timeout, name, stop)
@@ -112,7 +115,7 @@ def send_files(comm: Any, directory: Path, files: list[FileEntry], dest: int,
         if ends.stopped():
             problems.update(_not_moved(files[k:], name))
             break
-        with _mapped(directory / entry.path, entry) as (data, why):
+        with _mapped(locate(entry.path), entry) as (data, why):
             if why:
                 problems[entry.path] = why
             for start in range(0, entry.size, CHUNK):

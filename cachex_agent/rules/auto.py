@@ -126,6 +126,9 @@ class AutoRule(CommitRule):
     def writes_new_files(self, spool: Path, ckpt_id: str) -> bool:
         return self._rule_for(Path(spool), ckpt_id).writes_new_files(spool, ckpt_id)
 
+    def generation(self, spool: Path, ckpt_id: str) -> object | None:
+        return self._rule_for(Path(spool), ckpt_id).generation(spool, ckpt_id)
+
 
 def trackers_at(spool: Path) -> frozenset[str]:
     """The frameworks' tracker files present at the spool root."""

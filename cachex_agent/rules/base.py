@@ -162,6 +162,13 @@ class CommitRule(abc.ABC):
         """True when `ckpt_id` is a single file at the spool root, not a directory."""
         return False
 
+    def generation(self, spool: Path, ckpt_id: str) -> object | None:
+        """What tells one committed save of `ckpt_id` from the next under the same name
+        (versions.py); None: the framework never commits a name twice, or this rule
+        cannot tell (every save after the first is not captured: docs/levels.md).
+        Asked by the watcher only once the rule says `ckpt_id` is committed."""
+        return None
+
     def own_marker(self, ckpt_dir: Path) -> str | None:
         """A glob of the file this node must see at the top of its own part before
         capturing it (a marker every saving node writes, with no barrier before it),

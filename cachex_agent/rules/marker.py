@@ -9,6 +9,7 @@ from pathlib import Path, PurePosixPath
 
 from ..errors import ConfigError
 from .base import CommitRule
+from .torch_file import file_generation
 
 
 class MarkerRule(CommitRule):
@@ -44,6 +45,14 @@ class MarkerRule(CommitRule):
             if len(parts) >= 2 and not self.ignore("/".join(parts[1:])):
                 found.append((parts[0], "/".join(parts[1:])))
         return found
+
+    def generation(self, spool: Path, ckpt_id: str) -> object | None:
+        """A directory refilled and marked again: the marker files, rewritten (or
+        removed and written again) by each save, tell saves apart."""
+        ckpt_dir = Path(spool) / ckpt_id
+        found = tuple((rel, file_generation(ckpt_dir / rel))
+                      for rel in self.global_files(ckpt_dir))
+        return found or None
 
     def global_files(self, ckpt_dir: Path) -> list[str]:
         ckpt_dir = Path(ckpt_dir)

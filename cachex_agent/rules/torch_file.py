@@ -38,9 +38,24 @@ class TorchFileRule(SettledRule):
     def is_file_checkpoint(self, spool: Path, ckpt_id: str) -> bool:
         return is_checkpoint_file(ckpt_id)
 
+    def generation(self, spool: Path, ckpt_id: str) -> object | None:
+        """torch.save truncates and rewrites the file in place (the same inode), Lightning
+        too: the size and modification time of the settled file tell saves apart."""
+        return file_generation(Path(spool) / ckpt_id)
+
     def root_entries(self, spool: Path, ckpt_id: str) -> list[str]:
         path = Path(spool) / ckpt_id
         return [ckpt_id] if path.is_file() and not path.is_symlink() else []
+
+
+def file_generation(path: Path) -> tuple[int, int, int] | None:
+    """(inode, size, mtime) of a file, None when it is gone. Not the ctime: a capture
+    by hard link changes it, and that is no new save."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except OSError:
+        return None
+    return st.st_ino, st.st_size, st.st_mtime_ns
 
 
 def is_checkpoint_file(name: str) -> bool:

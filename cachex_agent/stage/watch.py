@@ -45,10 +45,14 @@ class SpoolWatcher:
     `on_commit` runs on the watcher thread (or on the thread calling `rescan`) with the
     watcher's lock held, in oldest-first order: keep it short (enqueue work). It may call
     `forget` and `rescan`. An exception from it is logged; the id still counts as reported.
+    `on_again(name)`, likewise, when a reported name is committed again by a new save
+    (the rule's `generation` of it changed: versions.py); False asks again at the next
+    evaluation (the save is not accounted for yet).
     """
 
     def __init__(self, spool: Path, rule: CommitRule, on_commit: Callable[[str], None],
-                 scan: float = 5.0, use_inotify: bool = True) -> None:
+                 scan: float = 5.0, use_inotify: bool = True,
+                 on_again: Callable[[str], bool] | None = None) -> None:
         if scan <= 0:
             raise ValueError(f"scan period must be > 0, got {scan!r}")
         self.spool = Path(spool)
@@ -58,6 +62,8 @@ class SpoolWatcher:
         self.use_inotify = use_inotify
         self._lock = threading.RLock()      # rules keep state and are not thread-safe
         self._reported: set[str] = set()
+        self.on_again = on_again
+        self._generations: dict[str, object] = {}   # reported name -> its save's
         self._first_seen: dict[str, float | None] | None = None    # None: not listed yet
         self._removed: dict[str, float] = {}    # directories seen, then gone (newest REMOVED)
         self._stop = threading.Event()
@@ -101,6 +107,7 @@ class SpoolWatcher:
         """Allow `ckpt_id` to be reported again (its directory is being re-created)."""
         with self._lock:
             self._reported.discard(ckpt_id)
+            self._generations.pop(ckpt_id, None)
             self.rule.forget(ckpt_id)
 
     @property
@@ -167,11 +174,25 @@ class SpoolWatcher:
             for ckpt_id in ids:
                 # Re-checked per id: on_commit may have called rescan() re-entrantly.
                 if ckpt_id in self._reported:
+                    self._saved_again(ckpt_id)
                     continue
                 self._reported.add(ckpt_id)
+                self._saved_again(ckpt_id)      # its first save: noted
                 new.append(ckpt_id)
                 self.on_commit(ckpt_id)     # its error is a bug: it ends the agent
             return new
+
+    def _saved_again(self, ckpt_id: str) -> None:
+        """A reported name the rule says is committed: a new save when the rule's token
+        of it moved (the first one is only noted)."""
+        if self.on_again is None:
+            return
+        before = self._generations.get(ckpt_id)
+        now = self.rule.generation(self.spool, ckpt_id)
+        if now is None or now == before:
+            return
+        if before is None or self.on_again(ckpt_id) is not False:
+            self._generations[ckpt_id] = now
 
     def _period(self) -> float:
         if self.rule.needs_polling:

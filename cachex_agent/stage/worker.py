@@ -34,14 +34,16 @@ from ..errors import CachexError, describe
 from ..fsutil import remove_under
 from ..handles import Handle, Point, Stage, StageLog, State
 from ..journal import Journal
-from ..layout import NodePaths, ckpt_dir, root_entry
+from ..layout import NodePaths, ckpt_dir, root_entry, spool_file
 from ..manifest import PENDING, FileEntry, LocalManifest
 from ..mapped import unusable
 from ..messages import CaptureFailed, FileCaptured
+from ..peer.mirror import mirrored_before
 from ..rules import CommitRule
 from ..rules.base import holds_match
 from ..rules.quiescence import FileState, snapshot, wait_for_directory, wait_settled
 from ..topology import Placement
+from ..versions import trainer_name
 from .capture import (
     CaptureError,
     OnFile,
@@ -87,6 +89,9 @@ class CaptureWorker:
         self.removed = removed
         self.queue: queue.Queue[CaptureHandle | None] = queue.Queue()
         self.handles: dict[str, CaptureHandle] = {}     # not ended yet
+        #: name -> the rule's generation of the save its newest version captured here
+        #: (this process's captures; versions.py)
+        self.generations: dict[str, object] = {}
         self._thread = threading.Thread(target=self._loop, name="capture", daemon=True)
 
     def start(self) -> None:
@@ -103,6 +108,15 @@ class CaptureWorker:
         handle = self.handles.get(ckpt)
         if handle is not None:
             handle.cancel()
+
+    def capturing(self, name: str) -> bool:
+        """A capture of a version of `name` has not ended here."""
+        return any(trainer_name(c) == name for c, h in list(self.handles.items())
+                   if not h.test())
+
+    def captured(self, name: str) -> bool:
+        """The save now under `name` is the one its newest version captured here."""
+        return self.generations.get(name) == self.rule.generation(self.paths.spool, name)
 
     def busy(self, ckpt: str | None = None) -> bool:
         """A capture not ended (of `ckpt`, or of any checkpoint)."""
@@ -134,11 +148,12 @@ class CaptureWorker:
         source = self.paths.spool_dir(ckpt)
         start = time.monotonic()
         deadline = time.monotonic() + self.config.commit.timeout
-        single = self.rule.is_file_checkpoint(self.paths.spool, ckpt)
+        single = self.rule.is_file_checkpoint(self.paths.spool, trainer_name(ckpt))
         # a single file is written by one rank: a node without it holds an empty part
         late = not single and (self._wait_for_part(handle, source, deadline)
                                or self._wait_for_own_marker(handle, source, deadline))
-        self._wait_for_tracker(handle, ckpt)
+        self._wait_for_tracker(handle, trainer_name(ckpt))
+        self._wait_for_own_save(handle, deadline)
         # A marker vouches at most for files written before it: a directory that
         # appeared after the commit gets this node's own check.
         vouched = self.rule.vouches_for(source) and not late
@@ -146,8 +161,13 @@ class CaptureWorker:
                                node=self.placement.node, host=self.placement.host,
                                rank=self.placement.rank, files=[])
         feed = self.feed if task.get("path", "peer") == "peer" else None
+        # taken before: a save landing during the capture makes one version more, never one
+        # taken for captured that was not
+        save = self.rule.generation(self.paths.spool, trainer_name(ckpt))
         target, entries, mode, reason, linked, leased = self._capture_whole(
             handle, source, vouched, deadline, self._streamer(handle, header), feed)
+        if save is not None:
+            self.generations[trainer_name(ckpt)] = save
         handle.hold(self.placement.node)
         manifest = dataclasses.replace(header, files=entries, captured_at=time.time())
         self.journal.save_manifest(manifest)
@@ -157,14 +177,15 @@ class CaptureWorker:
         # This node's own candidates, from its finished part: the marker's list is the
         # view of whichever node committed first (HF: node 1's trainer_state.json may
         # come before node 0 wrote the weights that it alone holds).
-        candidates = sorted({*task["global_files"],
-                             *global_candidates(self.rule, self.paths.spool, ckpt)})
+        candidates = sorted({*task["global_files"], *global_candidates(
+            self.rule, self.paths.spool, trainer_name(ckpt))})
         if not handle.set(State.DONE, persist={
                 "source": str(target), "mode": mode, "mode_reason": reason,
                 "linked": linked, "bytes": manifest.bytes, "global_files": candidates},
                 bytes=manifest.bytes, files=len(entries), linked=linked, leased=leased, mode=mode,
                 reason=reason, duration=duration, fed_wait=fed_wait,
-                write_start=self.first_seen(ckpt), committed_at=task.get("received")):
+                write_start=self.first_seen(trainer_name(ckpt)),
+                committed_at=task.get("received")):
             return
         self.post(messages.Captured(ckpt=ckpt, manifest=manifest.to_json(), duration=duration,
                                     fed_wait=fed_wait, mode=mode, reason=reason,
@@ -175,7 +196,7 @@ class CaptureWorker:
         it was not there yet."""
         if source.is_dir():
             return False
-        if self.removed(handle.ckpt):
+        if self.removed(trainer_name(handle.ckpt)):
             # a trainer that keeps its newest few deleted it before this node's turn
             raise CaptureError(f"{source}: removed from the spool before its capture")
         handle.note("capture_waiting", reason=f"{source}: directory not there yet",
@@ -267,10 +288,12 @@ class CaptureWorker:
                       on_file: OnFile, feed: PieceSink | None = None) -> Captured:
         """(where the captured bytes are, entries, mode, why that mode, files linked, files
         leased) of one capture."""
+        mirrored = self._mirrored(ckpt)
         relpaths = sorted(rel for rel in (p.relative_to(source).as_posix() for p in listed)
-                          if not self.rule.ignore(rel))
+                          if not self.rule.ignore(rel) and rel not in mirrored)
         roots = {root_entry(n): self.paths.spool / n
-                 for n in self.rule.root_entries(self.paths.spool, ckpt)}
+                 for n in self.rule.root_entries(self.paths.spool, trainer_name(ckpt))
+                 if root_entry(n) not in mirrored}
         sizes = {rel: listed[source / rel][0] for rel in relpaths} | {
             rel: p.stat().st_size for rel, p in roots.items()}
         plan = self._plan(ckpt, relpaths, roots)
@@ -304,17 +327,46 @@ class CaptureWorker:
         log.warning("capture of %s by reference: %s", ckpt, reason)
         return source, capture_reference(source, relpaths), "reference", reason, 0, 0
 
+    def _wait_for_own_save(self, handle: CaptureHandle, deadline: float) -> None:
+        """A later version of a single file this node saves itself, committed by another
+        node's save: wait for this node's own save (a version is one save of every node,
+        never this node's previous one beside another's newer)."""
+        ckpt, spool = handle.ckpt, self.paths.spool
+        name = trainer_name(ckpt)
+        before = self.generations.get(name)
+        if name == ckpt or before is None or not self.rule.is_file_checkpoint(spool, name) \
+                or root_entry(name) in self._mirrored(ckpt):
+            return
+        settled, seen = time.monotonic(), before
+        while (now := self.rule.generation(spool, name)) == before or \
+                time.monotonic() - settled < self.config.commit.settle:
+            if now != seen:
+                settled, seen = time.monotonic(), now
+            if time.monotonic() > deadline or handle.cancelled.wait(0.05):
+                raise CaptureError(f"{spool / name}: not saved again on this node within"
+                                   f" commit.timeout of {ckpt}'s commit")
+
+    def _mirrored(self, ckpt: str) -> set[str]:
+        """The global files of a later version that this node's spool holds only as the
+        mirror's copy of an earlier one (another node saved them): not this node's part."""
+        name = trainer_name(ckpt)
+        if name == ckpt:
+            return set()
+        return {path for path in global_candidates(self.rule, self.paths.spool, name)
+                if mirrored_before(self.journal, self.placement.node, ckpt, path,
+                                   spool_file(self.paths.spool, name, path))}
+
     def _plan(self, ckpt: str, relpaths: list[str], roots: dict[str, Path]) -> Plan:
         """The files to hard-link (stage.capture, the rule, the file systems): those of
         the checkpoint directory, or the single-file checkpoint itself; never a tracker
         (every save rewrites it in place)."""
         spool, stage, setting = self.paths.spool, self.paths.stage, self.config.stage.capture
-        method, why = capture_method(setting, self.rule.writes_new_files(spool, ckpt), spool,
-                                     stage)
+        method, why = capture_method(setting, self.rule.writes_new_files(
+            spool, trainer_name(ckpt)), spool, stage)
         ranged = copies_in_kernel(spool, stage)
         if method != "link":    # said when a link was asked for (the captured event)
             return Plan(ranged=ranged, refused=why if setting == "link" else "")
-        single = self.rule.is_file_checkpoint(spool, ckpt)
+        single = self.rule.is_file_checkpoint(spool, trainer_name(ckpt))
         return Plan(frozenset(roots if single else relpaths), ranged=ranged,
                     lease=self.config.stage.lease and not unusable())
 

@@ -187,6 +187,12 @@ def test_a_corrupt_file_kept_in_place_comes_from_another_copy(cluster, capture, 
             ) in result.stdout, result.stdout
     for node, files in expected_after(before).items():
         assert files_of(c.spool(node) / "step_00004") == files
+    # the bad file was the survivor's: set aside, not overwritten, and said
+    flipped = files_of(c.spool(2) / ".cachex-unrecoverable-step_00004")
+    assert flipped.keys() == {"__4_0.distcp"}
+    assert flipped["__4_0.distcp"] != before[2]["__4_0.distcp"]
+    assert ("set aside: node 2: step_00004/__4_0.distcp set aside as"
+            " .cachex-unrecoverable-step_00004/__4_0.distcp") in result.stdout, result.stdout
 
 
 def every_file(before: dict[int, dict[str, bytes]]) -> dict[str, bytes]:

@@ -20,6 +20,7 @@ from cachex_agent.rules import (
     DeepSpeedRule,
     MarkerRule,
     QuiescenceRule,
+    TorchFileRule,
 )
 from cachex_agent.stage.watch import SpoolWatcher
 
@@ -407,3 +408,58 @@ def test_a_directory_seen_then_deleted_is_removed_until_it_comes_back(tmp_path):
     assert not watcher.removed("step_2")         # never seen: it may still come
     write_shards(spool / "step_1", ranks=1)
     assert not watcher.removed("step_1")
+
+
+class FakeClock:
+    """The settle timers' clock, moved by the test (the files and /proc are real)."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.mark.parametrize("make_rule, write", [
+    (lambda clock: TorchFileRule(0.5, clock),
+     lambda spool, data: (spool / "last.ckpt").write_bytes(data)),
+    (lambda clock: MarkerRule("*/COMMITTED"),
+     lambda spool, data: ((spool / "latest").mkdir(exist_ok=True),
+                          (spool / "latest" / "w.bin").write_bytes(data),
+                          (spool / "latest" / "COMMITTED").write_bytes(data[:4]))),
+], ids=["torch", "marker"])
+def test_a_name_committed_again_by_a_new_save_is_reported_again(tmp_path, make_rule, write):
+    clock = FakeClock()
+    again = Recorder()
+    first = Recorder()
+    watcher = SpoolWatcher(tmp_path, make_rule(clock), first, scan=SLOW_SCAN,
+                           use_inotify=False, on_again=again)
+    name = "last.ckpt" if isinstance(watcher.rule, TorchFileRule) else "latest"
+    for save, data in enumerate((b"save one", b"save two!!", b"save three")):
+        write(tmp_path, data)
+        watcher.rescan()                    # the settle timer starts (torch)
+        clock.now += 1.0
+        watcher.rescan()
+        watcher.rescan()                    # nothing new: reported once per save
+        assert first.snapshot() == [name]
+        assert again.snapshot() == [name] * save
+
+
+def test_a_new_save_not_accounted_for_is_offered_again(tmp_path):
+    """`on_again` answering False (a capture of the name is still running) hears of the
+    same save at the next evaluation, and no more once it answers True."""
+    answers = [False, False, True]
+    asked: list[str] = []
+
+    def on_again(name: str) -> bool:
+        asked.append(name)
+        return answers[len(asked) - 1]
+    watcher = SpoolWatcher(tmp_path, MarkerRule("*/COMMITTED"), Recorder(),
+                           scan=SLOW_SCAN, use_inotify=False, on_again=on_again)
+    (tmp_path / "latest").mkdir()
+    (tmp_path / "latest" / "COMMITTED").write_bytes(b"1")
+    watcher.rescan()
+    (tmp_path / "latest" / "COMMITTED").write_bytes(b"22")
+    for _ in range(5):
+        watcher.rescan()
+    assert asked == ["latest"] * 3
