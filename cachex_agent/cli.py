@@ -291,7 +291,8 @@ def status_command(cfg: configuration.Config, as_json: bool, risk_only: bool) ->
     from .status import format_status, load_status
     status = load_status(cfg, settle=True)
     if as_json:
-        _echo_json(status)
+        from .model.advice_store import load_advice
+        _echo_json({**status, "advice": load_advice(cfg)})
     elif risk_only:
         click.echo("\n".join(risk_lines(status))
                    or "at risk now: not known (no status of the agents, only the PFS index)")
@@ -828,6 +829,32 @@ def report_command(cfg: configuration.Config, history: Any, model_path: Path | N
     makedirs(out)
     for written in write_report(history, model, out, size_value, count):
         click.echo(str(written))
+
+
+@main_group.command("advise")
+@model_options
+@_size_option
+@click.option("--period", metavar="DURATION", help="the save interval in use (default:"
+              " model.period, else the observed one)")
+@click.option("--record", type=click.Choice(["crash", "node", "job"]), help="first record"
+              " one failure of this kind in the run's history (the job, at a relaunch)")
+@click.option("--lost", type=click.IntRange(0), default=1, show_default=True,
+              help="with --record node: how many nodes were lost")
+@click.option("--drill", is_flag=True, help="with --record: a drill, kept out of the rates")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def advise_command(cfg: configuration.Config, history: Any, model_path: Path | None,
+                   size: str | None, nodes: int | None, period: str | None, as_json: bool,
+                   **options: Any) -> None:
+    """The save interval that loses least time, what each level protects, the rates."""
+    from .model.advise_run import run_advise
+    model = _system(history, model_path)
+    size_value, count = _size_and_nodes(model, size, nodes)
+    current = (configuration.parse_duration(period, "--period") if period
+               else cfg.model.period or model.period)
+    if not current:
+        raise ConfigError("--period: no save interval in the events; give one")
+    text, data = run_advise(cfg, history, model, size_value, count, current, **options)
+    _echo_json(data) if as_json else click.echo(text)
 
 
 @main_group.command("demo")
