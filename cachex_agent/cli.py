@@ -733,6 +733,15 @@ def _size_and_nodes(model: Any, size: str | None, nodes: int | None) -> tuple[fl
     return float(value), int(count)
 
 
+def _period(cfg: configuration.Config, model: Any, period: str | None) -> float:
+    """--period, else model.period, else the period seen in the events."""
+    value = (configuration.parse_duration(period, "--period") if period
+             else cfg.model.period or model.period)
+    if not value:
+        raise ConfigError("--period: no checkpoint period in the events; give one")
+    return float(value)
+
+
 @main_group.group("model")
 def model_group() -> None:
     """The durability model: fit stage statistics, predict completion, plan the path."""
@@ -799,10 +808,7 @@ def model_plan_command(cfg: configuration.Config, history: Any, model_path: Path
     from .model.summary import plan_json, plan_text
     model = _system(history, model_path)
     size_value, count = _size_and_nodes(model, size, nodes)
-    every_t = (configuration.parse_duration(period, "--period") if period
-               else cfg.model.period or model.period)
-    if not every_t:
-        raise ConfigError("--period: no checkpoint period in the events; give one")
+    every_t = _period(cfg, model, period)
     write = model.stages.get("write")
     blocking = (configuration.parse_duration(stall, "--stall") if stall
                 else float(write.ppf(0.5 ** (1 / count), size_value / count, count))
@@ -849,11 +855,8 @@ def advise_command(cfg: configuration.Config, history: Any, model_path: Path | N
     from .model.advise_run import run_advise
     model = _system(history, model_path)
     size_value, count = _size_and_nodes(model, size, nodes)
-    current = (configuration.parse_duration(period, "--period") if period
-               else cfg.model.period or model.period)
-    if not current:
-        raise ConfigError("--period: no save interval in the events; give one")
-    text, data = run_advise(cfg, history, model, size_value, count, current, **options)
+    text, data = run_advise(cfg, history, model, size_value, count,
+                            _period(cfg, model, period), **options)
     _echo_json(data) if as_json else click.echo(text)
 
 

@@ -24,7 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import Config
 from ..config import Model as ModelConfig
 from ..errors import ConfigError, OperationError
 from ..fsutil import fsync_dir, makedirs
@@ -169,8 +168,3 @@ def record_failure(path: Path, kind: str, lost: int, drill: bool) -> None:
         os.close(fd)
     if new:
         fsync_dir(path.parent)
-
-
-def pfs_run_dir(config: Config) -> Path:
-    """The run's directory on the PFS (shared by the nodes: node 0's rendering)."""
-    return config.node_paths(0).pfs

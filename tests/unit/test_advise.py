@@ -9,6 +9,7 @@ import math
 import stat
 import subprocess
 import sys
+from dataclasses import replace
 
 import numpy as np
 import pytest
@@ -186,10 +187,10 @@ def test_levels_slower_than_the_advised_interval_are_said():
     rates = {k: combine(k, 0.05, True, 0, 0, 0.0) for k in CLASSES}
     shown = option("tier", slow, 30.0, rates, 4, Protection.of(configuration.Peer(), 4))
     fast = Losses(0.1, {c: np.full(100, 0.5) for c in CLASSES}, "peer")
-    lines = keep_up_notes(shown.__class__(**{**shown.__dict__, "interval": 30.0}), 1)
+    lines = keep_up_notes(replace(shown, interval=30.0), 1)
     assert any(line.startswith("replicated cannot keep up") for line in lines)
     assert any(line.startswith("flushed cannot keep up") for line in lines)
-    assert keep_up_notes(shown.__class__(**{**shown.__dict__, "losses": fast}), 1) == []
+    assert keep_up_notes(replace(shown, losses=fast), 1) == []
 
 
 def test_advice_file_round_trip_and_status_never_fails_on_it(tmp_path):
