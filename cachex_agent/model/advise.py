@@ -76,7 +76,7 @@ class Option:
     losses: Losses
     current: float              # the interval in use, seconds
     interval: float             # advised
-    range: tuple[float, float]  # advised, at the rates' 5% and 95% ends
+    range: tuple[float, float]  # advised at the rates' 95% and 5% ends (shortest first)
     waste_now: float            # fractions of the run's time
     waste_advised: float
 

@@ -279,3 +279,16 @@ def test_the_metrics_carry_the_advice_from_the_status(tmp_path):
             in text)
     assert "cachex_advised_interval" not in MetricsFile(tmp_path / "m.prom", "r").text(
         {"checkpoints": []}, {})
+
+
+@pytest.mark.parametrize("period, lag", [(30.0, 2.0), (30.0, 70.0)])
+def test_the_benchmarks_replay_loses_half_a_period_plus_the_lag(period, lag):
+    """benchmarks/advice.py: constant lags D, every failure loses T/2 + D on average (D
+    spanning two periods too), and the blocked time comes once per save."""
+    from advice import replay
+    stall = np.full(7, 1.5)
+    lags = {c: np.full(7, lag) for c in CLASSES}
+    rates = {"crash": 2.0, "node": 0.0, "job": 1.0}
+    waste = replay(stall, lags, period, rates, failures=40_000, seed=3)
+    expected = 1.5 / period + 3.0 * (period / 2 + lag) / HOUR
+    assert waste == pytest.approx(expected, rel=0.01)
