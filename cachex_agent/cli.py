@@ -292,7 +292,8 @@ def status_command(cfg: configuration.Config, as_json: bool, risk_only: bool) ->
     from .status import format_status, load_status
     status = load_status(cfg, settle=True)
     if as_json:
-        _echo_json(status)
+        from .model.advice_store import load_advice
+        _echo_json({**status, "advice": load_advice(cfg)})
     elif risk_only:
         click.echo("\n".join(risk_lines(status))
                    or "at risk now: not known (no status of the agents, only the PFS index)")
@@ -732,6 +733,15 @@ def _size_and_nodes(model: Any, size: str | None, nodes: int | None) -> tuple[fl
     return float(value), int(count)
 
 
+def _period(cfg: configuration.Config, model: Any, period: str | None) -> float:
+    """--period, else model.period, else the period seen in the events."""
+    value = (configuration.parse_duration(period, "--period") if period
+             else cfg.model.period or model.period)
+    if not value:
+        raise ConfigError("--period: no checkpoint period in the events; give one")
+    return float(value)
+
+
 @main_group.group("model")
 def model_group() -> None:
     """The durability model: fit stage statistics, predict completion, plan the path."""
@@ -798,10 +808,7 @@ def model_plan_command(cfg: configuration.Config, history: Any, model_path: Path
     from .model.summary import plan_json, plan_text
     model = _system(history, model_path)
     size_value, count = _size_and_nodes(model, size, nodes)
-    every_t = (configuration.parse_duration(period, "--period") if period
-               else cfg.model.period or model.period)
-    if not every_t:
-        raise ConfigError("--period: no checkpoint period in the events; give one")
+    every_t = _period(cfg, model, period)
     write = model.stages.get("write")
     blocking = (configuration.parse_duration(stall, "--stall") if stall
                 else float(write.ppf(0.5 ** (1 / count), size_value / count, count))
@@ -828,6 +835,29 @@ def report_command(cfg: configuration.Config, history: Any, model_path: Path | N
     makedirs(out)
     for written in write_report(history, model, out, size_value, count):
         click.echo(str(written))
+
+
+@main_group.command("advise")
+@model_options
+@_size_option
+@click.option("--period", metavar="DURATION", help="the save interval in use (default:"
+              " model.period, else the observed one)")
+@click.option("--record", type=click.Choice(["crash", "node", "job"]), help="first record"
+              " one failure of this kind in the run's history (the job, at a relaunch)")
+@click.option("--lost", type=click.IntRange(0), default=1, show_default=True,
+              help="with --record node: how many nodes were lost")
+@click.option("--drill", is_flag=True, help="with --record: a drill, kept out of the rates")
+@click.option("--json", "as_json", is_flag=True, help="machine-readable output")
+def advise_command(cfg: configuration.Config, history: Any, model_path: Path | None,
+                   size: str | None, nodes: int | None, period: str | None, as_json: bool,
+                   **options: Any) -> None:
+    """The save interval that loses least time, what each level protects, the rates."""
+    from .model.advise_run import run_advise
+    model = _system(history, model_path)
+    size_value, count = _size_and_nodes(model, size, nodes)
+    text, data = run_advise(cfg, history, model, size_value, count,
+                            _period(cfg, model, period), **options)
+    _echo_json(data) if as_json else click.echo(text)
 
 
 @main_group.command("demo")

@@ -27,8 +27,8 @@ from . import config as configuration
 from .errors import OperationError
 from .layout import node_dir_name, pfs_stop_file
 from .model.distributions import have_scipy
-from .model.history import event_files, load_history
-from .model.predict import fit_system
+from .model.history import History, event_files, load_history
+from .model.predict import SystemModel, fit_system
 from .model.summary import fit_text
 from .recovery.catalog import require_global
 from .recovery.export import export
@@ -228,7 +228,7 @@ def _demo(children: Children, root: Path, nodes: int, ranks_per_node: int, steps
     click.echo(f"demo: final state equals an uninterrupted run's (sha256 {reference[:16]}...)")
     click.echo(format_ls(load_status(cfg)))
     _check(cfg, root, code)
-    _model(root)
+    _model(root, cfg)
 
 
 def _lose_node_zero(children: Children, cfg: configuration.Config, root: Path,
@@ -311,7 +311,7 @@ def _check(cfg: configuration.Config, root: Path, agents_code: int) -> None:
                f" {agents_code}")
 
 
-def _model(root: Path) -> None:
+def _model(root: Path, cfg: configuration.Config) -> None:
     """The durability model fitted on this run's events: what `cachex model fit` says."""
     if not have_scipy():
         click.echo("demo: the durability model is skipped: its libraries are the [model]"
@@ -328,6 +328,18 @@ def _model(root: Path) -> None:
         click.echo(f"demo: flushed after {statistics.median(observed):.2f} s (median of"
                    f" {len(observed)}); the model predicts {predicted.quantile(0.5):.2f} s,"
                    f" 95% by {predicted.quantile(0.95):.2f} s")
+    if model.size and model.nodes and model.period:
+        _advice(cfg, history, model)
+
+
+def _advice(cfg: configuration.Config, history: History, model: SystemModel) -> None:
+    """What `cachex advise` says of this run: the save interval that loses least time.
+    The node lost above was a drill: recorded as one, shown, and kept out of the rates."""
+    from .model.advise_run import run_advise
+    text, _ = run_advise(cfg, history, model, model.size, model.nodes, model.period,
+                         record="node", drill=True)
+    click.echo(f"demo: how often to save (cachex advise --config {cfg.source}):")
+    click.echo(textwrap.indent(text, "  "))
 
 
 def _fresh(root: Path) -> None:

@@ -50,6 +50,14 @@ METRICS: dict[str, tuple[str, str]] = {
         "gauge", "Nodes silent past agent.timeout (suspect) or taken for dead, by state"),
     "cachex_lane_pending": (
         "gauge", "Writes queued on the coordinator's lanes (pfs, journal, model)"),
+    "cachex_advised_interval_seconds": (
+        "gauge", "The save interval that loses least time (`cachex advise`), by `path`"
+                 " (tier, or direct_to_pfs: the trainer writing to the PFS itself)"),
+    "cachex_expected_waste_seconds_per_hour": (
+        "gauge", "Expected time lost per hour of run (blocked saves and recomputation),"
+                 " by `path` and `interval` (now, advised)"),
+    "cachex_failure_rate": (
+        "gauge", "Failure rate the advice uses, by `kind` (per hour; node: per node-hour)"),
 }
 
 
@@ -114,6 +122,23 @@ def _samples(status: dict[str, Any], rows: list[dict[str, Any]], pending: dict[s
     yield "cachex_silent_nodes", [({"state": state}, silent.count(state))
                                   for state in ("suspect", "dead")]
     yield "cachex_lane_pending", [({"lane": lane}, n) for lane, n in sorted(pending.items())]
+    yield from _advice_samples(status.get("advice"))
+
+
+def _advice_samples(advice: Any) -> Iterator[tuple[str, Samples]]:
+    """The last `cachex advise` (advice.json), when the status carries it."""
+    if not isinstance(advice, dict):
+        return
+    paths = {p: advice.get(key) for p, key in (("tier", "tier"), ("direct_to_pfs",
+                                                                   "direct_to_pfs"))}
+    paths = {p: v for p, v in paths.items() if isinstance(v, dict)}
+    yield "cachex_advised_interval_seconds", [({"path": p}, v["interval"])
+                                              for p, v in paths.items()]
+    yield "cachex_expected_waste_seconds_per_hour", [
+        ({"path": p, "interval": when}, v[f"waste_per_hour_{when}"])
+        for p, v in paths.items() for when in ("now", "advised")]
+    yield "cachex_failure_rate", [({"kind": k}, r["rate"])
+                                  for k, r in (advice.get("rates") or {}).items()]
 
 
 def _newest_at(rows: list[dict[str, Any]], level: str) -> dict[str, Any] | None:

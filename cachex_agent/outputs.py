@@ -59,7 +59,8 @@ SHAPES: dict[str, Shape] = {
     "ls": _shape("schema run redundancy unknown checkpoints", checkpoints=_LS_ROW),
     "status": _shape(
         "schema format version run updated state recorded_state live heartbeat nodes"
-        " redundancy notes checkpoints at_risk", "stop_ack silent", checkpoints=_STATUS_ROW,
+        " redundancy notes checkpoints at_risk", "stop_ack silent advice",
+        checkpoints=_STATUS_ROW,
         silent=_shape("node state seconds by holds relays_for subtree waiting")),
     "verify": _shape("schema ckpt ok copies", "level", copies=_shape(
         "level node where checked ok problems note")),
@@ -79,6 +80,8 @@ SHAPES: dict[str, Shape] = {
         "schema size nodes period stall rates_per_hour recommended paths period_young"
         " period_daly period_optimum waste_at_optimum protection",
         paths=_shape("name path every lag lost loss_per_hour node_fallback waste")),
+    "advise": _shape("schema size nodes current_interval advised_interval young"
+                     " independent_nodes rates protects tier direct_to_pfs notes"),
 }
 
 

@@ -52,3 +52,26 @@ def expected_lost_work(survival: Callable[[np.ndarray], np.ndarray], period: flo
         if term < tol * period:
             break
     return total
+
+
+def exact_lost_work(samples: np.ndarray, period: float) -> float:
+    """E[L] as expected_lost_work, for D given by samples, without the trapezoid's error.
+
+    With the samples' survival S, each product of S(u + iT) is a step function of the
+    phase u, constant between the points D_k - iT: summed exactly over those pieces. An
+    optimum over T is where W is flat, and the trapezoid's error, which moves with T as
+    D's steps cross its grid, would move it by percents."""
+    if period <= 0:
+        raise ValueError(f"period must be > 0, got {period}")
+    ordered = np.sort(np.asarray(samples, dtype=float))
+    terms = int(ordered[-1] // period) + 1         # beyond, S(u + iT) = 0 on all of [0, T)
+    cuts = (ordered[:, None] - period * np.arange(terms)[None, :]).ravel()
+    edges = np.unique(np.concatenate([[0.0, period], cuts[(cuts > 0) & (cuts < period)]]))
+    middle, width = (edges[:-1] + edges[1:]) / 2, np.diff(edges)
+    product = np.ones_like(middle)
+    total = period / 2.0
+    for i in range(terms):
+        product = product * (1.0 - np.searchsorted(ordered, middle + i * period, side="right")
+                             / ordered.size)
+        total += float(np.sum(product * width))
+    return total

@@ -27,7 +27,7 @@ import numpy as np
 
 from ..config import Model as ModelConfig
 from ..config import Peer
-from .durability import expected_lost_work
+from .durability import exact_lost_work, expected_lost_work
 from .predict import SystemModel
 from .protection import Protection
 
@@ -111,9 +111,12 @@ def class_losses(lags: dict[str, np.ndarray], path: str, every: int, period: flo
                  rates: Rates, nodes: int, protection: Protection, points: int
                  ) -> tuple[dict[str, float], float]:
     """E[L_c] per failure class, and the fraction of node losses falling back to
-    `flushed` (the job class's level, flushed every k-th: period kT)."""
-    lost = {c: expected_lost_work(survival(lags[c]), period * (every if c == "job" else 1),
-                                  points=points) for c in CLASSES}
+    `flushed` (the job class's level, flushed every k-th: period kT). `points` = 0: each
+    E[L_c] exact for its samples (durability.exact_lost_work), else on that many."""
+    def lost_work(samples: np.ndarray, window: float) -> float:
+        return (exact_lost_work(samples, window) if points == 0
+                else expected_lost_work(survival(samples), window, points=points))
+    lost = {c: lost_work(lags[c], period * (every if c == "job" else 1)) for c in CLASSES}
     if path != "peer":
         return lost, 0.0            # direct: a node loss already waits for `flushed`
     fallback = protection.fallback(rates.node, period, nodes)
