@@ -87,6 +87,7 @@ from .lanes import Lane
 from .manifest import GlobalManifest
 from .messages import Report, report_of, wire
 from .metrics import MetricsFile, metrics_file
+from .model.advice_store import load_advice
 from .model.choose import LEARNED, PathChooser, fixed_choice
 from .peer.redundancy import redundancy_of
 from .safepath import UnsafeInput
@@ -95,6 +96,7 @@ from .uplink import expand
 __all__ = ["HEARTBEAT", "HISTORY", "Coordinator"]
 log = logging.getLogger(__name__)
 FRAMES_KEPT = 256       # tree frames kept to send again to a node that missed them
+ADVICE_EVERY = 30.0     # s: how often the last `cachex advise` is read again (pfs lane)
 SendFn = Callable[[int, dict[str, Any]], None]
 #: (frame, the nodes to send it to, whether this node's own agent reads it too)
 ForwardFn = Callable[[bytes, list[int], bool], None]
@@ -141,6 +143,10 @@ class Coordinator:
         self.state = self._restored(can_replicate)
         self._frames: deque[tuple[int, dict[str, Any]]] = deque(maxlen=FRAMES_KEPT)
         self._number = 0        # the newest tree frame's
+        # the last `cachex advise` (advice.json on the PFS), read on the pfs lane: the
+        # status and the metrics carry it
+        self._advice: dict[str, Any] | None = None
+        self._advice_due = float("-inf")
 
     def _restored(self, can_replicate: bool) -> CoordinatorState:
         saved = self.journal.read(layout.COORDINATOR_STATE)
@@ -309,6 +315,7 @@ class Coordinator:
             layout.COORDINATOR_STATE, snapshot))
 
     def _write_status(self, _effect: WriteStatus | None = None) -> None:
+        self._read_advice()
         status = self.status()
         self._offer("journal", "status", lambda: self.journal.write(layout.STATUS, status))
         self._offer("pfs", "status", lambda: _write_pfs_status(self.pfs_run, status))
@@ -374,6 +381,17 @@ class Coordinator:
             o = self._observed.popleft()
             self.chooser.observe(o.stage, o.ckpt, o.node, o.nbytes, o.seconds)
 
+    def _read_advice(self) -> None:
+        now = self.clock()
+        if now < self._advice_due:
+            return
+        self._advice_due = now + ADVICE_EVERY
+        config = self.config
+
+        def work() -> None:
+            self._advice = load_advice(config)
+        self._offer("pfs", "advice", work)
+
     def _resend(self, effect: Resend) -> None:
         """The tree frames a node missed (a stalled parent held them), to it directly,
         in order; one older than the FRAMES_KEPT newest is gone (logged)."""
@@ -398,6 +416,8 @@ class Coordinator:
         now = self.wall()       # shown, not compared: the reader's clock may differ
         self.beat += 1
         extra = {"stop_ack": self.state.stop_ack} if self.state.stop_ack else {}
+        if self._advice is not None:
+            extra["advice"] = self._advice
         return {"format": "cachex-status", "version": 1, "run": self.config.run,
                 "updated": now, "state": self.state.phase, "nodes": self.nodes,
                 "heartbeat": {"beat": self.beat, "life": self.life, "t": now,

@@ -113,6 +113,7 @@ class Recover:
 @dataclass(frozen=True)
 class AtRisk:
     when: str                           # relaunch | halt
+    failure: str = ""                   # a relaunch's: crash | node (cachex advise --record)
 
 
 @dataclass(frozen=True)
@@ -196,7 +197,8 @@ def _train_exited(state: JobState, event: TrainExited) -> Decision:
     before = state.nodes
     state = replace(state, bad=frozenset(bad), relaunches=launch, agent_restarts=0,
                     nodes=tuple(chosen.nodes), spares=tuple(chosen.spares), training=True)
-    actions: list[Action] = [AtRisk("relaunch"), *notes]
+    failure = "node" if bad - state.bad or set(before) - up else "crash"
+    actions: list[Action] = [AtRisk("relaunch", failure), *notes]
     if state.nodes != before:
         actions.append(UseNodes(state.nodes, state.spares, "; ".join(chosen.notes)))
     actions.append(StopAgents())

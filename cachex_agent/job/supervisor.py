@@ -172,6 +172,20 @@ class Supervisor:
         log(f"{action.when}: {first}")
         for line in rest.splitlines():
             print(f"    {line}", flush=True)
+        if action.failure:
+            self._advise(action.failure)
+
+    def _advise(self, failure: str) -> None:
+        """The failure that ended the step goes into the run's history (the rates of
+        `cachex advise`), and the advice for the next launch into the job's log."""
+        argv = [self.s.cachex, "advise", "--config", self.s.config, "--record", failure]
+        try:
+            said = subprocess.run(argv, capture_output=True, text=True, timeout=60)
+        except subprocess.TimeoutExpired:
+            log("advice: no answer within 60s")
+            return
+        lines = (said.stdout + said.stderr).strip().splitlines()
+        log(f"advice: {lines[-1] if lines else f'none (status {said.returncode})'}")
 
     def _do_usenodes(self, action: life.UseNodes) -> None:
         if action.note:
