@@ -148,7 +148,8 @@ class FakeSite:
                 lines.append(f'ln -s {shlex.quote(os.readlink(f"/{link}"))} "$R/{link}"')
         for target, source in sorted(binds.items(), key=lambda kv: kv[0].count("/")):
             lines += [f'mkdir -p "$R{target}"', f'mount --rbind {shlex.quote(source)} "$R{target}"']
-        lines += ['mount -t tmpfs shm "$R/dev/shm"', 'mkdir -m 1777 "$R/tmp"']
+        # a checkout under /tmp (CI's may be) is bound in already: /tmp exists then
+        lines += ['mount -t tmpfs shm "$R/dev/shm"', 'mkdir -p "$R/tmp"', 'chmod 1777 "$R/tmp"']
         login = ["env", "-i", f"HOME={HOME}", f"USER={USER}", f"LOGNAME={USER}", "TERM=dumb",
                  "PATH=/usr/bin:/bin", "bash", "-l", "-c", f"cd {HOME} && {command}"]
         lines.append(f'exec chroot "$R" {shlex.join(login)}')
