@@ -171,12 +171,14 @@ def test_a_stalled_node_is_suspect_only_past_the_timeout_and_the_run_completes(
     """Node 2 stopped for `length` x agent.timeout: past the timeout status names it and
     what it holds up (found by the one who waited); under it nobody suspects it. After
     SIGCONT every checkpoint is flushed and verifies, no partner was given up on."""
-    flush = '\n[flush]\nbandwidth = "128KiB"' if phase == "flush" else ""
+    # the flush: 2 MiB a node at 256 KiB/s after the throttle's 1 MiB burst, 4 s to stop in
+    flush = '\n[flush]\nbandwidth = "256KiB"' if phase == "flush" else ""
+    train = [*TRAIN, "--shard-size", "1MiB"] if phase == "flush" else TRAIN
     c = cluster(agent_timeout=f"{TIMEOUT:g}s", extra=flush)
     owner = {"capture": 2, "flush": None, "replication": 1}[phase]
     c.start_agents(env=paused(c, owner) if owner is not None else None)
     assert [e for e in c.events(1) if e["event"] == "agent_start"][-1]["partners"] == [2]
-    trainer = c.trainer("--steps", "4", "--every", "4", *TRAIN)
+    trainer = c.trainer("--steps", "4", "--every", "4", *train)
     if owner is not None:
         wait_paused(c, "step_00004")
     else:
@@ -251,15 +253,12 @@ def test_stop_during_a_stall_drains_the_live_agents_and_the_stalled_one_on_resum
     assert c.status()["state"] == "stopped", c.status()
 
 
-def test_frames_a_stalled_relay_held_reach_its_subtree_around_it(cluster):
-    """Node 1 relays for 3, 4 and 7. Stopped, it holds what the coordinator sends before
-    it is found silent: the commit of step_00008 (if the trainer commits that soon) and
-    the drain of `cachex stop`, asked for right after the stop (the coordinator reads it
-    within a second, agent.timeout is 5 s). Once node 1 is suspect the next frame takes
-    another route; its subtree finds the gap in the frames' numbers, asks node 0 and gets
-    them directly: they capture, and drain, while node 1 is still stopped."""
-    timeout = 5.0
-    c = cluster(nodes=8, agent_timeout=f"{timeout:g}s", extra="fanout = 2")
+def test_a_commit_reaches_the_subtree_of_a_stalled_relay(cluster):
+    """Node 1 relays for 3, 4 and 7 and is stopped before the trainer's next commit:
+    whether the commit frame went to node 1 before it was found silent (then its
+    subtree finds the gap and asks node 0) or after (then the tree goes around it), the
+    7 other nodes capture while node 1 is stopped, and it catches up once resumed."""
+    c = cluster(nodes=8, agent_timeout=f"{TIMEOUT:g}s", extra="fanout = 2")
     c.start_agents()
     finish(c.trainer("--steps", "4", "--every", "4", *TRAIN, ranks=8, ranks_per_node=1))
     c.wait_level("step_00004", "flushed")
@@ -270,9 +269,24 @@ def test_frames_a_stalled_relay_held_reach_its_subtree_around_it(cluster):
         def captured() -> int:
             rows = {r["id"]: r for r in c.status()["checkpoints"]}
             return rows.get("step_00008", {}).get("nodes_captured", 0)
-        wait_for(lambda: captured() == 7, 4 * timeout + 20, "7 nodes to capture step_00008")
+        wait_for(lambda: captured() == 7, 4 * TIMEOUT + 20, "7 nodes to capture step_00008")
     finish(trainer)
     all_flushed_and_verified(c, "step_00008")
+    no_one_blamed(c, *range(8))
+    assert c.stop(timeout=30) == 0
+
+
+def test_a_drain_a_stalled_relay_held_reaches_its_subtree_around_it(cluster):
+    """`cachex stop` right after node 1 (relay for 3, 4 and 7) is stopped: the drain
+    goes to node 1 and waits there (the coordinator reads the stop within a second,
+    agent.timeout is 5 s). Once node 1 is suspect the next frame takes another route;
+    its subtree finds the gap in the frames' numbers, asks node 0 for the drain and
+    drains while node 1 is still stopped; node 1 drains once resumed."""
+    timeout = 5.0
+    c = cluster(nodes=8, agent_timeout=f"{timeout:g}s", extra="fanout = 2")
+    c.start_agents()
+    finish(c.trainer("--steps", "4", "--every", "4", *TRAIN, ranks=8, ranks_per_node=1))
+    c.wait_level("step_00004", "flushed")
     with stopped(c, 1):
         stop = c.cachex("stop", "--no-wait")
         assert stop.returncode == 0, stop.stderr
