@@ -55,6 +55,7 @@ from coordinator_scale import Clock
 from cachex_agent import relay
 from cachex_agent.config import load
 from cachex_agent.coordinator import Coordinator
+from cachex_agent.decisions import skipped
 from cachex_agent.events import EventLog
 from cachex_agent.journal import Journal
 from cachex_agent.layout import JOURNAL_STATE, journal_global_manifest_path
@@ -178,7 +179,7 @@ class Simulation:
 
     def _skip(self) -> tuple[int, ...]:
         """The nodes the coordinator's newest tree leaves out (suspect or dead)."""
-        return tuple(n for n, node in enumerate(self.coord.state.nodes) if node.skipped)
+        return skipped(self.coord.state)
 
     def _level(self, make: Callable[[int], dict[str, Any]],
                withheld: frozenset[int] = frozenset()) -> None:

@@ -75,6 +75,7 @@ from .decisions import (
     index_rows,
     notes,
     silent_rows,
+    skipped,
     state_text,
     status_rows,
 )
@@ -284,7 +285,7 @@ class Coordinator:
                      [*relay.next_hops(route, 0, self.nodes), *also], local)
 
     def _skipped(self) -> tuple[int, ...]:
-        return tuple(n for n, node in enumerate(self.state.nodes) if node.skipped)
+        return skipped(self.state)
 
     def _deliver_in_process(self, frame: bytes, hops: list[int], local: bool) -> None:
         route, body = relay.parse(frame, self.nodes, "coordinator")

@@ -774,7 +774,7 @@ def _exit(s: CoordinatorState, why: str, out: Effects) -> None:
     out.append(Emit("exit", {"reason": why}))
     out.append(Log("info", f"coordinator: {why}; agents exit"))
     # a suspect agent cannot join the window's collective free either
-    out.append(Broadcast(Exit([n for n, node in enumerate(s.nodes) if node.skipped])))
+    out.append(Broadcast(Exit(list(skipped(s)))))
     out.append(WriteStatus())
 
 
@@ -827,15 +827,19 @@ def notes(s: CoordinatorState) -> list[str]:
     return [u["note"] for u in s.unprotected if not all(c in s.ckpts for c in u["ckpts"])]
 
 
+def skipped(s: CoordinatorState) -> tuple[int, ...]:
+    """The nodes the tree leaves out (dead or suspect), sorted: relay.Route's skip."""
+    return tuple(n for n, node in enumerate(s.nodes) if node.skipped)
+
+
 def silent_rows(s: CoordinatorState, now: float, fanout: int) -> list[dict[str, Any]]:
     """Every suspect or dead node: for how long (this clock), who found it, and what
     waits on it: the next level of each checkpoint in flight it has not reported, the
     reports of the subtree it relays (now sent around it), its partners' replication."""
-    skip = tuple(n for n, node in enumerate(s.nodes) if node.skipped)
+    skip = skipped(s)
     rows = []
-    for n, node in enumerate(s.nodes):
-        if not node.skipped:
-            continue
+    for n in skip:
+        node = s.nodes[n]
         others = tuple(x for x in skip if x != n)
         rows.append({"node": n, "state": "dead" if node.dead else "suspect",
                      "seconds": round(now - node.suspect, 1) if node.suspect is not None

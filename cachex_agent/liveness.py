@@ -82,8 +82,8 @@ class Watch:
         child = self._children.get(node)
         if child is None:
             return None
-        silent_for = self.clock() - child.heard
-        child.heard = self.clock()
+        now = self.clock()
+        silent_for, child.heard = now - child.heard, now
         if not child.reported:
             return None
         child.reported = False

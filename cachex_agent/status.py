@@ -241,13 +241,12 @@ def silent_lines(rows: list[dict[str, Any]]) -> list[str]:
     for row in rows:
         since = f" for {row['seconds']:.0f} s" if row.get("seconds") is not None else ""
         by = ", ".join(map(str, row.get("by") or []))
-        held = [f"its {', '.join(row['holds'])}" if row.get("holds") else ""]
+        held = [f"its {', '.join(row['holds'])}"] if row.get("holds") else []
         if row.get("relays_for"):
             held.append(f"the reports of the {row['subtree']} node(s) it relays for"
                         f" (children {', '.join(map(str, row['relays_for']))}: sent around"
                         f" it)")
         held += row.get("waiting") or []
-        held = [h for h in held if h]
         out.append(f"  silent: node {row['node']} {row['state']}{since}"
                    + (f" (found by node {by})" if by else "")
                    + (f"; holds up {'; '.join(held)}" if held else ""))

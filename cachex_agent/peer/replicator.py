@@ -508,7 +508,7 @@ class Replicator:
             sender.error = f"reading {sender.source}: {exc}"
             self._end(sender)
         waiting = sender.state == "ending" or not sender.free
-        silent = self.clock() - sender.heard if waiting else 0.0
+        silent = now - sender.heard if waiting else 0.0
         if silent > self.dead_after:
             self._declare_dead(sender.partner, f"did not answer for {silent:.0f}s")
         elif silent > self.timeout and sender.partner not in self.suspect:
@@ -521,20 +521,20 @@ class Replicator:
     def _declare_dead(self, partner: int, reason: str) -> None:
         self.dead[partner] = reason
         self.suspect.discard(partner)
-        rank = self.ranks[partner]
         log.error("partner node %d (rank %d) %s; its replicas go to the PFS instead",
-                  partner, rank, reason)
-        for queued in self.queues[partner]:
-            self._fail(queued, f"partner node {partner} (rank {rank}) {reason}")
+                  partner, self.ranks[partner], reason)
+        self._fail_queue(partner, reason)
 
     def give_up_on_suspects(self) -> None:
         """The drain: a suspect partner is not waited for (the data goes to the PFS);
         not dead either, a later run sends to it again."""
         for partner in sorted(self.suspect):
-            reason = "silent at the drain"
-            for queued in self.queues[partner]:
-                self._fail(queued, f"partner node {partner} (rank {self.ranks[partner]})"
-                                   f" {reason}")
+            self._fail_queue(partner, "silent at the drain")
+
+    def _fail_queue(self, partner: int, reason: str) -> None:
+        """Every replication queued to `partner` fails, saying why."""
+        for queued in self.queues[partner]:
+            self._fail(queued, f"partner node {partner} (rank {self.ranks[partner]}) {reason}")
 
     def _heard(self, partner: int) -> None:
         """The partner answered: a suspect one is taken back."""

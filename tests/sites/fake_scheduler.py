@@ -77,10 +77,11 @@ def pbs_options(words: list[str], opts: dict[str, str]) -> list[str]:
     return rest
 
 
-def submission(command: str, args: list[str], parse, prefix: str
+def submission(command: str, args: list[str], parse, prefix: str, refusal
                ) -> tuple[Path, dict[str, str]] | None:
     """The job script and its options: its directives, then the command line's (which
-    win); None (after the scheduler's line) when there is no readable script."""
+    win); None (after the scheduler's line) when there is no readable script or the
+    site's rules (`refusal(options)`: why not, or None) refuse it."""
     given: dict[str, str] = {}
     rest = parse(args, given)
     if len(rest) != 1:
@@ -91,19 +92,21 @@ def submission(command: str, args: list[str], parse, prefix: str
         return None
     opts: dict[str, str] = {}
     parse(directives(script, prefix), opts)
-    return script, {**opts, **given}
+    opts = {**opts, **given}
+    refused = refusal(opts)
+    if refused:
+        print(refused, file=sys.stderr)
+        return None
+    return script, opts
 
 
 def qsub(args: list[str]) -> int:
     site = config()
-    submitted = submission("qsub", args, pbs_options, "#PBS")
+    submitted = submission("qsub", args, pbs_options, "#PBS",
+                           lambda opts: site_rules.pbs_refusal(site["name"], opts))
     if submitted is None:
         return 1
     script, opts = submitted
-    refused = site_rules.pbs_refusal(site["name"], opts)
-    if refused:
-        print(refused, file=sys.stderr)
-        return 1
     job = f"{SEQ}.{site['name']}-pbs-01"
     nodes = site_rules.select_nodes(opts["select"])
     JOBS.mkdir(exist_ok=True)
@@ -183,14 +186,11 @@ def slurm_options(words: list[str], opts: dict[str, str]) -> list[str]:
 
 def sbatch(args: list[str]) -> int:
     site = config()
-    submitted = submission("sbatch", args, slurm_options, "#SBATCH")
+    submitted = submission("sbatch", args, slurm_options, "#SBATCH", lambda opts: (
+        site_rules.slurm_refusal(site["name"], opts, os.getcwd(), site["user"])))
     if submitted is None:
         return 1
     script, opts = submitted
-    refused = site_rules.slurm_refusal(site["name"], opts, os.getcwd(), site["user"])
-    if refused:
-        print(refused, file=sys.stderr)
-        return 1
     nodes = int(opts.get("--nodes", "1"))
     job = str(SEQ)
     JOBS.mkdir(exist_ok=True)
