@@ -49,6 +49,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import layout, relay
+from .liveness import beat_period
 from .fsutil import compact_json
 from .index import Row, state_of_level
 from .manifest import GlobalManifest, LocalManifest, ManifestDigest
@@ -208,7 +209,8 @@ class CoordinatorState:
     dirty: bool = True
     last_status: float = float("-inf")
     unprotected: list[dict[str, Any]] = field(default_factory=list)
-    announced: set[str] = field(default_factory=set)    # told to every agent by this life
+    # told to every agent by this life: when (this clock)
+    announced: dict[str, float] = field(default_factory=dict)
     choosing: dict[str, int] = field(default_factory=dict)  # ckpt -> marker node
     finalizing: set[str] = field(default_factory=set)   # Finalize asked, no answer yet
     wall_offset: float = 0.0        # wall clock minus `now`, as of the last tick
@@ -355,9 +357,9 @@ def decide(state: CoordinatorState, event: Any) -> tuple[CoordinatorState, Effec
 def _on_marker(s: CoordinatorState, e: Marker, out: Effects) -> None:
     record = s.ckpts.get(e.ckpt)
     if record is not None:
-        if record.level in IN_FLIGHT and record.path is not None:
-            # an agent restarted: it may need the commit again
-            _announce(s, record, out, s.nodes[e.node].rank if e.ckpt in s.announced else None)
+        if record.level in IN_FLIGHT and record.path is not None and _missed(s, record, e):
+            _announce(s, record, out, e.now,
+                      s.nodes[e.node].rank if e.ckpt in s.announced else None)
         return
     if s.phase != "running":
         return
@@ -369,7 +371,7 @@ def _on_marker(s: CoordinatorState, e: Marker, out: Effects) -> None:
                               + s.settings.agent_timeout)
     s.ckpts[e.ckpt] = record
     if s.settings.fixed_path is not None:
-        _commit(s, record, *s.settings.fixed_path, None, e.node, out)
+        _commit(s, record, *s.settings.fixed_path, None, e.node, e.now, out)
         out.append(SaveState())
         return
     s.choosing[e.ckpt] = e.node
@@ -377,27 +379,37 @@ def _on_marker(s: CoordinatorState, e: Marker, out: Effects) -> None:
     out.append(Choose(e.ckpt, newest.total_bytes() if newest else 0, e.now))
 
 
+def _missed(s: CoordinatorState, record: CheckpointRecord, e: Marker) -> bool:
+    """A marker after the commit went out may come from an agent that never got it: a
+    relay that held the frame, or a coordinator that restarted (it broadcasts again).
+    One that arrives within a beat of the commit crossed it on the way (every node's
+    marker, as a rule): answering each would cost node 0 a send per node per
+    checkpoint (10,000 at 10,000 nodes) for nothing."""
+    return (record.id not in s.announced
+            or e.now - s.announced[record.id] > beat_period(s.settings.agent_timeout))
+
+
 def _on_path_chosen(s: CoordinatorState, e: PathChosen, out: Effects) -> None:
     node = s.choosing.pop(e.ckpt, 0)
     record = s.ckpts.get(e.ckpt)
     if record is None or record.path is not None or record.level not in IN_FLIGHT:
         return
-    _commit(s, record, e.path, e.reason, e.loss, node, out)
+    _commit(s, record, e.path, e.reason, e.loss, node, e.now, out)
     out.append(SaveState())
 
 
 def _commit(s: CoordinatorState, record: CheckpointRecord, path: str, reason: str,
-            loss: dict[str, float] | None, node: int, out: Effects) -> None:
+            loss: dict[str, float] | None, node: int, now: float, out: Effects) -> None:
     record.path = path
     record.flush = record.flush or path == "direct"  # the PFS is its only copy beyond memory
     out.append(Emit("committed", {"ckpt": record.id, "seq": record.seq, "marker_node": node,
                                   "nodes": len(s.nodes), "path": path, "reason": reason,
                                   "loss": loss}))
     out.append(Log("info", f"checkpoint {record.id}: path {path} ({reason})"))
-    _announce(s, record, out)
+    _announce(s, record, out, now)
 
 
-def _announce(s: CoordinatorState, record: CheckpointRecord, out: Effects,
+def _announce(s: CoordinatorState, record: CheckpointRecord, out: Effects, now: float,
               rank: int | None = None) -> None:
     """To every agent the first time in this coordinator's life; later (a marker from
     each node that saw the checkpoint's marker, at scale) only to the one asking, else
@@ -407,7 +419,7 @@ def _announce(s: CoordinatorState, record: CheckpointRecord, out: Effects,
     if rank is not None:
         out.append(Send(rank, msg))
         return
-    s.announced.add(record.id)
+    s.announced[record.id] = now
     out.append(Broadcast(msg))
 
 

@@ -10,6 +10,7 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field, is_dataclass
+from json.encoder import encode_basestring_ascii as _quoted
 from pathlib import Path
 from typing import Any
 
@@ -140,9 +141,9 @@ class GlobalManifest:
         and copy (at 10,000 nodes each encoding was a tenth of the coordinator's CPU)."""
         key = (id(self.nodes), id(self.files), id(self.global_files))
         if self.lists_text is None or self.lists_text[0] != key:
-            self.lists_text = (key, ",".join(
-                f'"{name}":{compact_json(getattr(self, name))}'
-                for name in ("files", "global_files", "nodes")))
+            self.lists_text = (key, f'"files":{_files_text(self.files)},'
+                               f'"global_files":{compact_json(self.global_files)},'
+                               f'"nodes":{_nodes_text(self.nodes)}')
         data = self.to_json()
         small = {k: v for k, v in data.items() if k not in ("files", "global_files", "nodes")}
         head = compact_json(small)      # algorithm, ckpt, committed_at, format, run, ... sorted
@@ -235,10 +236,34 @@ def files_hash(files: list[dict[str, Any]]) -> str:
     in node and path order. A manifest rebuilt from the survivors' local and replica
     manifests is the one the coordinator built when the hashes agree."""
     h = hasher()
-    for e in sorted(files, key=lambda e: (e["node"], e["path"])):
-        h.update(f"{e['node']}\t{e['path']}\t{e['size']}\t{e['mode']}\t{e['checksum']}\n"
-                 .encode())
+    h.update("".join(f"{e['node']}\t{e['path']}\t{e['size']}\t{e['mode']}\t{e['checksum']}\n"
+                     for e in sorted(files, key=lambda e: (e["node"], e["path"]))).encode())
     return h.hexdigest()
+
+
+_GLOBAL_FILE_KEYS = {"node", *_FILE_KEYS}
+_NODE_KEYS = {"node", "host", "rank", "bundle", "bytes", "files"}
+
+
+def _files_text(files: list[dict[str, Any]]) -> str:
+    """compact_json(files), the same text at twice its speed: every entry has the keys
+    of a global manifest's file, checked (from_json, from_parts), numbers ints; at
+    10,000 nodes this list is most of what the coordinator encodes per checkpoint."""
+    if not all(type(e) is dict and e.keys() == _GLOBAL_FILE_KEYS for e in files):
+        return compact_json(files)
+    return "[" + ",".join(
+        f'{{"checksum":{_quoted(e["checksum"])},"mode":{e["mode"]:d},"node":{e["node"]:d},'
+        f'"path":{_quoted(e["path"])},"size":{e["size"]:d}}}' for e in files) + "]"
+
+
+def _nodes_text(nodes: list[dict[str, Any]]) -> str:
+    """compact_json(nodes), as _files_text."""
+    if not all(type(n) is dict and n.keys() == _NODE_KEYS for n in nodes):
+        return compact_json(nodes)
+    return "[" + ",".join(
+        f'{{"bundle":{_quoted(n["bundle"])},"bytes":{n["bytes"]:d},"files":{n["files"]:d},'
+        f'"host":{_quoted(n["host"])},"node":{n["node"]:d},"rank":{n["rank"]:d}}}'
+        for n in nodes) + "]"
 
 
 @dataclass(frozen=True)

@@ -12,6 +12,7 @@ Every refusal is an `UnsafeInput` naming where the value came from and the value
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable
 from typing import Any
 
@@ -67,7 +68,16 @@ def index(value: Any, where: object, what: str = "node") -> int:
     return value
 
 
+# The names checkpoints are made of (`__12_0.distcp`, `model/layer.0.bin`): taken at
+# once; anything else gets every check below. Each component 1..NAME_MAX ASCII bytes,
+# never "." or "..".
+_COMPONENT = rf"(?!\.\.?(?:/|\Z))[A-Za-z0-9_.+=@,~-]{{1,{NAME_MAX}}}"
+_PLAIN = re.compile(rf"{_COMPONENT}(?:/{_COMPONENT})*\Z")
+
+
 def _path_problem(value: Any) -> str | None:
+    if type(value) is str and _PLAIN.match(value):
+        return None
     if not isinstance(value, str):
         return f"not a string but {type(value).__name__}"
     if not value:
