@@ -40,7 +40,7 @@ import secrets
 import socket
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
 
@@ -201,8 +201,7 @@ class Coordinator:
             self._report(dataclasses.replace(msg, now=now))
             return
         if msg["type"] == "reduced":        # a subtree's reports of one level (uplink.py)
-            for one in expand(msg, now):
-                self._report(one)
+            self._apply_all(expand(msg, now))
             return
         try:
             self._report(report_of({**msg, "node": node}, f"report of node {node}", now))
@@ -215,11 +214,15 @@ class Coordinator:
             self._apply(Heard(self.clock(), node))
 
     def _report(self, report: Report) -> None:
-        if not 0 <= report.node < self.nodes:
-            log.warning("coordinator: a %r report names node %d of %d", report.TYPE,
-                        report.node, self.nodes)
-            return
-        self._apply(report)
+        if self._in_range(report):
+            self._apply(report)
+
+    def _in_range(self, report: Report) -> bool:
+        if 0 <= report.node < self.nodes:
+            return True
+        log.warning("coordinator: a %r report names node %d of %d", report.TYPE,
+                    report.node, self.nodes)
+        return False
 
     def tick(self) -> None:
         """The lanes' answers, then the timers (capture deadlines, retries, status)."""
@@ -237,6 +240,19 @@ class Coordinator:
 
     def _apply(self, event: Any) -> None:
         self.state, effects = decide(self.state, event)
+        for effect in effects:
+            self._carry_out(effect)
+        self._answers()
+
+    def _apply_all(self, reports: Iterable[Report]) -> None:
+        """A subtree's reports of one level: decided one by one, their effects carried
+        out after the last (10,000 reports of a level cost 10,000 passes over the lanes'
+        answers otherwise)."""
+        effects: list[Any] = []
+        for report in reports:
+            if self._in_range(report):
+                self.state, out = decide(self.state, report)
+                effects += out
         for effect in effects:
             self._carry_out(effect)
         self._answers()

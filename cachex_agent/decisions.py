@@ -49,9 +49,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from . import layout, relay
-from .liveness import beat_period
 from .fsutil import compact_json
 from .index import Row, state_of_level
+from .liveness import beat_period
 from .manifest import GlobalManifest, LocalManifest, ManifestDigest
 from .messages import (  # the agents' reports are this function's events as they came
     Captured,
@@ -117,7 +117,8 @@ class CheckpointRecord:
     replication_failed: bool = False
     # not kept in coordinator.json (rebuilt on demand): at 10,000 nodes the sums over
     # every part and a second global manifest were a good part of the CPU per checkpoint
-    sizes: dict[str, int] = field(default_factory=dict, repr=False)
+    sizes: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
+    total: int | None = field(default=None, repr=False, compare=False)  # of sizes, once known
     written_at: float | None = field(default=None, repr=False)     # monotonic, this life
     built: GlobalManifest | None = field(default=None, repr=False)
     digest: ManifestDigest | None = field(default=None, repr=False)
@@ -145,8 +146,8 @@ class CheckpointRecord:
             LocalManifest.from_json(manifest, f"{source} ({key}, node {node})", key)
         known = {k: v for k, v in data.items()
                  if k in cls.__dataclass_fields__
-                 and k not in ("sizes", "built", "digest", "written_at", "deadline",
-                               "captured_text")}
+                 and k not in ("sizes", "total", "built", "digest", "written_at",
+                               "deadline", "captured_text")}
         known.setdefault("path", "peer")        # journals from before the path choice
         return cls(**{**known, "path": known["path"] or "peer"})
 
@@ -159,7 +160,19 @@ class CheckpointRecord:
     def total_bytes(self) -> int:
         if not self.captured:
             return self.bytes                   # finished, or adopted from the PFS index
-        return sum(self.node_bytes(int(n)) for n in self.captured)
+        if self.total is None:
+            self.total = sum(self.node_bytes(int(n)) for n in self.captured)
+        return self.total
+
+    def add_part(self, node: str, manifest: dict[str, Any]) -> None:
+        """Node `node`'s part, its size counted into the total as it comes (the status
+        asks for the total at every write: a sum over every node each time)."""
+        size, before = part_bytes(manifest), self.sizes.get(node)
+        if before is None and node in self.captured:
+            self.total = None                   # its size never taken: summed again
+        elif self.total is not None:
+            self.total += size - (before or 0)
+        self.captured[node], self.sizes[node] = manifest, size
 
     def count(self, key: str) -> int:
         """Nodes that reported `key`, also of a finished record (its maps emptied)."""
@@ -428,8 +441,7 @@ def _on_captured(s: CoordinatorState, e: Captured, out: Effects) -> None:
     if record is None or record.level not in IN_FLIGHT:
         return
     same = record.captured.get(str(e.node)) == e.manifest
-    record.captured[str(e.node)] = e.manifest
-    record.sizes.pop(str(e.node), None)     # a node that captured again
+    record.add_part(str(e.node), e.manifest)
     if e.text is None:
         record.captured_text.pop(str(e.node), None)
     else:
@@ -441,7 +453,7 @@ def _on_captured(s: CoordinatorState, e: Captured, out: Effects) -> None:
     record.global_files = sorted({*record.global_files, *e.global_files})
     if e.mode != "copy":                    # status says why a part is not staged
         record.capture[str(e.node)] = {"mode": e.mode, "reason": e.reason}
-    out.append(Observe("capture", e.ckpt, e.node, part_bytes(e.manifest), e.duration))
+    out.append(Observe("capture", e.ckpt, e.node, record.sizes[str(e.node)], e.duration))
     record.errors.pop(str(e.node), None)
     if record.level != "written":
         # every node had captured: this one restarted, maybe before the broadcast of
@@ -722,6 +734,7 @@ def _finish(s: CoordinatorState, record: CheckpointRecord) -> None:
     for key in NODE_MAPS:
         setattr(record, key, {})
     record.sizes, record.built, record.digest, record.captured_text = {}, None, None, {}
+    record.total = None
     finished = sorted((r for r in s.ckpts.values() if r.level in FINAL[1:]),
                       key=lambda r: r.seq)
     for old in finished[:-HISTORY]:
