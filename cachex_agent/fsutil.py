@@ -146,10 +146,12 @@ def commit_rename(temp: Path, final: Path) -> None:
 
 
 @contextmanager
-def atomic_open(path: str | os.PathLike[str], mode: int | None = None
+def atomic_open(path: str | os.PathLike[str], mode: int | None = None, sync: bool = True
                 ) -> Iterator[BinaryIO]:
     """Write a file that appears whole under `path` (mode 0600, or `mode`: a trainer
-    file's own bits, see trainer_mode) or not at all."""
+    file's own bits, see trainer_mode) or not at all; `sync=False`: the rename itself
+    is not made durable (no fsync of the directory), so after the host goes down the
+    name holds this file or the one before, whole either way."""
     final = Path(path)
     temp = temp_name(final)
     try:
@@ -160,18 +162,20 @@ def atomic_open(path: str | os.PathLike[str], mode: int | None = None
                 os.fchmod(handle.fileno(), trainer_mode(mode))
             os.fsync(handle.fileno())
         os.replace(temp, final)
-        fsync_dir(final.parent)
+        if sync:
+            fsync_dir(final.parent)
     except BaseException:
         temp.unlink(missing_ok=True)
         raise
 
 
-def write_json(path: str | os.PathLike[str], data: Any, compact: bool = False) -> int:
+def write_json(path: str | os.PathLike[str], data: Any, compact: bool = False,
+               sync: bool = True) -> int:
     """No indent: json's C encoder handles only that; the pure-Python one it falls back
     to was most of an agent's CPU per checkpoint. `compact` also drops the spaces, for
     large machine-read files (a global manifest, coordinator.json: O(nodes))."""
     text = compact_json(data) if compact else json.dumps(data, sort_keys=True)
-    return write_bytes(path, text.encode() + b"\n")
+    return write_bytes(path, text.encode() + b"\n", sync)
 
 
 def compact_json(value: Any) -> str:
@@ -180,9 +184,10 @@ def compact_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"))
 
 
-def write_bytes(path: str | os.PathLike[str], data: bytes) -> int:
-    """`data` durably and atomically under `path` (atomic_open); its length."""
-    with atomic_open(path) as handle:
+def write_bytes(path: str | os.PathLike[str], data: bytes, sync: bool = True) -> int:
+    """`data` atomically under `path`, durably unless not `sync` (atomic_open); its
+    length."""
+    with atomic_open(path, sync=sync) as handle:
         handle.write(data)
     return len(data)
 

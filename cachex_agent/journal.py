@@ -152,12 +152,16 @@ class Journal:
             self._save()
 
     def set_stage(self, ckpt: str, stage: str, state: str, **fields: Any) -> None:
-        """One stage's new state (and what resuming it needs), durable on return."""
+        """One stage's new state (and what resuming it needs), on disk on return,
+        its rename durable when the stage ended. Queued and running are for a restarted
+        process (node_policy.resume): what they stand for lives in node memory (the
+        stage, the windows) and does not outlive the host either, and the next durable
+        write carries them; their directory fsyncs, two per stage, are saved."""
         with self._lock:
             entry = self.entries.setdefault(ckpt, {})
             entry["stages"] = {**entry.get("stages", {}), stage: state}
             entry.update(fields)
-            self._save()
+            self._save(sync=state not in (State.QUEUED.value, State.RUNNING.value))
 
     def forget(self, *ckpts: str) -> None:
         """The entries and local manifests of `ckpts`, in one write of state.json."""
@@ -171,9 +175,9 @@ class Journal:
                 self._manifests.pop(ckpt, None)
                 local_manifest_path(self.root, ckpt).unlink(missing_ok=True)
 
-    def _save(self) -> None:
+    def _save(self, sync: bool = True) -> None:
         self._add(write_json(self.root / JOURNAL_STATE,
-                                   {"version": 1, "ckpts": self.entries}))
+                                   {"version": 1, "ckpts": self.entries}, sync=sync))
 
     def save_manifest(self, manifest: LocalManifest) -> None:
         self._add(manifest.save(local_manifest_path(self.root, manifest.ckpt)))

@@ -11,7 +11,11 @@ that uses a shared writable mmap without an open descriptor is invisible. The se
 time covers both. Linux only (/proc), like the watcher's inotify.
 
 The walk costs a stat per descriptor of every process on the host (about 15 us each
-here). Processes known never to write a checkpoint (this job's agents on the host,
+here, 5 ms for 8 files with 110 processes). So a file is first offered a read lease
+(mapped.py), which the kernel grants only while nobody has it open for writing: a file
+proved free that way is not looked for in the walk; the walk runs for the rest (a
+writer, or no lease to be had: another user's file, NFS, a process whose SIGIO would
+end it). Processes known never to write a checkpoint (this job's agents on the host,
 `skip_processes`) are not walked: on one host running many virtual nodes they would
 otherwise make each agent's check grow with the job.
 """
@@ -19,6 +23,7 @@ otherwise make each agent's check grow with the job.
 from __future__ import annotations
 
 import errno
+import fcntl
 import os
 import threading
 import time
@@ -26,6 +31,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from ..errors import OperationError
+from ..mapped import unusable
 
 __all__ = [
     "DirectoryTimeout",
@@ -108,7 +114,10 @@ def open_for_write(paths: Iterable[str | os.PathLike[str]]) -> set[Path]:
     skipped.
     """
     wanted: dict[tuple[int, int], list[Path]] = {}
+    leases = not unusable()
     for path in paths:
+        if leases and _no_writer(path):
+            continue
         try:
             st = os.stat(path)
         except OSError:
@@ -124,6 +133,27 @@ def open_for_write(paths: Iterable[str | os.PathLike[str]]) -> set[Path]:
                 if not wanted:
                     return found
     return found
+
+
+def _no_writer(path: str | os.PathLike[str]) -> bool:
+    """True when no process has `path` open for writing, proved in a few system calls:
+    the kernel grants a read lease only then (mapped.py), and it is let go at once.
+    False says nothing (a writer, another user's file, a file system without leases):
+    the walk decides, with its skipped processes. The walk of every descriptor on the
+    host was about a fifth of an agent's CPU per checkpoint."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError:
+        return False
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
+    except OSError:
+        return False
+    else:
+        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
+        return True
+    finally:
+        os.close(fd)
 
 
 def _pids() -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -12,6 +13,8 @@ from pathlib import Path
 import pytest
 
 from cachex_agent.errors import OperationError
+from cachex_agent.mapped import unusable
+from cachex_agent.rules import quiescence
 from cachex_agent.rules.quiescence import (
     DirectoryTimeout,
     QuiescenceStopped,
@@ -25,6 +28,19 @@ from cachex_agent.rules.quiescence import (
 )
 
 pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(autouse=True, params=["walk", "lease"])
+def leases(request):
+    """Every check twice: by the walk of /proc alone (a process whose SIGIO would end
+    it takes no lease), and with the read lease proving a file free first (the agent)."""
+    before = signal.getsignal(signal.SIGIO)
+    if request.param == "lease":
+        signal.signal(signal.SIGIO, signal.SIG_IGN)
+        if unusable():
+            pytest.fail(f"read leases unusable on this machine: {unusable()}")
+    yield request.param
+    signal.signal(signal.SIGIO, before)
 
 # Opens argv[1] with mode argv[2], says "ready", then holds it until killed.
 _HOLDER = (
@@ -117,6 +133,20 @@ def test_open_for_write_matches_other_names(tmp_path, holders):
     os.link(target, hard)
     # The symlinked name resolves to the writer's path; the hard link matches by inode.
     assert open_for_write([via_symlink, hard, str(target)]) == {via_symlink, hard, target}
+
+
+def test_a_free_file_is_proved_free_without_the_walk(tmp_path, holders, leases,
+                                                     monkeypatch):
+    free, written = tmp_path / "free.distcp", tmp_path / "written.distcp"
+    free.write_bytes(b"done")
+    holders(written, "wb")
+    holders(free, "rb")             # a reader does not stop a read lease
+    walked: list[int] = []
+    real = quiescence._pids
+    monkeypatch.setattr(quiescence, "_pids", lambda: walked.append(1) or real())
+    assert open_for_write([free]) == set()
+    assert walked == ([] if leases == "lease" else [1])
+    assert open_for_write([free, written]) == {written}     # a writer: the walk names it
 
 
 def test_open_for_write_empty_and_missing(tmp_path):
