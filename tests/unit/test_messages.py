@@ -192,6 +192,12 @@ def test_a_report_with_a_field_unknown_missing_or_of_another_kind_is_refused(raw
     (compact_json({**local(node=2).to_json(), "format": "other"}).encode(), "format"),
     (b"[1, 2]", "not a JSON object"),
     (compact_json({**local(node=2).to_json(), "node": -1}).encode(), "node"),
+    (compact_json({**local(node=2).to_json(), "rank": True}).encode(), "rank"),
+    (compact_json({**local(node=2).to_json(), "host": "a/b"}).encode(), "host"),
+    (compact_json({**local(node=2).to_json(), "ckpt": ".hidden"}).encode(), ".hidden"),
+    (compact_json({**local(node=2).to_json(), "owner": "x"}).encode(), "keys"),
+    (compact_json({k: v for k, v in local(node=2).to_json().items() if k != "host"}
+                  ).encode(), "keys"),
     (compact_json({**local(node=2).to_json(),
                    "files": [{"path": "../x", "size": 1, "mode": 0, "checksum": ""}]}
                   ).encode(), "../x"),
