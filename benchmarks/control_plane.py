@@ -13,7 +13,8 @@ between checkpoints (the pump's 1 ms tick): `--idle` seconds of the agents doing
 are measured first and that rate is printed beside it.
 
 Printed: medians and p90 of the latency, CPU per checkpoint per node, the targets (<= 20 ms
-to replicated, <= 10 ms of CPU), and what each agent wrote to its journal and events per
+to replicated, <= 10 ms of CPU), the median time from the commit to each step's event
+(where the latency goes), and what each agent wrote to its journal and events per
 checkpoint (bytes, from the files' sizes).
 
     python benchmarks/control_plane.py [--checkpoints 30] [--size 1KiB] [--idle 5]
@@ -63,13 +64,32 @@ def written(config: Path) -> int:
     return total
 
 
+#: the steps of a checkpoint as the events name them, in the order they happen
+STEPS = ("committed", "capture_queued", "capture_start", "captured", "replicate_queued",
+         "replicate_start", "replicated")
+
+
+def steps(agents: AgentJob, ckpt: str, start: float) -> dict[str, float]:
+    """Seconds from the commit to each step's event, the later node's (the coordinator's
+    `committed` is node 0's alone)."""
+    marks: dict[str, float] = {}
+    for node in range(NODES):
+        for event in agents.events(node):
+            if event.get("ckpt") == ckpt and event["event"] in STEPS:
+                marks[event["event"]] = max(marks.get(event["event"], 0.0), event["t"] - start)
+    return marks
+
+
 def series(agents: AgentJob, root: Path, config: Path, count: int, size: int
            ) -> dict[str, Any]:
     latencies: list[float] = []
+    marks: list[dict[str, float]] = []
     cpu, journal = agents_cpu(agents), written(config)
     for seq in range(1, count + 1):
         ckpt = f"step_{seq:05d}"
-        latencies.append(pipeline_once(agents, root, ckpt, size, 1, seq)["replicated"])
+        run = pipeline_once(agents, root, ckpt, size, 1, seq)
+        latencies.append(run["replicated"])
+        marks.append(steps(agents, ckpt, run["committed_at"]))
         for node in range(NODES):
             shutil.rmtree(root / f"node{node}" / "spool" / ckpt, ignore_errors=True)
     cpu = agents_cpu(agents) - cpu
@@ -78,6 +98,8 @@ def series(agents: AgentJob, root: Path, config: Path, count: int, size: int
             "replicated_p90": latencies[int(0.9 * (len(latencies) - 1))],
             "cpu_per_checkpoint_per_node": cpu / count / NODES,
             "journal_bytes_per_checkpoint_per_node": (written(config) - journal) / count / NODES,
+            "steps_median": {step: statistics.median(m[step] for m in marks if step in m)
+                             for step in STEPS if any(step in m for m in marks)},
             "latencies": latencies}
 
 
@@ -118,6 +140,8 @@ def main() -> int:
     print(f"  agent CPU per checkpoint per node: {r['cpu_per_checkpoint_per_node'] * 1e3:.1f}"
           f" ms (target <= {TARGETS['cpu_s_per_checkpoint_per_node'] * 1e3:.0f} ms); idle"
           f" agents {r['idle_cpu_per_second_per_node'] * 1e3:.1f} ms per second per node")
+    print("  from the commit to each step (median, the later node): " + ", ".join(
+        f"{step} {t * 1e3:.1f}" for step, t in r["steps_median"].items()) + " ms")
     print(f"  journal and events written per checkpoint per node:"
           f" {r['journal_bytes_per_checkpoint_per_node'] / 1024:.1f} KiB")
     print("ratios")

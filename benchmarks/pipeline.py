@@ -161,7 +161,8 @@ def pipeline_once(agents: AgentJob, root: Path, ckpt: str, total: int, files: in
                 raise SystemExit(f"node {node}: replication of {ckpt} failed: {found}")
             marks[f"{event}{node}"] = found["t"] - start
     return {"captured": max(marks["captured0"], marks["captured1"]),
-            "replicated": max(marks["replicated0"], marks["replicated1"]), **marks}
+            "replicated": max(marks["replicated0"], marks["replicated1"]),
+            "committed_at": start, **marks}
 
 
 # --------------------------------------------------------------------------- main

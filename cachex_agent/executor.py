@@ -49,6 +49,9 @@ log = logging.getLogger(__name__)
 # within a few turns: the main loop polls for it at PEER_TICK that long, not at the idle
 # tick, which added up to 20 ms to commit -> partner-durable (at most 1 s)
 COMMIT_WAIT = 1.0
+# after the trainer's last write into the spool: its ranks' writes end together, and the
+# commit follows within a barrier
+WRITTEN_WAIT = 0.5
 
 
 @dataclass
@@ -133,6 +136,12 @@ class Executor:
         self._commit_due = {c: t for c, t in self._commit_due.items()
                             if t > now and c not in self.announced}
         return bool(self._commit_due)
+
+    def written_lately(self, now: float) -> bool:
+        """The trainer wrote into the spool less than WRITTEN_WAIT ago: a commit may
+        follow from another node's marker (DCP's ranks but the first have none), and
+        the main loop's slow tick was half of a small checkpoint's time to `replicated`."""
+        return now - self.w.watcher.written < WRITTEN_WAIT
 
     def on_marker(self, ckpt: str, force: bool = False) -> None:
         """The watcher saw `ckpt` committed (its thread; and the start-up's catch-up)."""

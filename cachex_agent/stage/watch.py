@@ -74,6 +74,8 @@ class SpoolWatcher:
         self._inotify_broken = INotify is None
         self._next_due = 0.0
         self._evaluated = 0.0       # monotonic time of the last evaluation
+        #: monotonic time inotify last said the trainer wrote into the spool (-inf: never)
+        self.written = float("-inf")
         self._last_error = ""
 
     # -- public API ---------------------------------------------------------------
@@ -231,7 +233,10 @@ class SpoolWatcher:
             self._open_inotify()
             self._next_due = 0.0    # files may predate the watches: look now
         timeout = self._next_due - time.monotonic()
-        if timeout <= 0 or self._wait_for_events(timeout):
+        events = timeout > 0 and self._wait_for_events(timeout)
+        if events:
+            self.written = time.monotonic()
+        if timeout <= 0 or events:
             if not self._stop.is_set():
                 self._evaluate()
 
