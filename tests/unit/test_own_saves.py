@@ -8,6 +8,7 @@ import threading
 
 from cachex_agent.journal import JournalEntry
 from cachex_agent.stage.saves import OwnSaves, generation_json, save_record
+from cachex_agent.status import superseded
 
 NAME = "ckpt.pt"
 
@@ -86,3 +87,10 @@ def test_generations_compare_in_the_journal_s_form():
     assert generation_json((1, 2, 3)) == [1, 2, 3]
     assert generation_json((("COMMITTED", (1, 2, 3)),)) == [["COMMITTED", [1, 2, 3]]]
     assert generation_json(None) is None
+
+
+def test_status_sums_the_superseded_saves_of_each_name_over_its_versions():
+    rows = [{"id": NAME, "superseded": 2}, {"id": f"{NAME}@v2"},
+            {"id": f"{NAME}@v3", "superseded": 1}, {"id": "latest@v2", "superseded": 1}]
+    assert superseded({"checkpoints": rows}) == {NAME: 3, "latest": 1}
+    assert superseded({"checkpoints": []}) == {}
