@@ -148,18 +148,17 @@ class Executor:
         is proposed to the coordinator unless known here; a known one captured here
         without it reports the save superseded. False: ask again once the capture of
         that version here ends (it may be taking this save)."""
-        known = [e.ckpt for e in self.journal.typed()] + sorted(self._named)
-        newest = next_version(name, known)
+        following = next_version(name, [*(e.ckpt for e in self.journal.typed()), *self._named])
         candidates = global_candidates(self.rule, self.paths.spool, name)
-        if candidates and all(mirrored_before(self.journal, self.node, newest, path, spool_file(
+        if candidates and all(mirrored_before(self.journal, self.node, following, path, spool_file(
                 self.paths.spool, name, path)) for path in candidates):
             return True     # the mirror put another node's save here: none of ours
         generation = self.rule.generation(self.paths.spool, name)
-        count = self.w.capture.saves.note(name, generation, split(newest)[1] - 1)
+        count = self.w.capture.saves.note(name, generation, split(following)[1] - 1)
         ckpt = versioned(name, count)
-        entry = self.journal.entry(ckpt)
         if not count or ckpt in self._named:
             return True
+        entry = self.journal.entry(ckpt)
         if entry is None:
             if count > 1:       # the first: on_marker (the watcher's on_commit) posts it
                 self._named.add(ckpt)

@@ -158,7 +158,7 @@ class CaptureWorker:
             handle, source, vouched, deadline, self._streamer(handle, header), feed)
         taken = before if self._generation(ckpt) == before else None
         if count and taken != own:
-            self._superseded(handle, count, "replaced during its capture")
+            self._superseded(handle, "replaced during its capture")
         handle.hold(self.placement.node)
         manifest = dataclasses.replace(header, files=entries, captured_at=time.time())
         self.journal.save_manifest(manifest)
@@ -333,17 +333,19 @@ class CaptureWorker:
             raise CaptureError(f"{self.paths.spool / name}: not saved again on this node"
                                f" within commit.timeout of {handle.ckpt}'s commit")
         if saves.count(name) > version:
-            self._superseded(handle, saves.count(name), "saved again before its capture")
+            self._superseded(handle, "saved again before its capture")
         return version, saves.generation(name)
 
     def _generation(self, ckpt: str) -> Any:
         return generation_json(self.rule.generation(self.paths.spool, trainer_name(ckpt)))
 
-    def _superseded(self, handle: CaptureHandle, newest: int, how: str) -> NoReturn:
+    def _superseded(self, handle: CaptureHandle, how: str) -> NoReturn:
         """This node's save of the version being captured is gone (a newer save of its
         own replaced it): the version cannot be one save of every node. Reported, and
-        the capture fails; the version of the newer save carries it."""
+        the capture fails; the version of the newer save carries it (None: not counted
+        yet, it has not settled)."""
         name, version = split(handle.ckpt)
+        newest = self.saves.count(name)
         newer = versioned(name, newest) if newest > version else None
         self.post(Superseded(ckpt=handle.ckpt, newer=newer, saves=1))
         remove_under(self.paths.stage, self.paths.stage_dir(handle.ckpt))
