@@ -40,7 +40,7 @@ from .peer.redundancy import Protector, replicated
 from .rules import CommitRule
 from .stage.remover import Remover
 from .stage.retention import forget_ended, retain_stage
-from .stage.saves import generation_json
+from .stage.saves import generation_json, taken
 from .stage.watch import SpoolWatcher
 from .stage.worker import CaptureWorker, global_candidates
 from .uplink import Uplink
@@ -168,8 +168,7 @@ class Executor:
             return True
         if self.w.capture.busy(ckpt):
             return False
-        if entry.captured and (entry.save or {}).get("generation") != generation_json(
-                generation):
+        if entry.captured and taken(entry) != generation_json(generation):
             log.info("node %d: its save of %s came after that version was captured here",
                      self.node, ckpt)
             self.post(Superseded(ckpt=ckpt, saves=1))

@@ -20,7 +20,7 @@ from typing import Any
 from ..journal import JournalEntry
 from ..versions import split
 
-__all__ = ["OwnSaves", "generation_json", "save_record"]
+__all__ = ["OwnSaves", "generation_json", "save_record", "taken"]
 
 UNKNOWN = object()      # the generation of a save a journal of before the counts captured
                         # here: the first save seen at start is taken as that one
@@ -34,6 +34,11 @@ def generation_json(generation: object) -> Any:
 def save_record(count: int, generation: object) -> dict[str, Any]:
     """The journal entry's `save`: this node's count and the save its capture took."""
     return {"count": count, "generation": generation_json(generation)}
+
+
+def taken(entry: JournalEntry) -> Any:
+    """The generation of the save the capture of `entry` took here (None: none known)."""
+    return entry.save.get("generation") if isinstance(entry.save, dict) else None
 
 
 class OwnSaves:
@@ -60,9 +65,9 @@ class OwnSaves:
             # empty) must not wait for one; its next save is the version after
             self._base[name], self._generation[name] = split(entry.ckpt)[1], UNKNOWN
             return
-        count = entry.save.get("count")
+        count = entry.save.get("count") if isinstance(entry.save, dict) else None
         if type(count) is int and count > 0:
-            self._count[name], self._generation[name] = count, entry.save.get("generation")
+            self._count[name], self._generation[name] = count, taken(entry)
 
     def note(self, name: str, generation: object, newest: int) -> int:
         """A save under `name` settled here with `generation`: its count (the newest

@@ -62,6 +62,11 @@ def test_a_node_that_never_saved_counts_nothing_after_a_restart():
     assert saves.note(NAME, (7, 10, 100), newest=1) == 1
 
 
+def test_a_save_record_not_of_the_agent_s_shape_counts_nothing():
+    for record in ([3], {"count": "3"}, {"count": True}, {"count": -1}):
+        assert OwnSaves([captured(NAME, record)]).count(NAME) == 0     # type: ignore[arg-type]
+
+
 def test_a_failed_capture_is_no_save_taken():
     failed = JournalEntry(f"{NAME}@v2", seq=2, stages={"capture": "failed"},
                           save=save_record(2, (7, 10, 200)))
