@@ -35,6 +35,8 @@ Protocol (agent <-> coordinator):
   coord  -> all    drain       finish pending work, then report `drained`
   coord  -> all    exit        every agent drained (or the drain timed out)
   agent  -> coord  unprotected committed checkpoints an agent found at start and left
+  agent  -> coord  superseded  saves of this node's counted for a version that never
+                               became part of it (a newer save came first): counted
   agent  -> coord  silence     a node that reports to it (or a partner) is silent past
                                agent.timeout: suspect (routed around), or speaks again
 
@@ -75,10 +77,12 @@ from .messages import (  # the agents' reports are this function's events as the
     Reroute,
     Silence,
     Stop,
+    Superseded,
     Unprotected,
 )
 from .names import LEVELS
 from .safepath import checkpoint_id, relative_paths
+from .versions import trainer_name
 
 IN_FLIGHT = LEVELS[:-1]
 FINAL = ("flushed", "failed", "evicted", "purged")  # no message moves these on
@@ -115,6 +119,7 @@ class CheckpointRecord:
     reason: str | None = None
     deadline: float = 0.0               # monotonic: not kept, a restart sets it again
     replication_failed: bool = False
+    superseded: int = 0                 # nodes' saves of it that never became part of it
     # not kept in coordinator.json (rebuilt on demand): at 10,000 nodes the sums over
     # every part and a second global manifest were a good part of the CPU per checkpoint
     sizes: dict[str, int] = field(default_factory=dict, repr=False, compare=False)
@@ -135,7 +140,7 @@ class CheckpointRecord:
                    ("captured", "replicated", "flushed", "errors", "progress", "capture",
                     "counts")},
                 "bytes": self.bytes, "reason": self.reason,
-                "replication_failed": self.replication_failed}
+                "replication_failed": self.replication_failed, "superseded": self.superseded}
 
     @classmethod
     def from_json(cls, data: dict[str, Any], source: object, key: str) -> CheckpointRecord:
@@ -575,6 +580,16 @@ def _on_unprotected(s: CoordinatorState, e: Unprotected, out: Effects) -> None:
                                     "note": note}))
 
 
+def _on_superseded(s: CoordinatorState, e: Superseded, out: Effects) -> None:
+    """Counted on the version the saves were made for (status shows it per name); a
+    version the history forgot counts no more."""
+    record = s.ckpts.get(e.ckpt)
+    if record is not None:
+        record.superseded += e.saves
+    out.append(Emit("superseded", {"ckpt": e.ckpt, "name": trainer_name(e.ckpt),
+                                   "by": e.newer, "saves": e.saves, "node_reporting": e.node}))
+
+
 def _on_stop(s: CoordinatorState, e: Stop, out: Effects) -> None:
     s.stop_ack = e.token or s.stop_ack
     if s.phase != "running":
@@ -817,6 +832,7 @@ _HANDLERS: dict[type, Callable[[CoordinatorState, Any, Effects], None]] = {
     Marker: _on_marker, Captured: _on_captured, CaptureFailed: _on_capture_failed,
     Replicated: _on_replicated, Flushed: _on_flushed, FlushError: _on_flush_error,
     Progress: _on_progress, Evicted: _on_evicted, Unprotected: _on_unprotected,
+    Superseded: _on_superseded,
     Stop: _on_stop, Drained: _on_drained, Tick: _on_tick, PathChosen: _on_path_chosen,
     FinalizeDone: _on_finalize_done, Silence: _on_silence, Heard: _on_heard,
     Frames: _on_frames}
@@ -896,7 +912,8 @@ def status_rows(s: CoordinatorState) -> list[dict[str, Any]]:
              "times": dict(r.times), "nodes_captured": r.count("captured"),
              "nodes_replicated": r.count("replicated"), "nodes_flushed": r.count("flushed"),
              "flush": r.flush, "path": r.path, "rule": r.rule, "errors": dict(r.errors),
-             "capture": dict(r.capture), "progress": dict(r.progress), "reason": r.reason}
+             "capture": dict(r.capture), "progress": dict(r.progress), "reason": r.reason,
+             **({"superseded": r.superseded} if r.superseded else {})}
             for r in sorted(s.ckpts.values(), key=lambda r: r.seq)]
 
 

@@ -31,6 +31,7 @@ from .messages import (
     Marker,
     Replicated,
     Report,
+    Superseded,
     Unprotected,
 )
 from .peer.globals import GlobalFiles
@@ -39,10 +40,11 @@ from .peer.redundancy import Protector, replicated
 from .rules import CommitRule
 from .stage.remover import Remover
 from .stage.retention import forget_ended, retain_stage
+from .stage.saves import generation_json, taken
 from .stage.watch import SpoolWatcher
 from .stage.worker import CaptureWorker, global_candidates
 from .uplink import Uplink
-from .versions import next_version
+from .versions import next_version, split, versioned
 
 log = logging.getLogger(__name__)
 # after this node's watcher saw a checkpoint committed, the coordinator's commit follows
@@ -150,24 +152,35 @@ class Executor:
                              global_files=global_candidates(self.rule, self.paths.spool, ckpt)))
 
     def on_saved_again(self, name: str) -> bool:
-        """The watcher saw `name` committed by a new save (its thread): the next version
-        of it goes to the coordinator as a checkpoint of its own (versions.py). The
-        versions are counted from the journal, which outlives the agent, and from those
-        this thread named since (their commit may not have come yet). False: ask again
-        once the capture of a version of it ends (it may be taking this save)."""
-        if self.w.capture.capturing(name):
-            return False
-        if self.w.capture.captured(name):
-            return True     # a version another node's save committed holds this one
-        known = [e.ckpt for e in self.journal.typed()]
-        ckpt = next_version(name, [*known, *self._named])
+        """The watcher saw a save of `name` settle (its thread; the first one too).
+        This node's n-th own save is its part of version n (stage/saves.py): version n
+        is proposed to the coordinator unless known here; a known one captured here
+        without it reports the save superseded. False: ask again once the capture of
+        that version here ends (it may be taking this save)."""
+        following = next_version(name, [*(e.ckpt for e in self.journal.typed()), *self._named])
         candidates = global_candidates(self.rule, self.paths.spool, name)
-        if candidates and all(mirrored_before(self.journal, self.node, ckpt, path, spool_file(
+        if candidates and all(mirrored_before(self.journal, self.node, following, path, spool_file(
                 self.paths.spool, name, path)) for path in candidates):
-            return True     # the mirror put another node's newer save here: none of ours
-        self._named.add(ckpt)
-        self.events.emit("saved_again", ckpt=ckpt, name=name)
-        self.post(Marker(ckpt=ckpt, rule=self.rule.kind(name), global_files=candidates))
+            return True     # the mirror put another node's save here: none of ours
+        generation = self.rule.generation(self.paths.spool, name)
+        count = self.w.capture.saves.note(name, generation, split(following)[1] - 1)
+        ckpt = versioned(name, count)
+        if not count or ckpt in self._named:
+            return True
+        entry = self.journal.entry(ckpt)
+        if entry is None:
+            if count > 1:       # the first: on_marker (the watcher's on_commit) posts it
+                self._named.add(ckpt)
+                self.events.emit("saved_again", ckpt=ckpt, name=name)
+                self.post(Marker(ckpt=ckpt, rule=self.rule.kind(name),
+                                 global_files=candidates))
+            return True
+        if self.w.capture.busy(ckpt):
+            return False
+        if entry.captured and taken(entry) != generation_json(generation):
+            log.info("node %d: its save of %s came after that version was captured here",
+                     self.node, ckpt)
+            self.post(Superseded(ckpt=ckpt, saves=1))
         return True
 
     def drained(self, busy: bool) -> None:

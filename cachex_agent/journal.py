@@ -52,6 +52,7 @@ class JournalEntry:
     protected: bool = False
     bundle: str | None = None
     digest: dict[str, Any] | None = None    # the global manifest's (`global`)
+    save: dict[str, Any] | None = None      # this node's own save it took (stage/saves.py)
 
     @classmethod
     def of(cls, ckpt: str, data: dict[str, Any]) -> JournalEntry:
@@ -61,7 +62,7 @@ class JournalEntry:
                    global_files=tuple(data.get("global_files", ())),
                    globals_shared=bool(data.get("globals_shared")),
                    protected=bool(data.get("protected")), bundle=data.get("bundle"),
-                   digest=data.get("global"))
+                   digest=data.get("global"), save=data.get("save"))
 
     def state(self, stage: Stage) -> State | None:
         """A stage's persisted state (None: never submitted)."""

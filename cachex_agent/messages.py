@@ -311,6 +311,17 @@ class Unprotected(Report):
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
+class Superseded(Report):
+    """`saves` of this node's saves counted for the version `ckpt` never became part of
+    a version: a newer save of its own replaced them first (`newer`: the version that
+    carries it, None when none does yet), or `ckpt` was captured here before them."""
+    TYPE: ClassVar[str] = "superseded"
+    ckpt: str
+    newer: str | None = None
+    saves: int = 1
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Stop(Report):
     """A stop was asked of this node (`token`: of a `cachex stop` file, else None)."""
     TYPE: ClassVar[str] = "stop"
@@ -372,7 +383,7 @@ PEER: dict[str, type] = {c.TYPE: c for c in (
     Begin, File, Slot, End, Credit, Ack, GlobalFile)}
 REPORTS: dict[str, type] = {c.TYPE: c for c in (
     Marker, Captured, CaptureFailed, Replicated, Flushed, FlushError, Progress, Evicted,
-    Unprotected, Stop, Drained, Silence, Frames)}
+    Unprotected, Superseded, Stop, Drained, Silence, Frames)}
 TO_COORDINATOR = frozenset(REPORTS)
 MAX_BATCH = 1 << 20      # reports in one batch: every node of a 100,000-node job, ten times
 MAX_SAMPLES = 64         # durations in a reduced report (uplink.SAMPLES sends 8)
@@ -635,6 +646,8 @@ Check = Callable[[Any, str, str], object]
 _REPORT_FIELDS: dict[str, Check] = {
     "node": lambda v, _n, what: index(v, what),
     "ckpt": lambda v, _n, what: checkpoint_id(v, what),
+    "newer": lambda v, _n, what: v is None or checkpoint_id(v, what),
+    "saves": _count,
     "global_files": lambda v, n, what: relative_paths(_list(v, n, what), what,
                                                       "global file path"),
     "bundle": lambda v, _n, what: relative_path(v, what),

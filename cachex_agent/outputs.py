@@ -53,13 +53,13 @@ _CKPT_ROW = _shape("id seq level bytes")
 _LS_ROW = _shape("id seq level bytes path rule")
 _STATUS_ROW = _shape("id seq level bytes times nodes_captured nodes_replicated"
                      " nodes_flushed flush path rule errors capture progress reason",
-                     "predicted")
+                     "predicted superseded")
 
 SHAPES: dict[str, Shape] = {
     "ls": _shape("schema run redundancy unknown checkpoints", checkpoints=_LS_ROW),
     "status": _shape(
         "schema format version run updated state recorded_state live heartbeat nodes"
-        " redundancy notes checkpoints at_risk", "stop_ack silent advice",
+        " redundancy notes checkpoints at_risk", "stop_ack silent advice superseded",
         checkpoints=_STATUS_ROW,
         silent=_shape("node state seconds by holds relays_for subtree waiting")),
     "verify": _shape("schema ckpt ok copies", "level", copies=_shape(

@@ -30,6 +30,7 @@ from .fsutil import read_json
 from .index import NotAnIndex, read_index
 from .layout import index_path, status_paths
 from .risk import at_risk, risk_lines
+from .versions import trainer_name
 
 STALE_PERIODS = 5           # missed heartbeats before a running status is taken as dead
 DEFAULT_PERIOD = 2.0        # status files written before the heartbeat existed
@@ -122,7 +123,18 @@ def with_liveness(status: dict[str, Any], seen: Unchanged) -> dict[str, Any]:
     state = "not running" if recorded in ACTIVE and live is False else recorded
     judged = {**status, "heartbeat": beat, "live": live, "state": state,
               "recorded_state": recorded}
-    return {**judged, "at_risk": at_risk(judged)}
+    return {**judged, "at_risk": at_risk(judged), "superseded": superseded(judged)}
+
+
+def superseded(status: dict[str, Any]) -> dict[str, int]:
+    """Per trainer's name, the saves that never became part of a version of their own
+    (a newer save came first: versions.py), as the versions status lists count them."""
+    counts: dict[str, int] = {}
+    for row in status.get("checkpoints") or []:
+        if row.get("superseded"):
+            name = trainer_name(row["id"])
+            counts[name] = counts.get(name, 0) + row["superseded"]
+    return counts
 
 
 #: why `ls` has no path or rule for a checkpoint (only the PFS index was found)
@@ -209,6 +221,9 @@ def format_status(status: dict[str, Any]) -> str:
     if meaning:
         lines.append(f"  {meaning}")
     lines.extend(f"  note: {note}" for note in status.get("notes") or [])
+    lines.extend(f"  superseded: {name}: {count} save(s) replaced by a newer one before"
+                 " they became a version of their own"
+                 for name, count in sorted(superseded(status).items()))
     lines.extend(silent_lines(status.get("silent") or []))
     for row in status["checkpoints"]:
         lines.extend(_details(row, status.get("nodes")))

@@ -45,9 +45,9 @@ class SpoolWatcher:
     `on_commit` runs on the watcher thread (or on the thread calling `rescan`) with the
     watcher's lock held, in oldest-first order: keep it short (enqueue work). It may call
     `forget` and `rescan`. An exception from it is logged; the id still counts as reported.
-    `on_again(name)`, likewise, when a reported name is committed again by a new save
-    (the rule's `generation` of it changed: versions.py); False asks again at the next
-    evaluation (the save is not accounted for yet).
+    `on_again(name)`, likewise, for each save of a reported name (its first, and each
+    time the rule's `generation` of it changes: versions.py); False asks again at the
+    next evaluation (the save is not accounted for yet).
     """
 
     def __init__(self, spool: Path, rule: CommitRule, on_commit: Callable[[str], None],
@@ -186,14 +186,14 @@ class SpoolWatcher:
 
     def _saved_again(self, ckpt_id: str) -> None:
         """A reported name the rule says is committed: a new save when the rule's token
-        of it moved (the first one is only noted)."""
+        of it moved (the first one too: the node counts its saves, stage/saves.py)."""
         if self.on_again is None:
             return
         before = self._generations.get(ckpt_id)
         now = self.rule.generation(self.spool, ckpt_id)
         if now is None or now == before:
             return
-        if before is None or self.on_again(ckpt_id) is not False:
+        if self.on_again(ckpt_id) is not False:
             self._generations[ckpt_id] = now
 
     def _period(self) -> float:

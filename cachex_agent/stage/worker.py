@@ -24,7 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 import psutil
 
@@ -37,13 +37,13 @@ from ..journal import Journal
 from ..layout import NodePaths, ckpt_dir, root_entry, spool_file
 from ..manifest import PENDING, FileEntry, LocalManifest
 from ..mapped import unusable
-from ..messages import CaptureFailed, FileCaptured
+from ..messages import CaptureFailed, FileCaptured, Superseded
 from ..peer.mirror import mirrored_before
 from ..rules import CommitRule
 from ..rules.base import holds_match
 from ..rules.quiescence import FileState, snapshot, wait_for_directory, wait_settled
 from ..topology import Placement
-from ..versions import trainer_name
+from ..versions import split, trainer_name, versioned
 from .capture import (
     CaptureError,
     OnFile,
@@ -57,6 +57,7 @@ from .capture import (
     is_stage_full,
     part_changes,
 )
+from .saves import OwnSaves, generation_json, save_record
 
 log = logging.getLogger(__name__)
 MEMORY_RESERVE = 1 << 30    # capture by reference when the copy would leave less than this
@@ -89,9 +90,8 @@ class CaptureWorker:
         self.removed = removed
         self.queue: queue.Queue[CaptureHandle | None] = queue.Queue()
         self.handles: dict[str, CaptureHandle] = {}     # not ended yet
-        #: name -> the rule's generation of the save its newest version captured here
-        #: (this process's captures; versions.py)
-        self.generations: dict[str, object] = {}
+        #: this node's own saves under each reused name, counted (the watcher's thread)
+        self.saves = OwnSaves(journal.typed())
         self._thread = threading.Thread(target=self._loop, name="capture", daemon=True)
 
     def start(self) -> None:
@@ -108,15 +108,6 @@ class CaptureWorker:
         handle = self.handles.get(ckpt)
         if handle is not None:
             handle.cancel()
-
-    def capturing(self, name: str) -> bool:
-        """A capture of a version of `name` has not ended here."""
-        return any(trainer_name(c) == name for c, h in list(self.handles.items())
-                   if not h.test())
-
-    def captured(self, name: str) -> bool:
-        """The save now under `name` is the one its newest version captured here."""
-        return self.generations.get(name) == self.rule.generation(self.paths.spool, name)
 
     def busy(self, ckpt: str | None = None) -> bool:
         """A capture not ended (of `ckpt`, or of any checkpoint)."""
@@ -153,7 +144,7 @@ class CaptureWorker:
         late = not single and (self._wait_for_part(handle, source, deadline)
                                or self._wait_for_own_marker(handle, source, deadline))
         self._wait_for_tracker(handle, trainer_name(ckpt))
-        self._wait_for_own_save(handle, deadline)
+        count, own = self._own_save(handle, deadline)
         # A marker vouches at most for files written before it: a directory that
         # appeared after the commit gets this node's own check.
         vouched = self.rule.vouches_for(source) and not late
@@ -161,13 +152,13 @@ class CaptureWorker:
                                node=self.placement.node, host=self.placement.host,
                                rank=self.placement.rank, files=[])
         feed = self.feed if task.get("path", "peer") == "peer" else None
-        # taken before: a save landing during the capture makes one version more, never one
-        # taken for captured that was not
-        save = self.rule.generation(self.paths.spool, trainer_name(ckpt))
+        # read before and after: the capture took that save only if it stood throughout
+        before = self._generation(ckpt)
         target, entries, mode, reason, linked, leased = self._capture_whole(
             handle, source, vouched, deadline, self._streamer(handle, header), feed)
-        if save is not None:
-            self.generations[trainer_name(ckpt)] = save
+        taken = before if self._generation(ckpt) == before else None
+        if count and taken != own:
+            self._superseded(handle, "replaced during its capture")
         handle.hold(self.placement.node)
         manifest = dataclasses.replace(header, files=entries, captured_at=time.time())
         self.journal.save_manifest(manifest)
@@ -181,7 +172,8 @@ class CaptureWorker:
             self.rule, self.paths.spool, trainer_name(ckpt))})
         if not handle.set(State.DONE, persist={
                 "source": str(target), "mode": mode, "mode_reason": reason,
-                "linked": linked, "bytes": manifest.bytes, "global_files": candidates},
+                "linked": linked, "bytes": manifest.bytes, "global_files": candidates,
+                "save": save_record(count, taken)},
                 bytes=manifest.bytes, files=len(entries), linked=linked, leased=leased, mode=mode,
                 reason=reason, duration=duration, fed_wait=fed_wait,
                 write_start=self.first_seen(trainer_name(ckpt)),
@@ -327,24 +319,38 @@ class CaptureWorker:
         log.warning("capture of %s by reference: %s", ckpt, reason)
         return source, capture_reference(source, relpaths), "reference", reason, 0, 0
 
-    def _wait_for_own_save(self, handle: CaptureHandle, deadline: float) -> None:
-        """A later version of a single file this node saves itself, committed by another
-        node's save: wait for this node's own save (a version is one save of every node,
-        never this node's previous one beside another's newer)."""
-        ckpt, spool = handle.ckpt, self.paths.spool
-        name = trainer_name(ckpt)
-        before = self.generations.get(name)
-        if name == ckpt or before is None or not self.rule.is_file_checkpoint(spool, name) \
-                or root_entry(name) in self._mirrored(ckpt):
-            return
-        settled, seen = time.monotonic(), before
-        while (now := self.rule.generation(spool, name)) == before or \
-                time.monotonic() - settled < self.config.commit.settle:
-            if now != seen:
-                settled, seen = time.monotonic(), now
-            if time.monotonic() > deadline or handle.cancelled.wait(0.05):
-                raise CaptureError(f"{spool / name}: not saved again on this node within"
-                                   f" commit.timeout of {ckpt}'s commit")
+    def _own_save(self, handle: CaptureHandle, deadline: float) -> tuple[int, Any]:
+        """(n, the generation of this node's n-th save) for version n of a name this node
+        saves itself; (0, None) on a node that has not saved it (a node that never
+        does, or whose first save comes later: docs/levels.md). A node that saves waits
+        (up to `commit.timeout`) for its own n-th save, committed by another node's."""
+        name, version = split(handle.ckpt)
+        saves = self.saves
+        if not saves.count(name):
+            return 0, None
+        if not saves.wait(name, version, max(0.0, deadline - time.monotonic()),
+                          handle.cancelled):
+            raise CaptureError(f"{self.paths.spool / name}: not saved again on this node"
+                               f" within commit.timeout of {handle.ckpt}'s commit")
+        if saves.count(name) > version:
+            self._superseded(handle, "saved again before its capture")
+        return version, saves.generation(name)
+
+    def _generation(self, ckpt: str) -> Any:
+        return generation_json(self.rule.generation(self.paths.spool, trainer_name(ckpt)))
+
+    def _superseded(self, handle: CaptureHandle, how: str) -> NoReturn:
+        """This node's save of the version being captured is gone (a newer save of its
+        own replaced it): the version cannot be one save of every node. Reported, and
+        the capture fails; the version of the newer save carries it (None: not counted
+        yet, it has not settled)."""
+        name, version = split(handle.ckpt)
+        newest = self.saves.count(name)
+        newer = versioned(name, newest) if newest > version else None
+        self.post(Superseded(ckpt=handle.ckpt, newer=newer, saves=1))
+        remove_under(self.paths.stage, self.paths.stage_dir(handle.ckpt))
+        raise CaptureError(f"superseded: this node's save of {handle.ckpt} was {how}"
+                           f" (by {newer or 'a save not settled yet'})")
 
     def _mirrored(self, ckpt: str) -> set[str]:
         """The global files of a later version that this node's spool holds only as the

@@ -442,3 +442,23 @@ def test_a_node_that_captured_again_after_a_restart_hears_the_manifest_again():
     # unknown
     assert not of(feed(s, d.Captured(node=2, now=3.5, ckpt="s2", manifest=part("s2", 2))),
                   d.Send)
+
+
+def test_a_superseded_save_is_counted_on_its_version_and_shown_in_status():
+    """Nodes' saves that never became part of a version (versions.py, issue 44) are
+    counted on the version they were made for, kept in coordinator.json, in its status
+    row, and said once as an event; a version gone from the history counts nothing."""
+    s = state()
+    feed(s, d.Marker(node=0, now=1.0, ckpt="ckpt.pt@v2"))
+    out = feed(s, d.Superseded(node=1, now=2.0, ckpt="ckpt.pt@v2", newer="ckpt.pt@v3"),
+               d.Superseded(node=2, now=2.0, ckpt="ckpt.pt@v2", saves=2))
+    assert s.ckpts["ckpt.pt@v2"].superseded == 3
+    assert [e.fields for e in of(out, d.Emit)] == [
+        {"ckpt": "ckpt.pt@v2", "name": "ckpt.pt", "by": "ckpt.pt@v3", "saves": 1,
+         "node_reporting": 1},
+        {"ckpt": "ckpt.pt@v2", "name": "ckpt.pt", "by": None, "saves": 2,
+         "node_reporting": 2}]
+    assert [row.get("superseded") for row in d.status_rows(s)] == [3]
+    assert json.loads(d.state_text(s))["ckpts"]["ckpt.pt@v2"]["superseded"] == 3
+    assert of(feed(s, d.Superseded(node=1, now=3.0, ckpt="gone.pt@v9")), d.Emit)
+    assert "gone.pt@v9" not in s.ckpts

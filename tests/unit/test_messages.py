@@ -42,6 +42,7 @@ from cachex_agent.messages import (
     Silence,
     Slot,
     Stop,
+    Superseded,
     Tag,
     Unprotected,
     decode,
@@ -126,6 +127,7 @@ REPORTED = [
     Progress(node=0, ckpt="step-1", stage="flush", done=10, total=100),
     Evicted(node=1, ckpt="step-1"),
     Unprotected(node=1, ckpts=["step-0"], note="older"),
+    Superseded(node=1, ckpt="ckpt.pt@v2", newer="ckpt.pt@v3", saves=1),
     Stop(node=0, token="abc"),
     Drained(node=2, unflushed=["step-1"]),
     Silence(node=1, peer=3, seconds=12.5, ended=False, holds="reports"),
@@ -170,6 +172,8 @@ def test_a_captured_manifest_travels_as_json_text_kept_as_sent():
       "total": 2}, "done must be a count"),
     ({"type": "drained", "node": 1, "unflushed": ["../s"]}, "../s"),
     ({"type": "stop", "node": 1, "token": 7}, "token must be text"),
+    ({"type": "superseded", "node": 1, "ckpt": "s", "newer": "../s"}, "../s"),
+    ({"type": "superseded", "node": 1, "ckpt": "s", "saves": -1}, "saves must be a count"),
 ])
 def test_a_report_with_a_field_unknown_missing_or_of_another_kind_is_refused(raw, says):
     with pytest.raises(UnsafeInput, match=re.escape(says)):
