@@ -69,6 +69,7 @@ from cachex_agent.messages import (
     decode,
     wire,
 )
+from cachex_agent.model.distributions import scipy_module
 from cachex_agent.peer.partners import metadata_holders
 from cachex_agent.uplink import Uplink
 
@@ -133,6 +134,9 @@ class Simulation:
                                    paths={"spool": root / "spool", "pfs": root / "pfs"},
                                    agent={"fanout": fanout}, model={"path": "peer"},
                                    keep={"pfs": 2}), environ={})
+        # once per run, at the first forecast (the model lane): a checkpoint's cost here
+        # only by chance of which one comes first
+        scipy_module("stats")
         self.clock = Clock()
         self.holders = metadata_holders([str(n) for n in range(nodes)], config.peer.copies)
         self.coord = Coordinator(config, list(range(nodes)), Journal(root / "journal-0"),
