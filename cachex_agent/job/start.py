@@ -50,7 +50,9 @@ def run_job(shell: BatchShell) -> int:
                           life.JobState(nodes, spares, v.number("MIN_NODES"),
                                         v.number("MAX_RELAUNCHES"),
                                         v.number("MAX_AGENT_RESTARTS"),
-                                        v.number("HALT_MARGIN"), v["RUN_NAME"]))
+                                        v.number("HALT_MARGIN"), v["RUN_NAME"],
+                                        full=len(nodes),
+                                        load_from=bool(v["LOAD_FROM_ARGS"].strip())))
 
 
 def settings(v: JobVars, shell: BatchShell, config: str,

@@ -196,7 +196,10 @@ class Supervisor:
             log(action.note)
 
     def _do_train(self, action: life.Train) -> None:
-        argv = self._launch("train", self.s.ranks_per_node, "resume" if action.resume else "")
+        if action.load:     # LOAD_FROM_ARGS names it, expanded at launch
+            self.s.shell.assigned["CX_LOAD_FROM"] = str(self._gathered())
+        how = "load" if action.load else "resume" if action.resume else ""
+        argv = self._launch("train", self.s.ranks_per_node, how)
         log(f"training: {' '.join(argv)}")
         err = (self.s.rundir / "train.err").open("w")
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -300,13 +303,19 @@ class Supervisor:
     def _node_count(self) -> int:
         return self.s.vnodes or len(self.state.nodes)
 
-    def _do_recover(self, _action: life.Recover) -> None:
-        if not self._recover():
+    def _do_recover(self, action: life.Recover) -> None:
+        if not self._recover(self._gathered() if action.gather else None):
             self._finish("failed", "cachex recover failed after the training failure (its"
                                    " message is above)")
 
-    def _recover(self) -> bool:
-        argv = self._launch("recover", 1)
+    def _gathered(self) -> Path:
+        """This relaunch's directory of the checkpoint gathered for every rank (in the
+        job's own directory, which is on the shared file system the job was submitted
+        from; rebuilt from the run's copies, so left for the user to remove)."""
+        return self.s.rundir / f"load-{self.state.relaunches}"
+
+    def _recover(self, to: Path | None = None) -> bool:
+        argv = self._launch("recover", 1) + ([] if to is None else ["--to", str(to)])
         log(f"recover: {' '.join(argv)}")
         wait = self._fit(self.s.recover_timeout, halt=True)
         status = _run(argv, wait)

@@ -79,7 +79,7 @@ cx_load_modules() {     # MODULE_USE, MODULES: `module use` the directories, `mo
 
 # ---------------------------------------------------------------- launch lines
 # The commands each step runs, whatever the launcher (the same under Slurm and PBS).
-cx_cmd() {          # KIND [resume]: prints the command, one word per line
+cx_cmd() {          # KIND [resume|load]: prints the command, one word per line
     case $1 in
         agents) cx_node_bin cachex-agent; printf '%s\n' --config "$CACHEX_CONFIG" ;;
         check) cx_node_bin cachex-agent; printf '%s\n' --config "$CACHEX_CONFIG" --check ;;
@@ -96,6 +96,7 @@ cx_cmd() {          # KIND [resume]: prints the command, one word per line
             local -a words resume=()
             cx_words words "$TRAIN_CMD"
             [[ ${2:-} == resume ]] && cx_words resume "$RESUME_ARGS"
+            [[ ${2:-} == load ]] && cx_words resume "$RESUME_ARGS ${LOAD_FROM_ARGS:-}"
             printf '%s\n' "${words[@]}" "${resume[@]}"
             ;;
     esac
