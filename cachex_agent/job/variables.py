@@ -9,6 +9,7 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
+from pathlib import PurePath
 
 from ..errors import ConfigError
 
@@ -72,7 +73,7 @@ class JobVars:
     @property
     def stage_tar(self) -> str:
         """The packed venv: STAGE_TAR, or beside the venv (CX_BIN/..)."""
-        return self.raw["STAGE_TAR"] or f"{self.raw['CX_BIN'].rstrip('/').rpartition('/')[0]}.tar"
+        return self.raw["STAGE_TAR"] or f"{PurePath(self.raw['CX_BIN']).parent}.tar"
 
 
 def parse(said: Mapping[str, str]) -> JobVars:
