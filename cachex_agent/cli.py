@@ -876,79 +876,17 @@ def demo_command(**options: Any) -> None:
 
 @main_group.group("job")
 def job_group() -> None:
-    """What the job templates ask the package (scripts/lib/cachex-job.sh)."""
-
-
-def _hosts_option(name: str, help_text: str, required: bool = False) -> Any:
-    return click.option(name, default="", required=required, metavar="HOSTS",
-                        help=f"{help_text} (names or Slurm host lists, commas or blanks)")
-
-
-def _echo_lines(lines: list[str]) -> None:
-    for line in lines:
-        click.echo(line)
+    """The job templates' side of the package: `run` takes the batch shell over
+    (scripts/lib/cachex-job.sh); `state` and `withdraw-stop` are its own queries."""
 
 
 job_group.add_command(job_run_command)     # the supervisor (cachex_agent/job/supervisor.py)
 
 
-@job_group.command("nodes")
-@_hosts_option("--hosts", "the allocation's hosts", required=True)
-@click.option("--nodes", type=int, default=None, help="training nodes (default: all but"
-              " the spares)")
-@click.option("--spares", type=click.IntRange(0), default=0)
-@_hosts_option("--exclude", "hosts never to use")
-@click.option("--min-nodes", type=click.IntRange(0), default=0)
-def job_nodes_command(hosts: str, nodes: int | None, spares: int, exclude: str,
-                      min_nodes: int) -> None:
-    """The job's node set at its start: `nodes H...`, `spares H...`, `note TEXT` lines."""
-    from .job.nodes import choose, expand_hosts
-    _echo_lines(choose(expand_hosts(hosts, "hosts"), nodes, spares,
-                       expand_hosts(exclude), min_nodes).lines())
-
-
-@job_group.command("replace")
-@_hosts_option("--nodes", "the node set", required=True)
-@_hosts_option("--spares", "the spares")
-@_hosts_option("--up", "the hosts the scheduler shows up")
-@_hosts_option("--bad", "the hosts blamed for a failure (up or not, never used again)")
-@click.option("--min-nodes", type=click.IntRange(0), default=0)
-def job_replace_command(nodes: str, spares: str, up: str, bad: str, min_nodes: int) -> None:
-    """After a failure: lost nodes replaced by spares, or the set shrunk (MIN_NODES);
-    exit 1 with one line when the job cannot go on."""
-    from .job.nodes import expand_hosts, replace
-    usable = set(expand_hosts(up, "up")) - set(expand_hosts(bad, "bad"))
-    _echo_lines(replace(expand_hosts(nodes, "nodes"), expand_hosts(spares, "spares"),
-                        usable, min_nodes).lines())
-
-
-@job_group.command("config")
-@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True)
-@click.option("--run", "run_name", required=True)
-@click.option("--spool", required=True)
-@click.option("--stage", required=True)
-@click.option("--cache", required=True)
-@click.option("--pfs", required=True)
-@click.option("--domain", default="node")
-@_hosts_option("--exclude", "hosts never to use")
-@click.option("--min-nodes", type=click.IntRange(0), default=0)
-@click.option("--rule", default="auto")
-@click.option("--extra", default="", help="more TOML lines (the template's CONFIG_EXTRA)")
-@click.option("--job", "job_id", default="local")
-def job_config_command(out: Path, run_name: str, exclude: str, job_id: str,
-                       **paths: Any) -> None:
-    """Write the job's cachex.toml and read it back as the agents will (exit 2 naming
-    the key when a value is bad)."""
-    from .job.config_file import JobConfig, write_job_config
-    from .job.nodes import expand_hosts
-    write_job_config(out, JobConfig(run=run_name, exclude=expand_hosts(exclude),
-                                    job=job_id, **paths))
-
-
 @job_group.command("state")
 @config_options
 def job_state_command(cfg: configuration.Config) -> None:
-    """One line for the job's loop: STATE LIFE NEWEST LEVEL USABLE FLUSHED (`-` unknown)."""
+    """One line for the supervisor: STATE LIFE NEWEST LEVEL USABLE FLUSHED (`-` unknown)."""
     from .job.state import state_words
     from .status import load_status
     try:
@@ -966,60 +904,6 @@ def job_withdraw_stop_command(cfg: configuration.Config) -> None:
     here = cfg.node_paths(0)
     for path in (pfs_stop_file(here.pfs), journal_stop_file(here.journal)):
         path.unlink(missing_ok=True)
-
-
-@job_group.command("failed-nodes")
-@click.argument("stderr", type=click.File("r", errors="replace"))
-@click.option("--hosts", required=True, help="the step's hosts, comma-separated")
-def job_failed_nodes_command(stderr: Any, hosts: str) -> None:
-    """The hosts to blame for a failed training step, one a line, from its launcher's
-    error output (srun's)."""
-    from .job.blame import failed_hosts
-    for host in failed_hosts(stderr.read(), [h for h in hosts.split(",") if h]):
-        click.echo(host)
-
-
-@job_group.command("up")
-@click.argument("scheduler", type=click.Choice(["slurm", "pbs"]))
-@click.argument("said", type=click.File("r", errors="replace"), default="-")
-@_hosts_option("--hosts", "the hosts asked about", required=True)
-@click.option("--in-job", default="", metavar="HOSTLIST",
-              help="Slurm: the job's hosts (`squeue -o %N` through `scontrol show"
-              " hostnames`; a host list is expanded too)")
-def job_up_command(scheduler: str, said: Any, hosts: str, in_job: str) -> None:
-    """The hosts still up: `up H...` and `note TEXT` lines, from the scheduler's output
-    in SAID (default: standard input; Slurm: `sinfo -h -N -o '%N %T'`; PBS: `pbsnodes
-    -v` per host, each after a `# host NAME` line)."""
-    from .job.nodes import expand_hosts
-    from .job.scheduler import pbs_up, slurm_up
-    asked = expand_hosts(hosts, "hosts")
-    text = said.read()
-    up = slurm_up(asked, in_job, text) if scheduler == "slurm" else pbs_up(asked, text)
-    _echo_lines(up.lines())
-
-
-@job_group.command("steps")
-@click.argument("name")
-@click.argument("said", type=click.File("r", errors="replace"), default="-")
-def job_steps_command(name: str, said: Any) -> None:
-    """The ids of the job's steps named NAME, one a line, from `squeue -h --steps -o
-    '%i %j'` in SAID (default: standard input): the steps a signal goes to."""
-    from .job.scheduler import slurm_steps
-    _echo_lines(slurm_steps(said.read(), name))
-
-
-@job_group.command("left")
-@click.argument("scheduler", type=click.Choice(["slurm", "pbs"]))
-@click.argument("said", type=click.File("r", errors="replace"), default="-")
-def job_left_command(scheduler: str, said: Any) -> None:
-    """The job's seconds left, from the scheduler's output in SAID (default: standard
-    input; Slurm: `squeue -h -j JOB -o %L`; PBS: `qstat -f JOB`); nothing when it has
-    no limit."""
-    from .job.scheduler import pbs_left, slurm_left
-    text = said.read()
-    left = slurm_left(text) if scheduler == "slurm" else pbs_left(text)
-    if left is not None:
-        click.echo(left)
 
 
 @main_group.command("templates")

@@ -30,7 +30,7 @@ class JobConfig:
     def text(self) -> str:
         q = json.dumps          # a JSON string is a TOML basic string
         return "\n".join([
-            f"# written by cachex job config for job {self.job}",
+            f"# written by cachex job run for job {self.job}",
             f"run = {q(self.run)}",
             "[paths]", *(f"{k} = {q(getattr(self, k))}" for k in ("spool", "stage", "cache",
                                                                    "pfs")),

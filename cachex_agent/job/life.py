@@ -26,6 +26,8 @@ class JobState:
     max_agent_restarts: int = 3
     halt_margin: int = 600              # seconds before the end when the halt begins
     run: str = ""                       # the run's name, for what the job says
+    full: int = 0                       # the training nodes the job started with
+    load_from: bool = False             # the trainer resumes from a directory (LOAD_FROM_ARGS)
     relaunches: int = 0
     agent_restarts: int = 0
     bad: frozenset[str] = frozenset()   # nodes the training failed on: never used again
@@ -77,6 +79,7 @@ Event = Started | TrainExited | AgentsExited | NodesLost | TimeLeft | Signal
 @dataclass(frozen=True)
 class Train:
     resume: bool
+    load: bool = False                  # from the directory the recovery gathered into
 
 
 @dataclass(frozen=True)
@@ -107,7 +110,10 @@ class UseNodes:
 
 @dataclass(frozen=True)
 class Recover:
-    pass
+    """`gather`: into one directory every rank reads (`cachex recover --to`), for a
+    trainer that resumes from there on fewer nodes than the checkpoint's (a PyTorch
+    DCP checkpoint reshards on load; recover refuses to spread one over fewer spools)."""
+    gather: bool = False
 
 
 @dataclass(frozen=True)
@@ -202,12 +208,14 @@ def _train_exited(state: JobState, event: TrainExited) -> Decision:
     if state.nodes != before:
         actions.append(UseNodes(state.nodes, state.spares, "; ".join(chosen.notes)))
     actions.append(StopAgents())
+    # fewer nodes than at the start: the checkpoint may be of more nodes than there are
+    gather = event.captured and state.load_from and len(state.nodes) < state.full
     if event.captured:
-        actions.append(Recover())
+        actions.append(Recover(gather))
     else:
         actions.append(Note(f"no checkpoint of run {state.run} captured yet: relaunching"
                             " from the start"))
-    actions += [StartAgents(), Train(resume=event.captured)]
+    actions += [StartAgents(), Train(resume=event.captured, load=gather)]
     return Decision(state, tuple(actions))
 
 

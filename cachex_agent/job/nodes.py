@@ -24,11 +24,6 @@ class NodeSet:
     spares: list[str]
     notes: list[str] = field(default_factory=list)
 
-    def lines(self) -> list[str]:
-        """What `cachex job nodes|replace` print: `nodes ...`, `spares ...`, `note ...`."""
-        return [" ".join(["nodes", *self.nodes]), " ".join(["spares", *self.spares]),
-                *(f"note {n}" for n in self.notes)]
-
 
 def expand_hosts(text: str, what: str = "EXCLUDE_NODES") -> list[str]:
     """Host names, and Slurm host lists (`n[001-003,7]`), separated by commas or blanks."""

@@ -1,8 +1,8 @@
 """What the scheduler's own commands say, read for the job templates: which hosts are
 still up, and how long the job has left.
 
-The bash adapters only run `squeue`, `sinfo`, `pbsnodes` and `qstat` and hand their
-output here. The time left is read as the scheduler states it, relative (Slurm's `%L`,
+The adapters (adapters.py) only run `squeue`, `sinfo`, `pbsnodes` and `qstat` and hand
+their output here. The time left is read as the scheduler states it, relative (Slurm's `%L`,
 PBS's walltime less the walltime used), never as an end time on the controller's clock
 set against this host's: the two clocks are not compared.
 """
@@ -26,10 +26,6 @@ _QSTAT = re.compile(r"^\s*(?P<key>[A-Za-z_.]+)\s*=\s*(?P<value>.*?)\s*$")
 class Up:
     hosts: list[str]
     notes: list[str] = field(default_factory=list)
-
-    def lines(self) -> list[str]:
-        """What `cachex job up` prints: `up H...`, then `note TEXT` lines."""
-        return [" ".join(["up", *self.hosts]), *(f"note {n}" for n in self.notes)]
 
 
 def _all_up(hosts: list[str], why: str) -> Up:
@@ -68,6 +64,18 @@ def pbs_up(hosts: list[str], pbsnodes: str) -> Up:
     if not states:
         return _all_up(hosts, "pbsnodes said nothing of the job's nodes")
     return Up([h for h in hosts if not _PBS_GONE.search(states.get(h, ""))])
+
+
+def pbs_bad_at_start(pbsnodes_l: str, job_id: str) -> list[str]:
+    """The nodes `pbsnodes -l` (down or offline nodes, one a line, name first) lists with
+    this job's number: with tolerate_node_failures a job starts on nodes that already
+    failed, and ALCF's Aurora guide says to keep them out of mpiexec."""
+    number = job_id.partition(".")[0]
+    if not number.isdigit():
+        return []
+    mention = re.compile(rf"(^|[^0-9]){number}([^0-9]|$)")
+    return [line.split()[0] for line in pbsnodes_l.splitlines()
+            if line.split() and mention.search(line)]
 
 
 def slurm_steps(squeue: str, name: str) -> list[str]:

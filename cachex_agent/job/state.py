@@ -1,5 +1,5 @@
-"""What the job's loop reads of a run between its steps: one line of words for bash's
-`read`, computed here from the status rather than parsed there."""
+"""What the job's supervisor reads of a run between its steps: one line of words
+`cachex job state`, computed here from the status rather than parsed in a shell."""
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
-"""`cachex job run`: the job's life after its start, in one process. The job library
-(scripts/lib/cachex-job.sh) loads the modules, chooses the node set, writes the
-configuration and stages the environment, then hands its batch shell over to this
-supervisor (`exec`: the scheduler's signals reach it). The supervisor gathers events
+"""`cachex job run`: the job's life after its start (start.py), in one process. The job
+library (scripts/lib/cachex-job.sh) loads the modules and hands its batch shell over
+(`exec`: the scheduler's signals reach this process). The supervisor gathers events
 (a step's exit, lost nodes, the time left on its own monotonic clock, USR1 and TERM),
 asks life.decide what to do, and does it: each launch line comes from the job library
 (`cx_step`, the site's launcher and flags), each scheduler query from an adapter."""
@@ -9,8 +8,8 @@ asks life.decide what to do, and does it: each launch line comes from the job li
 from __future__ import annotations
 
 import os
-import shlex
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -19,8 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
+from ..errors import OperationError
 from . import life
 from .adapters import Pbs, Slurm, kill_group
+from .shell import BatchShell
 
 HALT_SLACK = 30             # seconds kept between a step's timeout and the job's end
 
@@ -29,8 +30,8 @@ HALT_SLACK = 30             # seconds kept between a step's timeout and the job'
 class Settings:
     scheduler: str
     job_id: str
-    lib: Path                       # scripts/lib/cachex-job.sh
-    rundir: Path                    # the job's own files; vars: the batch shell's variables
+    shell: BatchShell               # the template's launch lines
+    rundir: Path                    # the job's own files
     cachex: str                     # the venv's cachex
     config: str
     run_name: str
@@ -45,6 +46,8 @@ class Settings:
     recover_timeout: int = 1800
     halt_exit: int = 0
     poll: float = 2.0
+    node_dirs: bool = False         # NODE_DIRS to make on the nodes before the agents
+    master_addr_from: str = "name"
 
 
 @dataclass
@@ -74,7 +77,8 @@ def die(text: str, status: int = 1) -> Finished:
 class Supervisor:
     def __init__(self, settings: Settings, state: life.JobState) -> None:
         self.s, self.state, self.steps = settings, state, Steps()
-        self.adapter = Slurm(settings.job_id) if settings.scheduler == "slurm" else Pbs()
+        self.adapter = (Slurm(settings.job_id) if settings.scheduler == "slurm"
+                        else Pbs(settings.job_id))
         self.end = None if settings.time_left is None else time.monotonic() + settings.time_left
 
     # ------------------------------------------------------------ the run
@@ -192,7 +196,10 @@ class Supervisor:
             log(action.note)
 
     def _do_train(self, action: life.Train) -> None:
-        argv = self._launch("train", self.s.ranks_per_node, "resume" if action.resume else "")
+        if action.load:     # LOAD_FROM_ARGS names it, expanded at launch
+            self.s.shell.assigned["CX_LOAD_FROM"] = str(self._gathered())
+        how = "load" if action.load else "resume" if action.resume else ""
+        argv = self._launch("train", self.s.ranks_per_node, how)
         log(f"training: {' '.join(argv)}")
         err = (self.s.rundir / "train.err").open("w")
         proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE,
@@ -202,11 +209,8 @@ class Supervisor:
         self.steps.train = proc
 
     def _train_env(self) -> dict[str, str]:
-        return {**os.environ, "MASTER_ADDR": self._master_addr()}
-
-    def _master_addr(self) -> str:
-        return self._quiet(["bash", "-c", self._bash("cx_master_addr")]).strip() \
-            or self.state.nodes[0]
+        return {**os.environ,
+                "MASTER_ADDR": master_addr(self.state.nodes[0], self.s.master_addr_from)}
 
     def _do_stoptraining(self, action: life.StopTraining) -> None:
         proc = self.steps.train
@@ -299,13 +303,19 @@ class Supervisor:
     def _node_count(self) -> int:
         return self.s.vnodes or len(self.state.nodes)
 
-    def _do_recover(self, _action: life.Recover) -> None:
-        if not self._recover():
+    def _do_recover(self, action: life.Recover) -> None:
+        if not self._recover(self._gathered() if action.gather else None):
             self._finish("failed", "cachex recover failed after the training failure (its"
                                    " message is above)")
 
-    def _recover(self) -> bool:
-        argv = self._launch("recover", 1)
+    def _gathered(self) -> Path:
+        """This relaunch's directory of the checkpoint gathered for every rank (in the
+        job's own directory, which is on the shared file system the job was submitted
+        from; rebuilt from the run's copies, so left for the user to remove)."""
+        return self.s.rundir / f"load-{self.state.relaunches}"
+
+    def _recover(self, to: Path | None = None) -> bool:
+        argv = self._launch("recover", 1) + ([] if to is None else ["--to", str(to)])
         log(f"recover: {' '.join(argv)}")
         wait = self._fit(self.s.recover_timeout, halt=True)
         status = _run(argv, wait)
@@ -377,32 +387,31 @@ class Supervisor:
             return ""
         return said.stdout + (said.stderr if said.returncode else "")
 
-    def _bash(self, script: str) -> str:
-        """A script run after the batch shell's variables and the job library, with the
-        node set as it is now."""
-        nodes, spares = map(shlex.join, (self.state.nodes, self.state.spares))
-        return (f"source {shlex.quote(str(self.s.rundir / 'vars'))};"
-                f" source {shlex.quote(str(self.s.lib))}; CX_SET=({nodes});"
-                f" CX_SPARE=({spares}); cx_words CX_NODE_DIRS \"$NODE_DIRS\"; {script}")
-
     def _launch(self, kind: str, ppn: int, arg: str = "") -> list[str]:
-        """The step's command line, as the job library builds it (cx_step); none for
-        `prepare` without NODE_DIRS."""
-        skip = "((${#CX_NODE_DIRS[@]})) || exit 0; " if kind == "prepare" else ""
-        said = subprocess.run(["bash", "-c", self._bash(
-            f"{skip}cx_step {kind} {ppn} {shlex.quote(arg)};"
-            f" printf '%s\\0' \"${{CX_ARGV[@]}}\"")],
-            capture_output=True, text=True, timeout=60)
-        if said.returncode != 0:
-            raise die(f"the job library gave no {kind} command: {said.stderr.strip()}")
-        return said.stdout.split("\0")[:-1]
+        """The step's command line on the node set of the moment (the job library's)."""
+        try:
+            return self.s.shell.step(kind, ppn, self.state.nodes, self.state.spares, arg)
+        except OperationError as exc:
+            raise die(str(exc)) from exc
 
     def _run_step(self, kind: str, ppn: int) -> int:
-        argv = self._launch(kind, ppn)
-        if not argv:
+        if kind == "prepare" and not self.s.node_dirs:
             return 0
+        argv = self._launch(kind, ppn)
         log(f"{kind}: {' '.join(argv)}")
         return _run(argv, None)
+
+
+def master_addr(first: str, how: str) -> str:
+    """The training step's MASTER_ADDR: the first training node (rank 0) by name, or
+    by its address where the site asks for one (Frontier: `hostname -i`, resolved here
+    for that node, which need not be the batch node)."""
+    if how != "address":
+        return first
+    try:
+        return str(socket.getaddrinfo(first, None)[0][4][0])
+    except OSError:
+        return first
 
 
 def _tee(source: IO[bytes], sink: IO[str]) -> None:

@@ -13,6 +13,7 @@ from stubs import FakeSite, flag
 
 from cachex_agent.job import life
 from cachex_agent.job.adapters import Pbs, Slurm
+from cachex_agent.job.shell import BatchShell
 from cachex_agent.job.supervisor import Finished, Settings, Supervisor
 
 
@@ -88,7 +89,7 @@ def test_pbs_nodes_down_or_offline_are_replaced_by_spares(tmp_path, monkeypatch)
                            ' case $h in n002) s=offline ;; n003) s=down ;; *) s=free ;; esac;'
                            ' echo "     state = $s"\n')
     monkeypatch.setenv("PATH", site.env["PATH"])
-    up = Pbs().up(site.hosts)
+    up = Pbs("42.pbs").up(site.hosts)
     state = life.JobState(("n001", "n002", "n003"), ("n004", "n005"), training=True)
     d = life.decide(state, life.TrainExited(1, True, frozenset(up.hosts)))
     assert d.state.nodes == ("n001", "n004", "n005")
@@ -106,7 +107,8 @@ def test_a_node_the_training_failed_on_is_left_out_of_the_relaunch(tmp_path, mon
 
 
 def supervisor(tmp_path: Path, time_left: int | None, halt_margin: int = 900) -> Supervisor:
-    settings = Settings(scheduler="pbs", job_id="42", lib=Path("lib.sh"), rundir=tmp_path,
+    shell = BatchShell(Path("lib.sh"), tmp_path / "vars")
+    settings = Settings(scheduler="pbs", job_id="42", shell=shell, rundir=tmp_path,
                         cachex="cachex", config="c.toml", run_name="r", ranks_per_node=1,
                         time_left=time_left, agent_stop_timeout=20)
     return Supervisor(settings, life.JobState(("n001",), halt_margin=halt_margin))

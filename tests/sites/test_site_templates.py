@@ -7,11 +7,17 @@ from __future__ import annotations
 
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from site_rules import NEURON_PARTITIONS
 from stubs import TEMPLATES, FakeSite, default, directives, flag
+
+from cachex_agent.errors import ConfigError
+from cachex_agent.job.adapters import Pbs, Slurm
+from cachex_agent.job.start import halt_window
+from cachex_agent.job.supervisor import master_addr
 
 FRONTIER_GCDS, FRONTIER_CORES = 8, 56              # low-noise mode: 56 of 64 cores
 # Programming environment: Open MPI for GPU jobs, with its compiler and CUDA
@@ -92,11 +98,9 @@ def test_frontier_follows_the_olcf_guide(tmp_path):
         assert said[kind][0].endswith("MPICH_GPU_SUPPORT_ENABLED=unset"), said[kind]
     assert said["train"][0].endswith("MPICH_GPU_SUPPORT_ENABLED=1"), said["train"]   # the user's
     # MASTER_ADDR the first training node's address, as the guide's `hostname -i`
-    run = subprocess.run(["bash", "-c", 'CX_SCHEDULER=slurm; MASTER_ADDR_FROM=address;'
-                          ' source "$CX_ROOT/scripts/lib/cachex-job.sh"; CX_SET=(localhost);'
-                          ' cx_master_addr'], capture_output=True, text=True, timeout=60,
-                         env=site.env)
-    assert run.stdout.strip() in ("127.0.0.1", "::1"), run.stdout + run.stderr
+    assert master_addr("localhost", default("frontier", "MASTER_ADDR_FROM")) \
+        in ("127.0.0.1", "::1")
+    assert master_addr("localhost", "name") == "localhost"
 
 
 def test_neuron_follows_the_kisti_guide(tmp_path):
@@ -287,46 +291,42 @@ def test_a_bad_exclude_list_ends_the_job_in_one_line(tmp_path):
         "EXCLUDE_NODES: cannot expand 'n[001-'"), result.stderr
 
 
-def library(site: FakeSite, script: str, timeout: float = 60, scheduler: str = "slurm",
-            **variables: str) -> subprocess.CompletedProcess[str]:
-    """`script` run in bash after sourcing the job library, as a job of `scheduler` would."""
-    prelude = f'CX_SCHEDULER={scheduler}; source "$CX_ROOT/scripts/lib/cachex-job.sh"'
-    return subprocess.run(
-        ["bash", "-c", f"{prelude}; {script}"],
-        capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL,
-        env={**site.env, "CACHEX_CONFIG": str(site.tmp / "c.toml"), **variables}, cwd=site.tmp)
-
-
 def stub(site: FakeSite, name: str, body: str) -> None:
     (site.bin / name).write_text(f"#!/bin/bash\n{body}")
     (site.bin / name).chmod(0o755)
 
 
-def time_left(site: FakeSite, scheduler: str) -> int:
-    """The job's seconds left as the job library reads them at its start."""
-    run = library(site, 'cx_init_left; echo "left ${CX_LEFT}"', scheduler=scheduler,
-                  HALT_MARGIN="600")
-    assert run.returncode == 0, run.stderr
-    return int(run.stdout.split("left ")[1].split()[0])
-
-
-def test_the_halt_comes_from_the_time_left_not_from_the_controllers_clock(tmp_path):
+def test_the_halt_comes_from_the_time_left_not_from_the_controllers_clock(tmp_path,
+                                                                          monkeypatch):
     """The end time (squeue %e, qstat's stime) is on the scheduler's clock: with that
     clock an hour ahead of this host's, the halt came an hour late."""
     site = FakeSite(tmp_path, "slurm", hosts=2)
+    monkeypatch.setenv("PATH", site.env["PATH"])
     ahead = "$(date -d '+2 hours' +%Y-%m-%dT%H:%M:%S)"       # ends in 1 h, clock 1 h ahead
     stub(site, "squeue", f'case "$*" in *%e*) echo "{ahead}" ;; *%L*) echo 1:00:00 ;; esac\n')
-    assert time_left(site, "slurm") == 3600
+    assert Slurm("42").time_left() == 3600
     stub(site, "squeue", "echo UNLIMITED\n")
-    run = library(site, 'cx_init_left; echo "left=${CX_LEFT}"')
-    assert "left=\n" in run.stdout and "no job end time known" in run.stdout
-    stub(site, "squeue", "echo 5:00\n")                    # less than HALT_MARGIN
-    short = library(site, "cx_init_left", HALT_MARGIN="600")
-    assert short.returncode == 2 and "leaves no time to train" in short.stderr
+    assert Slurm("42").time_left() is None and halt_window(None, 600) is None
+    assert halt_window(3600, 600) == 3600
+    with pytest.raises(ConfigError, match="HALT_MARGIN=600s leaves no time to train"):
+        halt_window(300, 600)                                # less than HALT_MARGIN
 
     (tmp_path / "pbs").mkdir()
     pbs = FakeSite(tmp_path / "pbs", "pbs", hosts=2)
     stub(pbs, "qstat", 'echo "Job Id: 42.pbs"; echo "    stime = $(date -d \'-3 hours\')";'
                        ' echo "    Resource_List.walltime = 01:00:00";'
                        ' echo "    resources_used.walltime = 00:20:00"\n')
-    assert time_left(pbs, "pbs") == 2400
+    monkeypatch.setenv("PATH", pbs.env["PATH"])
+    assert Pbs("42.pbs").time_left() == 2400
+
+
+def test_a_halt_margin_longer_than_the_job_ends_it_at_once_in_one_line(tmp_path):
+    """Before any step runs on the nodes."""
+    site = FakeSite(tmp_path, "slurm", hosts=1)
+    stub(site, "squeue", "echo 0:30\n")
+    result = site.run("local", CX_PLAN="0", CX_BIN=str(Path(sys.executable).parent),
+                      WORKDIR=str(tmp_path / "w"))
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert result.stderr.strip().splitlines()[-1].endswith(
+        "HALT_MARGIN=60s leaves no time to train: the job ends in 30s"), result.stderr
+    assert not site.calls()                     # no srun

@@ -112,8 +112,8 @@ def test_lost_node_is_replaced_by_a_spare_and_recovered(local_job, reference, re
 def test_without_a_spare_the_job_shrinks_to_min_nodes(local_job, restore_nodes):
     """Two nodes, no spare, MIN_NODES=1: cxnode2 is lost before the first checkpoint;
     the supervisor goes on with one node and relaunches training there from the start.
-    (Resuming a checkpoint on fewer nodes needs a trainer that reshards and, for DCP,
-    `cachex recover --to DIR`: docs/jobs.md says what the job does not do yet.)"""
+    (Resuming a checkpoint on fewer nodes needs a trainer that reshards: the DCP one,
+    with LOAD_FROM_ARGS, in test_pbs_job.py.)"""
     job = local_job("cx-shrink", template=NEURON)
     for node in range(2):
         (job.workdir / f"node{node}" / "spool").mkdir(parents=True)

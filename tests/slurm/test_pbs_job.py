@@ -251,3 +251,57 @@ def test_pbs_halts_before_the_walltime_and_drains(tmp_path):
     assert not (work / "state.json").exists(), "the trainer finished: nothing was halted"
     levels = levels_of(config)
     assert levels and levels[max(levels)] == "flushed", levels
+
+
+def test_a_shrunk_relaunch_resumes_a_dcp_checkpoint_on_fewer_nodes(tmp_path):
+    """pbsnode2 down after the DCP trainer's step_00008 is flushed, no spare,
+    MIN_NODES=1: the 4 ranks' checkpoint is gathered once into the job's directory
+    (`cachex recover --to`) and the trainer resumes from there (LOAD_FROM_ARGS) on
+    pbsnode1's 2 ranks, DCP resharding on load, and trains on to step 16."""
+    work, go, steps = tmp_path / "w", tmp_path / "go", tmp_path / "steps"
+    config = work / "cachex.toml"
+    steps.write_text("8")
+    # each rank waits for `go` once its trainer is done: the node is lost after a
+    # whole checkpoint and before the job ends, whatever the machine's speed
+    hold = f'"$@"; rc=$?; until [ -e {go} ]; do sleep 0.2; done; exit $rc'
+    trainer = [str(BIN / "python"), str(ROOT / "examples" / "dcp_trainer.py"), "--spool",
+               f"{work}/node{{node}}/spool", "--ranks-per-node", "2", "--every", "4"]
+    train = (f"bash -c {shlex.quote(hold)} _ {shlex.join(trainer)}"
+             f' --steps "$(cat {steps})" --rendezvous "$CX_RUNDIR/rdv-$RANDOM$RANDOM"')
+    job, log = named_hosts_job(
+        tmp_path, train, hosts=2, NODES="2", SPARES="0", MIN_NODES="1",
+        LOAD_FROM_ARGS='--load-from "$CX_LOAD_FROM"',
+        CONFIG_EXTRA='globals = ["__0_0.distcp"]\n[agent]\ntimeout = "20s"')
+
+    def lose_node_1() -> None:
+        wait_for(lambda: "done: step 8 " in log.read_text(), 180, "the first training",
+                 poll=0.3)
+        wait_for(lambda: levels_of(config).get("step_00008") == "flushed", 120,
+                 "step_00008 flushed", poll=0.3)
+        steps.write_text("16")
+        (tmp_path / "down").write_text("pbsnode2\n")
+        # every rank's trainer gone, its wrapper waiting: none left orphaned by the kill
+        wait_for(lambda: trainers_done(work, go), 120, "every trainer done", poll=0.3)
+        for proc in waiting(work, go)[2:]:        # node 1's two ranks
+            proc.kill()
+        go.touch()          # node 0's ranks may end 0: the step failed with node 1's
+
+    code, text = outcome(job, log, lose_node_1)
+    assert code == 0, text[-4000:]
+    assert "going on with 1 of 2 nodes (MIN_NODES=1)" in text, text
+    gathered = tmp_path / "run" / "load-1"
+    assert re.search(rf"^\S+ cachex-job: recover: .* recover --config \S+ --to {gathered}$",
+                     text, re.M), text
+    assert (gathered / "step_00008" / ".metadata").is_file()
+    assert "resumed from step_00008 with dcp.load on 2 ranks" in text, text
+    assert "done: step 16 " in text and levels_of(config)["step_00016"] == "flushed"
+
+
+def trainers_done(work: Path, go: Path) -> bool:
+    """The 4 wrappers wait for `go` with no trainer left under them."""
+    try:
+        held = waiting(work, go)
+        return len(held) == 4 and not any("dcp_trainer.py" in " ".join(c.cmdline())
+                                          for p in held for c in p.children())
+    except psutil.Error:        # a process ended while read: look again
+        return False

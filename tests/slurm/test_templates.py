@@ -179,8 +179,11 @@ def test_local_plan_runs_virtual_nodes_on_one_host(tmp_path):
 def test_a_bad_variable_is_one_line_and_status_2(tmp_path):
     config = tmp_path / "cachex.toml"
     config.write_text('run = "x"\n')
+    # the package checks the variables once the modules are loaded (its python runs
+    # under them); this host has no `module`, which would be the one line instead
     env = {**os.environ, "CX_ROOT": str(ROOT), "CX_BIN": str(BIN), "MAX_RELAUNCHES": "many",
-           "CACHEX_CONFIG": str(config), "SLURM_JOB_NODELIST": "n[001-010]", "USER": "u"}
+           "CACHEX_CONFIG": str(config), "SLURM_JOB_NODELIST": "n[001-010]", "USER": "u",
+           "MODULES": "", "CX_RUNDIR": str(tmp_path / "run")}
     result = subprocess.run(["bash", str(TEMPLATES["frontier.sbatch"])], capture_output=True,
                             text=True, timeout=30, env=env, stdin=subprocess.DEVNULL)
     assert result.returncode == 2

@@ -1,12 +1,10 @@
-"""The nodes a failed training step is blamed on (failed_nodes.py), from srun's own
+"""The nodes a failed training step is blamed on (job/blame.py), from srun's own
 error lines as Slurm prints them."""
 
 from __future__ import annotations
 
 import pytest
-from click.testing import CliRunner
 
-from cachex_agent import cli
 from cachex_agent.job.blame import failed_hosts
 
 pytestmark = pytest.mark.timeout(30)
@@ -42,11 +40,3 @@ def test_nobody_is_blamed_when_it_cannot_tell_or_the_failure_is_everywhere():
     assert failed_hosts(everywhere, HOSTS) == []            # half the nodes: the trainer's
     assert failed_hosts("srun: error: x99: task 0: Exited with exit code 1\n", HOSTS) == []
 
-
-def test_the_command_prints_one_host_a_line(tmp_path):
-    err = tmp_path / "train.err"
-    err.write_text(ONE_RANK)
-    out = CliRunner().invoke(cli.main_group, ["job", "failed-nodes", str(err),
-                                              "--hosts", ",".join(HOSTS)])
-    assert out.exit_code == 0, out.output
-    assert out.output == "n003\n"

@@ -72,6 +72,27 @@ def test_too_few_spares_shrinks_down_to_min_nodes():
     assert kinds(d)[-3:] == ["Recover", "StartAgents", "Train"]
 
 
+def test_a_shrunk_set_gathers_the_checkpoint_for_a_trainer_that_loads_from_a_directory():
+    """Fewer nodes than at the start: `cachex recover --to` and the trainer's
+    LOAD_FROM_ARGS (a DCP checkpoint reshards on load); a spare keeping the count, a
+    trainer that cannot load from a directory, or nothing captured: the spools, as
+    before."""
+    lost = j.TrainExited(1, captured=True, up=up("n002", "n003"))
+    d = j.decide(state(min_nodes=3, full=4, load_from=True), lost)
+    assert d.actions[-3:] == (j.Recover(gather=True), j.StartAgents(),
+                              j.Train(resume=True, load=True))
+    # later relaunches on the shrunk set gather again (the checkpoint may be the old one)
+    again = j.decide(d.state, j.TrainExited(1, captured=True, up=up()))
+    assert again.actions[-3:] == d.actions[-3:]
+    spared = j.decide(state(full=4, load_from=True), j.TrainExited(1, True, up("n002")))
+    cannot = j.decide(state(min_nodes=3, full=4), lost)
+    for plain in (spared, cannot):
+        assert plain.actions[-3:] == (j.Recover(), j.StartAgents(), j.Train(resume=True))
+    fresh = j.decide(state(min_nodes=3, full=4, load_from=True),
+                     j.TrainExited(1, captured=False, up=up("n002", "n003")))
+    assert fresh.actions[-1] == j.Train(resume=False) and "Recover" not in kinds(fresh)
+
+
 def test_below_min_nodes_or_with_min_nodes_zero_the_job_fails_with_one_reason():
     for minimum, why in ((4, "3 nodes, below MIN_NODES=4"),
                          (0, "recovery needs 4 nodes (MIN_NODES=0")):

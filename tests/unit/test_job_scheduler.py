@@ -1,17 +1,13 @@
 """What the scheduler's commands say, read for the job templates (job/scheduler.py,
-`cachex job up|left`): hosts up, and the time left as the scheduler states it."""
+adapters.py runs the commands): hosts up, failed at the start, and the time left
+as the scheduler states it."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
-from click.testing import CliRunner
 
-from cachex_agent import cli
 from cachex_agent.job.scheduler import (
+    pbs_bad_at_start,
     pbs_left,
     pbs_up,
     seconds,
@@ -21,7 +17,6 @@ from cachex_agent.job.scheduler import (
 )
 
 pytestmark = pytest.mark.timeout(30)
-CACHEX = Path(sys.executable).parent / "cachex"
 HOSTS = ["n001", "n002", "n003", "n004"]
 QSTAT = """Job Id: 42.pbs
     Job_Name = llm
@@ -62,8 +57,8 @@ def test_when_slurm_says_nothing_every_host_is_taken_as_up_with_a_note():
     for in_job, sinfo in (("", "n001 down\n"), ("n[001-004]", ""), ("n001", "garbage\n")):
         up = slurm_up(HOSTS, in_job, sinfo)
         assert up.hosts == HOSTS
-        assert up.lines()[1] == ("note squeue or sinfo said nothing of the job's nodes:"
-                                 " every node taken as up")
+        assert up.notes == ["squeue or sinfo said nothing of the job's nodes: every node"
+                            " taken as up"]
 
 
 def test_pbs_hosts_up_are_not_down_or_offline():
@@ -83,16 +78,12 @@ def test_steps_by_name_from_squeue():
     assert slurm_steps(said, "cachex") == [] and slurm_steps("", "cachex-train") == []
 
 
-def test_cachex_job_up_and_left_read_the_schedulers_output_on_stdin():
-    runner = CliRunner()
-    up = runner.invoke(cli.main_group, ["job", "up", "slurm", "--hosts", "n[001-002]",
-                                        "--in-job", "n[001-002]"],
-                       input="n001 idle\nn002 down\n")
-    assert up.exit_code == 0 and up.output == "up n001\n", up.output
-    left = runner.invoke(cli.main_group, ["job", "left", "pbs"], input=QSTAT)
-    assert left.exit_code == 0 and left.output == "2995\n"
-    unlimited = runner.invoke(cli.main_group, ["job", "left", "slurm"], input="UNLIMITED\n")
-    assert unlimited.exit_code == 0 and unlimited.output == ""
-    bad = subprocess.run([str(CACHEX), "job", "up", "slurm", "--hosts", "n[1-"], input="",
-                         capture_output=True, text=True, timeout=30)
-    assert bad.returncode == 2 and bad.stderr == "cachex: error: hosts: cannot expand 'n[1-'\n"
+
+def test_the_nodes_pbs_lists_failed_with_the_jobs_id_at_its_start():
+    """`pbsnodes -l`: name, state, comment; a job of tolerate_node_failures starts on
+    them (ALCF's Aurora guide)."""
+    said = ("x1001 offline  job 4242.aurora-pbs failed here\nx1002 down  142.pbs\n"
+            "x1003 down  42.pbs\nx1004 offline\n")
+    assert pbs_bad_at_start(said, "42.aurora-pbs") == ["x1003"]
+    assert pbs_bad_at_start(said, "4242") == ["x1001"]
+    assert pbs_bad_at_start(said, "local") == [] and pbs_bad_at_start("", "42") == []
