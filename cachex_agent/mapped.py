@@ -95,7 +95,9 @@ class ReadLease:
         if _sigio_ends_us():
             return None
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            # non-blocking: a file under another process's write lease is refused, not
+            # waited for until that lease is broken
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError:
             return None
         try:

@@ -23,7 +23,6 @@ otherwise make each agent's check grow with the job.
 from __future__ import annotations
 
 import errno
-import fcntl
 import os
 import threading
 import time
@@ -31,7 +30,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 from ..errors import OperationError
-from ..mapped import unusable
+from ..mapped import ReadLease
 
 __all__ = [
     "DirectoryTimeout",
@@ -114,14 +113,13 @@ def open_for_write(paths: Iterable[str | os.PathLike[str]]) -> set[Path]:
     skipped.
     """
     wanted: dict[tuple[int, int], list[Path]] = {}
-    leases = not unusable()
     for path in paths:
-        if leases and _no_writer(path):
-            continue
         try:
             st = os.stat(path)
         except OSError:
             continue        # gone: nobody writes it under this name any more
+        if _no_writer(Path(path), st):
+            continue
         wanted.setdefault((st.st_dev, st.st_ino), []).append(Path(path))
     found: set[Path] = set()
     if not wanted:
@@ -135,25 +133,18 @@ def open_for_write(paths: Iterable[str | os.PathLike[str]]) -> set[Path]:
     return found
 
 
-def _no_writer(path: str | os.PathLike[str]) -> bool:
+def _no_writer(path: Path, st: os.stat_result) -> bool:
     """True when no process has `path` open for writing, proved in a few system calls:
-    the kernel grants a read lease only then (mapped.py), and it is let go at once.
-    False says nothing (a writer, another user's file, a file system without leases):
-    the walk decides, with its skipped processes. The walk of every descriptor on the
-    host was about a fifth of an agent's CPU per checkpoint."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError:
+    the kernel grants a read lease (mapped.ReadLease) only then, and it is let go at
+    once. False says nothing (a writer, another user's file, a file system without
+    leases, a process whose SIGIO would end it): the walk decides, with its skipped
+    processes. The walk of every descriptor on the host was about a fifth of an agent's
+    CPU per checkpoint."""
+    lease = ReadLease.take(path, st.st_ino, st.st_size)
+    if lease is None:
         return False
-    try:
-        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_RDLCK)
-    except OSError:
-        return False
-    else:
-        fcntl.fcntl(fd, fcntl.F_SETLEASE, fcntl.F_UNLCK)
-        return True
-    finally:
-        os.close(fd)
+    lease.release()
+    return True
 
 
 def _pids() -> list[str]:
